@@ -1,0 +1,42 @@
+# Two entry points for a fresh machine:
+#   make demo   installs plinth and its bundled plugins into .venv and generates text with the default model
+#   make test   installs the same plus the test tools and runs the whole default test suite
+# Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python), make test-gpu.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
+PROMPT ?= Write one sentence about the sea.
+
+.PHONY: install demo test test-ref test-peer test-gpu bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]" $(foreach p,$(PLUGINS),-e $(p))
+
+demo: install
+	$(BIN)/plinth generate --stats "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-ref: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[ref]"
+	$(BIN)/python -m pytest -q -m ref
+
+test-peer: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer]"
+	$(BIN)/python -m pytest -q -m peer
+
+test-gpu: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[cuda]"
+	$(BIN)/python -m pytest -q -m gpu
+
+bench: install
+	$(BIN)/python benchmarks/bench_plugins.py
+
+clean:
+	rm -rf $(VENV)

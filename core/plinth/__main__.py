@@ -1,0 +1,5 @@
+import sys
+
+from plinth.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in ``plinth`` subcommands, one module each with ``register(subparsers)``."""

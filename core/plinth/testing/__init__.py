@@ -1,0 +1,63 @@
+"""Test kit for plugin authors: isolated plugin registries (and, later, synthetic GGUFs).
+
+Installed as a pytest plugin (entry point group ``pytest11``), so a plugin's own
+test suite gets the fixtures without any conftest:
+
+* ``plinth_registry``: a factory fixture; ``plinth_registry(my_plugin)`` returns a
+  fresh :class:`plinth.PluginRegistry` holding the built-in plugin and only the
+  plugins named, never whatever else happens to be installed.
+
+Outside pytest, :func:`make_registry` does the same.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+from ..manifest import Manifest, ManifestPlugin
+from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
+
+__all__ = ["make_registry", "plugin_from_manifest"]
+
+
+def plugin_from_manifest(manifest: Manifest) -> ManifestPlugin:
+    """Wrap a manifest into a registrable plugin object (for in-test plugins)."""
+    return ManifestPlugin(manifest)
+
+
+def make_registry(*plugins: Any, builtin: bool = True, strict: bool = True,
+                  prefer: tuple[str, ...] = ()) -> PluginRegistry:
+    """A registry holding only ``plugins``.
+
+    Each item may be:
+      * an installed entry-point name (``"llama"``): that entry point alone is loaded;
+      * a ``(name, plugin_object)`` pair;
+      * a plugin object (a :class:`ManifestPlugin`, a module with hookimpls...),
+        registered under its manifest's name.
+
+    ``strict`` (default on, as tests want) raises on a plugin that fails to load.
+    Environment selection (``PLINTH_PLUGINS``...) is ignored.
+    """
+    names = [p for p in plugins if isinstance(p, str)]
+    if names:
+        installed = {ep.name: ep for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        missing = [n for n in names if n not in installed]
+        if missing:
+            raise PluginError(f"no installed plugin entry point named {', '.join(missing)} "
+                              f"(installed: {', '.join(sorted(installed)) or 'none'})")
+        registry = discover(plugins=names, disable=(), strict=strict, prefer=prefer,
+                            entry_points=[installed[n] for n in names], builtin=builtin)
+    else:
+        registry = discover(plugins=[], disable=(), strict=strict, prefer=prefer, entry_points=[], builtin=builtin)
+    for item in plugins:
+        if isinstance(item, str):
+            continue
+        if isinstance(item, tuple):
+            name, obj = item
+        else:
+            obj = item
+            manifest = obj.plinth_register() if hasattr(obj, "plinth_register") else None
+            name = manifest.name if isinstance(manifest, Manifest) else getattr(obj, "__name__", repr(obj))
+        registry.add(obj, name, value="in-test", strict=strict)
+    return registry
