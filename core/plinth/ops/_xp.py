@@ -1,0 +1,29 @@
+"""Array-module helpers shared by every op (numpy on the CPU, cupy on the GPU)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy
+
+F32 = numpy.float32
+
+
+def array_module(*arrays: Any) -> Any:
+    """The array module (cupy or numpy) that owns the given arrays.
+
+    cupy is only consulted when it is already imported, so this never imports it.
+    """
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        for a in arrays:
+            if isinstance(a, cupy.ndarray):
+                return cupy
+    return numpy
+
+
+def as_f32(x: Any, xp: Any = None) -> Any:
+    """``x`` as a float32 array of module ``xp`` (no copy when it already is one)."""
+    xp = xp or array_module(x)
+    return xp.asarray(x, dtype=F32)

@@ -1,0 +1,113 @@
+"""Scaled dot-product attention with causal / sliding-window / extra masks, soft-capping,
+attention sinks and grouped-query heads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._xp import F32, array_module, as_f32
+
+
+def attention_mask(
+    q_pos: Any,
+    k_pos: Any,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    mask: Any = None,
+) -> Any:
+    """Boolean visibility matrix (True = the query may attend to the key).
+
+    q_pos: [n_q];  k_pos: [n_kv_tok];  mask: [n_q, n_kv_tok] bool or None (ANDed in).
+    causal: keep keys with k_pos <= q_pos.
+    sliding_window: keep keys with q_pos - k_pos < sliding_window (a window of W keeps the
+        current token and the W - 1 before it, as llama.cpp's standard SWA).
+    Returns [n_q, n_kv_tok] bool, or None when nothing is masked.
+    """
+    xp = array_module(q_pos, k_pos, mask)
+    vis = None
+    if causal or sliding_window is not None:
+        d = xp.asarray(q_pos)[:, None] - xp.asarray(k_pos)[None, :]
+        if causal:
+            vis = d >= 0
+        if sliding_window is not None:
+            w = d < sliding_window
+            vis = w if vis is None else (vis & w)
+    if mask is not None:
+        m = xp.asarray(mask, dtype=bool)
+        vis = m if vis is None else (vis & m)
+    return vis
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    q_pos: Any = None,
+    k_pos: Any = None,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: Any = None,
+    mask: Any = None,
+) -> Any:
+    """Multi-head attention softmax(q k^T * scale) v over cached keys.
+
+    q: [n_q, n_head, head_dim]
+    k: [n_kv_tok, n_head_kv, head_dim]
+    v: [n_kv_tok, n_head_kv, head_dim_v]
+    q_pos: [n_q], k_pos: [n_kv_tok] — absolute positions (needed for causal / sliding_window).
+    scale: score multiplier (default 1/sqrt(head_dim)).
+    causal: keys after the query position are hidden.
+    sliding_window: keys with q_pos - k_pos >= sliding_window are hidden (llama.cpp semantic).
+    soft_cap: scores become soft_cap * tanh(scores / soft_cap) (after scaling, before masking).
+    sinks: [n_head] or None — one extra logit per head that joins the softmax denominator
+        but carries no value (gpt-oss / DeepSeek V4 attention sinks).
+    mask: [n_q, n_kv_tok] bool or None — extra visibility (e.g. same-sequence), ANDed in.
+    n_head must be a multiple of n_head_kv; query head h reads kv head h // (n_head / n_head_kv).
+    A query that sees no key (and has no sink) yields zeros.
+    Returns [n_q, n_head, head_dim_v] float32.
+    """
+    xp = array_module(q, k, v)
+    q = as_f32(q, xp)
+    k = as_f32(k, xp)
+    v = as_f32(v, xp)
+    n_q, n_head, hd = q.shape
+    n_kv, n_head_kv, hd_k = k.shape
+    hd_v = v.shape[-1]
+    if hd_k != hd or v.shape[:2] != (n_kv, n_head_kv):
+        raise ValueError(f"attention: shapes q {q.shape}, k {k.shape}, v {v.shape} do not agree")
+    if n_head % n_head_kv:
+        raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    g = n_head // n_head_kv
+    if scale is None:
+        scale = 1.0 / float(hd) ** 0.5
+
+    # [n_head_kv, g * n_q, hd] with rows ordered (group member, query)
+    qg = (q * F32(scale)).reshape(n_q, n_head_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_head_kv, g * n_q, hd)
+    kt = k.transpose(1, 2, 0)  # [n_head_kv, hd, n_kv]
+    scores = xp.matmul(qg, kt).reshape(n_head_kv, g, n_q, n_kv)
+    if soft_cap is not None:
+        scores = xp.tanh(scores * F32(1.0 / soft_cap)) * F32(soft_cap)
+
+    if causal or sliding_window is not None:
+        if q_pos is None or k_pos is None:
+            raise ValueError("attention: causal / sliding_window masking needs q_pos and k_pos")
+    vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask)
+    if vis is not None:
+        scores = xp.where(vis, scores, F32(-xp.inf))
+
+    m = xp.max(scores, axis=-1, keepdims=True) if n_kv else xp.full((n_head_kv, g, n_q, 1), -xp.inf, dtype=F32)
+    if sinks is not None:
+        sk = as_f32(sinks, xp).reshape(n_head_kv, g, 1, 1)
+        m = xp.maximum(m, sk)
+    m = xp.where(xp.isfinite(m), m, F32(0.0))
+    p = xp.exp(scores - m)
+    denom = xp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + xp.exp(sk - m)
+    p *= F32(1.0) / xp.where(denom > 0, denom, F32(1.0))
+
+    vt = v.transpose(1, 0, 2)  # [n_head_kv, n_kv, hd_v]
+    out = xp.matmul(p.reshape(n_head_kv, g * n_q, n_kv), vt)  # [n_head_kv, g*n_q, hd_v]
+    return out.reshape(n_head_kv, g, n_q, hd_v).transpose(2, 0, 1, 3).reshape(n_q, n_head, hd_v)

@@ -1,0 +1,75 @@
+"""Linear layers and feed-forward blocks.
+
+Weight layout: GGUF layout throughout. A GGUF tensor with ggml dims (n_in, n_out) loads
+as a numpy array of shape [n_out, n_in]; ``linear`` computes x @ W.T.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._xp import F32, array_module, as_f32
+from .activations import gelu, get_activation, relu2, silu
+
+
+def linear(x: Any, w: Any, bias: Any = None) -> Any:
+    """y = x @ w.T (+ bias).
+
+    x: [..., n_in]
+    w: [n_out, n_in]  (GGUF layout; float32 C-contiguous for the fast BLAS sgemm path)
+    bias: [n_out] or None
+    Returns [..., n_out] float32.
+    """
+    xp = array_module(x, w)
+    x = as_f32(x, xp)
+    if w.dtype != F32:
+        w = w.astype(F32)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.flags.c_contiguous:
+        x2 = xp.ascontiguousarray(x2)
+    # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
+    y = x2 @ w.T
+    if bias is not None:
+        y += as_f32(bias, xp)
+    return y.reshape(*lead, w.shape[0])
+
+
+def glu_ffn(x: Any, w_gate: Any, w_up: Any, w_down: Any, act: str | Any = "silu") -> Any:
+    """Gated FFN: down( act(x @ gate.T) * (x @ up.T) ).
+
+    x: [n_tokens, n_embd];  w_gate, w_up: [n_ff, n_embd];  w_down: [n_embd, n_ff].
+    act: activation name or callable.
+    Returns [n_tokens, n_embd] float32.
+    """
+    fn = get_activation(act) if isinstance(act, str) else act
+    h = fn(linear(x, w_gate))
+    h *= linear(x, w_up)
+    return linear(h, w_down)
+
+
+def swiglu(x: Any, w_gate: Any, w_up: Any, w_down: Any) -> Any:
+    """SwiGLU FFN (llama): down(silu(x @ gate.T) * (x @ up.T)).
+
+    x: [n_tokens, n_embd];  w_gate, w_up: [n_ff, n_embd];  w_down: [n_embd, n_ff].
+    Returns [n_tokens, n_embd].
+    """
+    return glu_ffn(x, w_gate, w_up, w_down, silu)
+
+
+def geglu(x: Any, w_gate: Any, w_up: Any, w_down: Any) -> Any:
+    """GeGLU FFN (Gemma): down(gelu_tanh(x @ gate.T) * (x @ up.T)).
+
+    x: [n_tokens, n_embd];  w_gate, w_up: [n_ff, n_embd];  w_down: [n_embd, n_ff].
+    Returns [n_tokens, n_embd].
+    """
+    return glu_ffn(x, w_gate, w_up, w_down, gelu)
+
+
+def relu2_mlp(x: Any, w_up: Any, w_down: Any) -> Any:
+    """Ungated squared-ReLU MLP (Nemotron-H): down(relu(x @ up.T) ** 2).
+
+    x: [n_tokens, n_embd];  w_up: [n_ff, n_embd];  w_down: [n_embd, n_ff].
+    Returns [n_tokens, n_embd].
+    """
+    return linear(relu2(linear(x, w_up)), w_down)
