@@ -47,20 +47,15 @@ def gelu_erf(x: Any) -> Any:
 def _erf_fn(xp: Any) -> Any:
     if hasattr(xp, "erf"):
         return xp.erf
-    try:  # cupy provides erf under cupyx.scipy.special
-        import cupyx.scipy.special as sp  # noqa: F401
+    if xp.__name__ == "cupy":  # cupy keeps erf under cupyx.scipy.special
+        import cupyx.scipy.special as cupy_special
 
-        if xp.__name__ == "cupy":
-            return sp.erf
-    except ImportError:
-        pass
+        return cupy_special.erf
     try:
         from scipy.special import erf  # type: ignore
-
-        return lambda v: erf(v).astype(F32, copy=False)
     except ImportError:
-        pass
-    return _erf_numpy
+        return _erf_numpy
+    return lambda v: erf(v).astype(F32, copy=False)
 
 
 def _erf_numpy(x: Any) -> Any:

@@ -95,14 +95,16 @@ def attention(
             raise ValueError("attention: causal / sliding_window masking needs q_pos and k_pos")
     vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask)
     if vis is not None:
-        scores = xp.where(vis, scores, F32(-xp.inf))
+        # additive 0 / -inf bias, built once at [n_q, n_kv] and broadcast over heads in place
+        scores += xp.where(vis, F32(0.0), F32(-xp.inf))
 
     m = xp.max(scores, axis=-1, keepdims=True) if n_kv else xp.full((n_head_kv, g, n_q, 1), -xp.inf, dtype=F32)
     if sinks is not None:
         sk = as_f32(sinks, xp).reshape(n_head_kv, g, 1, 1)
         m = xp.maximum(m, sk)
     m = xp.where(xp.isfinite(m), m, F32(0.0))
-    p = xp.exp(scores - m)
+    scores -= m
+    p = xp.exp(scores, out=scores)
     denom = xp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + xp.exp(sk - m)

@@ -67,8 +67,7 @@ def moe_route(
         best2 = top_k(grouped, min(2, n_exp // n_group), axis=-1).values
         group_score = xp.sum(best2, axis=-1)  # [n_tok, n_group]
         keep = top_k(group_score, topk_group, axis=-1).indices
-        allowed = xp.zeros((n_tok, n_group), dtype=bool)
-        xp.put_along_axis(allowed, keep, True, axis=-1)
+        allowed = xp.any(xp.arange(n_group)[None, None, :] == keep[:, :, None], axis=1)  # [n_tok, n_group]
         sel = xp.where(xp.repeat(allowed, n_exp // n_group, axis=-1), sel, F32(-xp.inf))
     ids = top_k(sel, top_k_experts, axis=-1).indices
     w = xp.take_along_axis(probs, ids, axis=-1)
