@@ -468,3 +468,61 @@ def test_gather_rows_and_array_module():
     ids = np.array([[3, 1], [9, 9]])
     np.testing.assert_array_equal(ops.gather_rows(t, ids), t[ids])
     assert ops.array_module(t) is np
+
+
+# ---------------------------------------------------------------- torch cross-checks (opt-in)
+
+
+@pytest.mark.ref
+def test_ref_activations_and_norms_against_torch():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    x = randn(6, 32, scale=3.0)
+    w, b = randn(32), randn(32)
+    tx = torch.from_numpy(x)
+    np.testing.assert_allclose(ops.silu(x), F.silu(tx).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.gelu(x), F.gelu(tx, approximate="tanh").numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.gelu(x, "erf"), F.gelu(tx).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.softplus(x), F.softplus(tx).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.log_softmax(x), F.log_softmax(tx, -1).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        ops.rms_norm(x, w, 1e-6), F.rms_norm(tx, (32,), torch.from_numpy(w), 1e-6).numpy(), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        ops.layer_norm(x, w, b, 1e-5),
+        F.layer_norm(tx, (32,), torch.from_numpy(w), torch.from_numpy(b), 1e-5).numpy(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+@pytest.mark.ref
+def test_ref_attention_against_torch_sdpa():
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    n, n_head, n_head_kv, hd = 11, 9, 3, 16
+    q, k, v = make_qkv(n, n, n_head, n_head_kv, hd)
+    pos = np.arange(n)
+    for window in (None, 4):
+        vis = ops.attention_mask(pos, pos, True, window)
+        tq, tk, tv = (torch.from_numpy(a).transpose(0, 1) for a in (q, k, v))
+        ref = F.scaled_dot_product_attention(
+            tq[None], tk[None], tv[None], attn_mask=torch.from_numpy(vis), scale=0.2, enable_gqa=True
+        )[0].transpose(0, 1)
+        y = ops.attention(q, k, v, pos, pos, scale=0.2, sliding_window=window)
+        np.testing.assert_allclose(y, ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.ref
+def test_ref_neox_rope_against_torch_rotate_half():
+    torch = pytest.importorskip("torch")
+    x = randn(5, 2, 32)
+    pos = np.arange(5) * 13
+    f = ops.rope_freqs(32, 10000.0)
+    # the HF formulation: x * cos + rotate_half(x) * sin with [cos, cos] tables
+    tx = torch.from_numpy(x).double()
+    ang = torch.from_numpy(pos).double()[:, None] * torch.from_numpy(f.inv_freq).double()[None]
+    emb = torch.cat([ang, ang], -1)[:, None, :]
+    x1, x2 = tx[..., :16], tx[..., 16:]
+    ref = tx * emb.cos() + torch.cat([-x2, x1], -1) * emb.sin()
+    np.testing.assert_allclose(ops.apply_rope(x, pos, f, "neox"), ref.numpy(), rtol=1e-4, atol=1e-5)
