@@ -526,3 +526,39 @@ def test_ref_neox_rope_against_torch_rotate_half():
     x1, x2 = tx[..., :16], tx[..., 16:]
     ref = tx * emb.cos() + torch.cat([-x2, x1], -1) * emb.sin()
     np.testing.assert_allclose(ops.apply_rope(x, pos, f, "neox"), ref.numpy(), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- cupy parity (opt-in)
+
+
+@pytest.mark.gpu
+def test_gpu_ops_match_numpy():
+    cp = pytest.importorskip("cupy")
+    try:
+        if cp.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no CUDA device")
+    except Exception as exc:  # no driver
+        pytest.skip(f"no usable CUDA device: {exc}")
+    q, k, v = make_qkv(5, 9, 6, 2, 8)
+    qp, kp = np.arange(4, 9), np.arange(9)
+    sinks = randn(6)
+    ref = ops.attention(q, k, v, qp, kp, sliding_window=3, soft_cap=4.0, sinks=sinks)
+    got = ops.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(qp), cp.asarray(kp),
+                        sliding_window=3, soft_cap=4.0, sinks=cp.asarray(sinks))
+    assert ops.array_module(got) is cp
+    np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=1e-4, atol=1e-5)
+    f = ops.rope_freqs(8, 10000.0, xp=cp)
+    np.testing.assert_allclose(
+        cp.asnumpy(ops.apply_rope(cp.asarray(q), cp.asarray(qp), f, "neox", offset=0)),
+        ops.apply_rope(q, qp, ops.rope_freqs(8, 10000.0), "neox"), rtol=1e-4, atol=1e-5,
+    )
+    x = randn(7, 8)
+    wg, wu, wd = randn(5, 16, 8), randn(5, 16, 8), randn(5, 8, 16)
+    logits = randn(7, 5)
+    r = ops.moe_route(logits, 2, "sigmoid", norm_topk=True)
+    rg = ops.moe_route(cp.asarray(logits), 2, "sigmoid", norm_topk=True)
+    np.testing.assert_array_equal(cp.asnumpy(rg.ids), r.ids)
+    y = ops.moe_ffn(x, r, wg, wu, wd)
+    yg = ops.moe_ffn(cp.asarray(x), rg, cp.asarray(wg), cp.asarray(wu), cp.asarray(wd))
+    np.testing.assert_allclose(cp.asnumpy(yg), y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(cp.asnumpy(ops.rms_norm(cp.asarray(x), cp.asarray(x[0]))), ops.rms_norm(x, x[0]), rtol=1e-5)

@@ -149,6 +149,8 @@ class RopeCache:
         """(cos, sin), each [n_tokens, n_rot // 2], for positions: [n_tokens] int."""
         xp = array_module(self.freqs.inv_freq)
         positions = xp.asarray(positions)
+        if positions.size and int(positions.min()) < 0:
+            raise ValueError("RopeCache: positions must be >= 0; use rope_cos_sin for negative positions")
         need = int(positions.max()) + 1 if positions.size else 0
         have = 0 if self._cos is None else self._cos.shape[0]
         if need > have:
