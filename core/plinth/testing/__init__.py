@@ -18,7 +18,16 @@ from typing import Any
 from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
-__all__ = ["make_registry", "plugin_from_manifest"]
+from .synthetic import random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+
+__all__ = [
+    "make_registry",
+    "plugin_from_manifest",
+    "random_tensors",
+    "tiny_metadata",
+    "write_gguf",
+    "write_synthetic_gguf",
+]
 
 
 def plugin_from_manifest(manifest: Manifest) -> ManifestPlugin:

@@ -1,6 +1,6 @@
 """pytest plugin registered by the ``plinth`` distribution (entry point group ``pytest11``).
 
-Kept light: importing it must not import numpy or any plinth plugin.
+Kept light: importing it loads no plinth plugin.
 """
 
 from __future__ import annotations

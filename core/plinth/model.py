@@ -1,0 +1,165 @@
+"""Loading a GGUF model through its architecture plugin, and the stable Python facade.
+
+``plinth.load_model(path_or_name)`` runs the data flow of DESIGN.md: reader ->
+``general.architecture`` selects the plugin -> hparams -> tensor specs checked
+against the file -> weights on the backend -> graph. :class:`Model` then offers
+``logits(token_ids)`` and :class:`Session`-style incremental use through
+:meth:`Model.new_context`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import attrs
+import numpy as np
+
+from .context import Batch, ForwardOutput, KVCache
+from .errors import UserError
+from .tensors import TensorSpec, check_tensors, scale_name, unused_tensors
+
+
+@attrs.define
+class LoadStats:
+    open_s: float = 0.0
+    weights_s: float = 0.0
+    build_s: float = 0.0
+    n_params: int = 0
+    unused: list[str] = attrs.field(factory=list)
+
+
+class Context:
+    """One inference context: a KV cache and the forward options (taps, pooling)."""
+
+    def __init__(self, model: "Model", *, taps: Iterable[int] = (), pooling: str = "none") -> None:
+        n_layer = model.hparams.n_layer
+        self.taps = tuple(sorted(set(int(t) for t in taps)))
+        for t in self.taps:
+            if not 0 <= t <= n_layer:
+                raise ValueError(f"feature tap {t} out of range: layers are 0..{n_layer} (n_layer = {n_layer})")
+        self.model = model
+        self.pooling = pooling
+        self.cache = KVCache(n_layer, model.backend.xp)
+
+    def forward(self, batch: Batch) -> ForwardOutput:
+        for seq in np.unique(batch.seq_ids):
+            n = int(self.cache.n_cached(int(seq)) + np.count_nonzero(batch.seq_ids == seq))
+            if n > self.model.n_ctx:
+                raise UserError(
+                    f"context limit exceeded: sequence {int(seq)} would hold {n} tokens, "
+                    f"the context holds {self.model.n_ctx} (raise it with n_ctx=...)"
+                )
+        return self.model.graph.forward(batch, self.cache, taps=self.taps, pooling=self.pooling)
+
+    def decode(self, tokens: Sequence[int], seq: int = 0, output: str = "last") -> ForwardOutput:
+        """Append ``tokens`` to sequence ``seq`` after what it already holds."""
+        start = self.cache.next_position(seq)
+        return self.forward(Batch.from_tokens(tokens, start=start, seq=seq, output=output))
+
+
+class Model:
+    """A loaded model: hparams, weights on a backend, the architecture's graph."""
+
+    def __init__(self, path: Path, arch: str, plugin: str, hparams: Any, specs: Sequence[TensorSpec],
+                 weights: dict[str, Any], graph: Any, backend: Any, metadata: dict[str, Any],
+                 tensor_types: dict[str, str], stats: LoadStats, n_ctx: int | None = None) -> None:
+        self.path = path
+        self.arch = arch
+        self.plugin = plugin
+        self.hparams = hparams
+        self.specs = list(specs)
+        self.weights = weights
+        self.graph = graph
+        self.backend = backend
+        self.metadata = metadata
+        self.tensor_types = tensor_types
+        self.stats = stats
+        self.n_ctx = int(n_ctx or getattr(hparams, "n_ctx_train", 4096) or 4096)
+        self._tokenizer: Any = None
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.hparams.n_vocab)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_metadata(self.metadata)
+        return self._tokenizer
+
+    def new_context(self, *, taps: Iterable[int] = (), pooling: str = "none") -> Context:
+        return Context(self, taps=taps, pooling=pooling)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 [n_tokens, n_vocab]: the logits at every position of one fresh sequence."""
+        ctx = self.new_context()
+        out = ctx.forward(Batch.from_tokens(list(token_ids), output="all"))
+        return np.asarray(self.backend.to_numpy(out.logits), dtype=np.float32)
+
+
+def _dequantized(gf: Any, name: str, info: Any) -> np.ndarray:
+    from .gguf import quants
+
+    raw = gf.raw(name)
+    if info.type_name == "F32":
+        return raw  # a zero-copy view of the mapped file
+    return quants.dequantize(raw, info.ggml_type, info.shape)
+
+
+def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
+               n_ctx: int | None = None, progress: bool = False) -> Model:
+    """Load a GGUF file (or a known model name, fetched on first use) with its architecture plugin."""
+    from . import hub
+    from .gguf import GGUFFile
+    from .plugins import default_registry
+
+    registry = registry or default_registry()
+    path = hub.resolve_model(str(path_or_name), progress=progress)
+    stats = LoadStats()
+    t0 = time.perf_counter()
+    gf = GGUFFile(path)
+    metadata = dict(gf.metadata)
+    arch = metadata.get("general.architecture")
+    if not arch:
+        raise UserError(f"{path}: no 'general.architecture' key; is this a model file?")
+    plugin = registry.owner("architectures", arch)
+    hparams = registry.arch_hparams(arch, metadata, str(path))
+    if getattr(hparams, "n_vocab", None) == -1 and "token_embd.weight" in gf.tensors:
+        hparams = attrs.evolve(hparams, n_vocab=gf.tensors["token_embd.weight"].shape[0])
+    specs = registry.arch_tensors(arch, hparams)
+    present = {name: (tuple(info.shape), info.type_name) for name, info in gf.tensors.items()}
+    found = check_tensors(specs, present, str(path))
+    stats.unused = unused_tensors(specs, gf.tensors)
+    stats.open_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    be = registry.make_backend(backend)
+    weights: dict[str, Any] = {}
+    iterator: Iterable[TensorSpec] = found
+    if progress:
+        iterator = _progress(found, f"loading {path.name}")
+    for spec in iterator:
+        arr = _dequantized(gf, spec.name, gf.tensors[spec.name])
+        if spec.scale and scale_name(spec.name) in gf.tensors:
+            arr = arr * _dequantized(gf, scale_name(spec.name), gf.tensors[scale_name(spec.name)])
+        weights[spec.name] = be.asarray(np.ascontiguousarray(arr, dtype=np.float32))
+        stats.n_params += int(arr.size)
+    stats.weights_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = registry.arch_build(arch, hparams, weights, be)
+    stats.build_s = time.perf_counter() - t0
+    types = {name: info.type_name for name, info in gf.tensors.items()}
+    return Model(path, arch, plugin, hparams, specs, weights, graph, be, metadata, types, stats, n_ctx=n_ctx)
+
+
+def _progress(items: Sequence[Any], desc: str) -> Iterable[Any]:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc, unit="tensor", leave=False)

@@ -1,0 +1,74 @@
+"""Declared tensors: what an architecture reads, checked against the file before compute."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+
+from .errors import UserError
+
+
+class TensorCheckError(UserError):
+    """The file's tensors do not match the architecture's declaration (every problem listed)."""
+
+
+@attrs.frozen
+class TensorSpec:
+    """One tensor an architecture reads.
+
+    name: the GGUF tensor name (``"blk.3.attn_q.weight"``).
+    shape: numpy-order shape ``[rows, cols]`` (GGML's ne reversed), from hparams.
+    dtypes: allowed GGML type names (``("F32",)``), or None for any supported type.
+    required: a missing required tensor is an error; an optional one is simply absent.
+    scale: a per-tensor ``<name>.scale`` companion may be present (multiplied in on load).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    required: bool = True
+    dtypes: tuple[str, ...] | None = None
+    scale: bool = False
+
+
+def scale_name(name: str) -> str:
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    return f"{base}.scale"
+
+
+def check_tensors(specs: Sequence[TensorSpec], present: Mapping[str, tuple[tuple[int, ...], str]],
+                  source: str) -> list[TensorSpec]:
+    """Check ``present`` (name -> (numpy shape, GGML type name)) against ``specs``.
+
+    Returns the specs whose tensors are present. Raises :class:`TensorCheckError`
+    listing every missing required tensor, every shape mismatch and every
+    disallowed type at once.
+    """
+    problems: list[str] = []
+    found: list[TensorSpec] = []
+    for spec in specs:
+        info = present.get(spec.name)
+        if info is None:
+            if spec.required:
+                problems.append(f"missing tensor '{spec.name}' (expected shape {list(spec.shape)})")
+            continue
+        shape, dtype = info
+        if tuple(shape) != tuple(spec.shape):
+            problems.append(f"tensor '{spec.name}' has shape {list(shape)}, expected {list(spec.shape)}")
+        if spec.dtypes is not None and dtype not in spec.dtypes:
+            problems.append(f"tensor '{spec.name}' has type {dtype}, allowed: {', '.join(spec.dtypes)}")
+        found.append(spec)
+    if problems:
+        head = f"{source}: {len(problems)} tensor problem(s) for this architecture:"
+        raise TensorCheckError("\n  ".join([head, *problems]))
+    return found
+
+
+def unused_tensors(specs: Iterable[TensorSpec], names: Iterable[str]) -> list[str]:
+    """Tensor names in the file that no spec (or scale companion) declares."""
+    declared = set()
+    for spec in specs:
+        declared.add(spec.name)
+        if spec.scale:
+            declared.add(scale_name(spec.name))
+    return sorted(n for n in names if n not in declared)

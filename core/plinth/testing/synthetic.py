@@ -1,0 +1,102 @@
+"""Tiny synthetic GGUF files for any architecture, from a few metadata keys.
+
+The architecture's own plugin says which tensors to write (its hparams and
+tensor-spec steps), so the same writer serves every plugin::
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "qwen3", tiny_metadata("qwen3"), registry)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+
+def tiny_metadata(arch: str, *, n_vocab: int = 96, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
+                  n_head_kv: int = 2, n_ff: int = 96, n_ctx: int = 256, **extra: Any) -> dict[str, Any]:
+    """Metadata of a tiny dense decoder; ``extra`` adds ``{arch}.KEY`` entries (dots as ``__``)."""
+    md: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.name": f"tiny-{arch}",
+        f"{arch}.vocab_size": n_vocab,
+        f"{arch}.embedding_length": n_embd,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.attention.head_count": n_head,
+        f"{arch}.attention.head_count_kv": n_head_kv,
+        f"{arch}.feed_forward_length": n_ff,
+        f"{arch}.context_length": n_ctx,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+    }
+    for key, value in extra.items():
+        md[f"{arch}.{key.replace('__', '.')}"] = value
+    return md
+
+
+def random_tensors(specs: Iterable[Any], seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
+    """Random float32 weights for ``specs``; norm weights (1-D) centred on 1."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in specs:
+        shape = tuple(spec.shape)
+        if len(shape) == 1 and spec.name.endswith("norm.weight"):
+            out[spec.name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[spec.name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
+               qtypes: Mapping[str, Any] | None = None) -> Path:
+    """Write ``metadata`` and ``tensors`` (numpy order) with gguf's writer.
+
+    ``qtypes`` maps tensor names to a ``gguf.GGMLQuantizationType`` to store them
+    quantized (with gguf's own quantizer), else they are stored as F32.
+    """
+    import gguf
+
+    path = Path(path)
+    arch = str(metadata["general.architecture"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value) if value >= 0 else writer.add_int32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_array(key, list(value))
+    for name, array in tensors.items():
+        qtype = (qtypes or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        else:
+            packed = gguf.quants.quantize(np.asarray(array, dtype=np.float32), qtype)
+            writer.add_tensor(name, packed, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_synthetic_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any], registry: Any, *,
+                         seed: int = 0, scale: float = 0.2, drop: Iterable[str] = (),
+                         qtypes: Mapping[str, Any] | None = None) -> Path:
+    """A random model of ``arch``: the plugin declares the tensors, this writes them.
+
+    ``drop`` leaves tensors out (to test missing-tensor errors; optional tensors
+    such as a tied ``output.weight`` are written unless dropped).
+    """
+    hparams = registry.arch_hparams(arch, metadata, str(path))
+    specs = registry.arch_tensors(arch, hparams)
+    tensors = random_tensors(specs, seed=seed, scale=scale)
+    for name in drop:
+        tensors.pop(name, None)
+    return write_gguf(path, metadata, tensors, qtypes)

@@ -1,0 +1,17 @@
+"""Entry point of plinth-llama: names and lazy import paths only."""
+
+from plinth.manifest import Manifest, ManifestPlugin
+
+plugin = ManifestPlugin(
+    Manifest(
+        name="llama",
+        api_version="1.0",
+        architectures={
+            "llama": "plinth_llama.llama:Llama",
+            "qwen2": "plinth_llama.llama:Qwen2",
+            "qwen3": "plinth_llama.llama:Qwen3",
+            "gemma3": "plinth_llama.gemma3:Gemma3",
+        },
+        description="dense decoders: llama (SmolLM2), qwen2, qwen3, gemma3",
+    )
+)

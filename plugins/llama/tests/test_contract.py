@@ -1,0 +1,129 @@
+"""Contract tests every dense architecture of plinth-llama passes (synthetic tiny weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plinth.context import Batch, KVCache
+from plinth.testing import random_tensors, tiny_metadata
+
+ARCHS = {
+    "llama": {},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma3": {"attention__sliding_window": 5, "n_layer": 7},
+}
+
+
+@pytest.fixture
+def registry(plinth_registry):
+    from plinth_llama.plugin import plugin
+
+    return plinth_registry(plugin)
+
+
+def build(registry, arch, seed=0):
+    extra = dict(ARCHS[arch])
+    n_layer = extra.pop("n_layer", 2)
+    md = tiny_metadata(arch, n_layer=n_layer, **extra)
+    hp = registry.arch_hparams(arch, md, f"tiny-{arch}.gguf")
+    specs = registry.arch_tensors(arch, hp)
+    weights = random_tensors([s for s in specs if s.name != "output.weight"], seed=seed)
+    graph = registry.arch_build(arch, hp, weights, registry.make_backend("numpy"))
+    return hp, graph
+
+
+def run(graph, hp, batch):
+    return graph.forward(batch, KVCache(hp.n_layer))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_prefill_then_decode_equals_full_forward(registry, arch):
+    hp, graph = build(registry, arch)
+    tokens = np.random.default_rng(1).integers(0, hp.n_vocab, 12).tolist()
+    full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
+    assert np.isfinite(full).all()
+    cache = KVCache(hp.n_layer)
+    parts = [graph.forward(Batch.from_tokens(tokens[:5], output="all"), cache).logits]
+    for i in range(5, 12):
+        parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_two_sequences_in_one_batch_equal_separate_runs(registry, arch):
+    hp, graph = build(registry, arch)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(0, hp.n_vocab, 9).tolist(), rng.integers(0, hp.n_vocab, 6).tolist()
+    la = run(graph, hp, Batch.from_tokens(a, output="all")).logits
+    lb = run(graph, hp, Batch.from_tokens(b, output="all")).logits
+    both = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
+    lab = run(graph, hp, both).logits
+    np.testing.assert_allclose(lab[:9], la, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lab[9:], lb, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_mixed_token_and_embedding_rows_equal_token_rows(registry, arch):
+    hp, graph = build(registry, arch)
+    tokens = np.random.default_rng(3).integers(0, hp.n_vocab, 8).tolist()
+    ref = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
+    table = graph.w["token_embd.weight"]
+    mixed = Batch.concat([Batch.from_tokens(tokens[:3], output="all"),
+                          Batch.from_embeddings(table[tokens[3:6]], start=3, output="all"),
+                          Batch.from_tokens(tokens[6:], start=6, output="all")])
+    np.testing.assert_allclose(run(graph, hp, mixed).logits, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_outputs_only_where_asked_and_deterministic(registry, arch):
+    hp, graph = build(registry, arch)
+    tokens = list(range(10))
+    full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
+    mask = [i % 3 == 0 for i in range(10)]
+    out = run(graph, hp, Batch.from_tokens(tokens, output=mask))
+    assert out.logits.shape == (4, hp.n_vocab)
+    np.testing.assert_array_equal(out.rows, [0, 3, 6, 9])
+    np.testing.assert_allclose(out.logits, full[mask], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(run(graph, hp, Batch.from_tokens(tokens, output="all")).logits, full)
+
+
+def test_feature_taps_and_pooling_skip_the_lm_head(registry):
+    hp, graph = build(registry, "qwen3")
+    tokens = list(range(7))
+    out = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), taps=(0, 1, hp.n_layer))
+    assert sorted(out.features) == [0, 1, hp.n_layer]
+    np.testing.assert_array_equal(out.features[0], graph.w["token_embd.weight"][tokens])
+    pooled = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), pooling="mean")
+    assert pooled.logits is None and pooled.embeddings.shape == (1, hp.n_embd)
+
+
+def test_kv_cache_seq_rm_and_cp(registry):
+    hp, graph = build(registry, "llama")
+    tokens = list(range(10))
+    cache = KVCache(hp.n_layer)
+    graph.forward(Batch.from_tokens(tokens[:8]), cache)
+    cache.seq_rm(0, 6)  # drop positions 6, 7 (a rejected draft)
+    assert cache.n_cached(0) == 6 and cache.next_position(0) == 6
+    again = graph.forward(Batch.from_tokens(tokens[6:], start=6, output="all"), cache).logits
+    ref = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits[6:]
+    np.testing.assert_allclose(again, ref, atol=1e-5, rtol=0)
+    cache.seq_cp(0, 3)
+    assert cache.n_cached(3) == 10
+    np.testing.assert_array_equal(cache.positions(3), np.arange(10))
+
+
+def test_per_layer_head_counts_accessors(registry):
+    md = tiny_metadata("llama")
+    hp = registry.arch_hparams("llama", md, "x.gguf")
+    assert hp.n_head_kv[1] == 2
+    with pytest.raises(IndexError, match="layer 2 out of range"):
+        hp.n_head_kv[2]
+
+
+def test_missing_required_key_is_named(registry):
+    md = tiny_metadata("qwen3")
+    del md["qwen3.block_count"]
+    with pytest.raises(KeyError, match="x.gguf: missing required key 'qwen3.block_count'"):
+        registry.arch_hparams("qwen3", md, "x.gguf")
