@@ -1,0 +1,498 @@
+"""GGUF-metadata tokenizers: byte-level BPE (``gpt2``) and SentencePiece-style (``llama``)."""
+from __future__ import annotations
+
+import heapq
+from typing import Iterable, Sequence
+
+TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+
+SUPPORTED_MODELS = ("gpt2", "llama")
+
+
+class UnsupportedTokenizerError(ValueError):
+    """Raised when the GGUF metadata names a tokenizer this package cannot build."""
+
+
+# --- pre-tokenizer regex lists for byte-level BPE ---------------------------------
+# Each list is applied in order; every regex splits the pieces left by the previous
+# one, keeping both matched and unmatched spans.
+_CONTRACTIONS_CI = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_GPT2_WORDS = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
+
+_RX_LLAMA3 = [
+    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+]
+_RX_QWEN2 = [
+    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+]
+_RX_QWEN35 = [
+    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
+]
+_RX_DEEPSEEK_LLM = [
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+]
+_RX_DEEPSEEK_CODER = [
+    "[\r\n]",
+    "\\s?\\p{L}+",
+    "\\s?\\p{P}+",
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}",
+]
+_RX_FALCON = [
+    "[\\p{P}\\$\\+<=>\\^~\\|`]+",
+    _GPT2_WORDS,
+    "[0-9][0-9][0-9]",
+]
+_RX_STARCODER = ["\\p{N}", _GPT2_WORDS]
+_RX_GPT2 = [_GPT2_WORDS]
+_RX_DEFAULT = [
+    "[\\p{P}\\$\\+<=>\\^~\\|]+",
+    _GPT2_WORDS,
+    "\\p{N}+",
+    "[0-9][0-9][0-9]",
+]
+
+# tokenizer.ggml.pre value -> (regex list, ignore_merges)
+_PRE = {
+    "default": (_RX_DEFAULT, False),
+    "llama3": (_RX_LLAMA3, True),
+    "llama-v3": (_RX_LLAMA3, True),
+    "llama-bpe": (_RX_LLAMA3, True),
+    "falcon3": (_RX_LLAMA3, True),
+    "dbrx": (_RX_LLAMA3, False),
+    "smaug-bpe": (_RX_LLAMA3, False),
+    "deepseek-llm": (_RX_DEEPSEEK_LLM, False),
+    "deepseek-coder": (_RX_DEEPSEEK_CODER, False),
+    "falcon": (_RX_FALCON, False),
+    "mpt": (_RX_GPT2, False),
+    "gpt-2": (_RX_GPT2, False),
+    "phi-2": (_RX_GPT2, False),
+    "gpt-neox": (_RX_GPT2, False),
+    "olmo": (_RX_GPT2, False),
+    "jais": (_RX_GPT2, False),
+    "starcoder": (_RX_STARCODER, False),
+    "refact": (_RX_STARCODER, False),
+    "command-r": (_RX_STARCODER, False),
+    "smollm": (_RX_STARCODER, False),
+    "codeshell": (_RX_STARCODER, False),
+    "qwen2": (_RX_QWEN2, False),
+    "deepseek-r1-qwen": (_RX_QWEN2, False),
+    "stablelm2": (_RX_QWEN2, False),
+    "qwen35": (_RX_QWEN35, False),
+}
+SUPPORTED_PRE = tuple(sorted(_PRE))
+
+# Token strings that end a generation turn, besides the declared EOS/EOT ids.
+_EOG_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|return|>", "<|call|>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>",
+    "<|eom_id|>", "<end_of_utterance>",
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The reversible byte -> printable character table of byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_CHAR = _bytes_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _get(md: dict, key: str, default=None):
+    v = md.get(key, default)
+    return default if v is None else v
+
+
+def _as_list(v) -> list:
+    if v is None:
+        return []
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return list(v)
+
+
+class Tokenizer:
+    """Common behaviour; build one with :meth:`from_metadata`."""
+
+    model = "?"
+
+    def __init__(self, md: dict):
+        self.tokens: list[str] = [str(t) for t in _as_list(md.get("tokenizer.ggml.tokens"))]
+        if not self.tokens:
+            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+        n = len(self.tokens)
+        types = _as_list(md.get("tokenizer.ggml.token_type"))
+        self.token_types: list[int] = [int(t) for t in types] if types else [TT_NORMAL] * n
+        scores = _as_list(md.get("tokenizer.ggml.scores"))
+        self.scores: list[float] = [float(s) for s in scores] if scores else [0.0] * n
+        self.token_to_id: dict[str, int] = {}
+        for i, t in enumerate(self.tokens):
+            self.token_to_id[t] = i
+
+        def opt_id(key):
+            v = md.get(key)
+            if v is None:
+                return None
+            v = int(v)
+            return v if 0 <= v < n else None
+
+        self.bos_id = opt_id("tokenizer.ggml.bos_token_id")
+        self.eos_id = opt_id("tokenizer.ggml.eos_token_id")
+        self.eot_id = opt_id("tokenizer.ggml.eot_token_id")
+        self.eom_id = opt_id("tokenizer.ggml.eom_token_id")
+        self.pad_id = opt_id("tokenizer.ggml.padding_token_id")
+        self.unk_id = opt_id("tokenizer.ggml.unknown_token_id")
+        self.mask_id = opt_id("tokenizer.ggml.mask_token_id")
+        self.chat_template = md.get("tokenizer.chat_template")
+        self.pre = md.get("tokenizer.ggml.pre")
+        self._init_flags(md)
+
+        # Tokens matched verbatim in input text: control tokens only when
+        # parse_special is set, user-defined tokens always.
+        self._special_ids = [i for i, t in enumerate(self.token_types) if t in (TT_CONTROL, TT_USER, TT_UNKNOWN)]
+        self._special_ids.sort(key=lambda i: -len(self.tokens[i]))
+        self._eog = self._detect_eog()
+
+    def _init_flags(self, md):
+        self.add_bos = bool(_get(md, "tokenizer.ggml.add_bos_token", False))
+        self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
+        self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", False))
+
+    # ------------------------------------------------------------------ factory
+    @staticmethod
+    def from_metadata(md: dict) -> "Tokenizer":
+        model = md.get("tokenizer.ggml.model")
+        if model == "gpt2":
+            pre = md.get("tokenizer.ggml.pre") or "default"
+            if pre not in _PRE:
+                raise UnsupportedTokenizerError(
+                    f"unsupported tokenizer.ggml.pre {pre!r} for model 'gpt2'; "
+                    f"supported: {', '.join(SUPPORTED_PRE)}"
+                )
+            return BPETokenizer(md)
+        if model == "llama":
+            return SPMTokenizer(md)
+        raise UnsupportedTokenizerError(
+            f"unsupported tokenizer.ggml.model {model!r}; supported: {', '.join(SUPPORTED_MODELS)}"
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_vocab(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def eog_ids(self) -> frozenset:
+        return self._eog
+
+    def is_eog(self, tid: int) -> bool:
+        return tid in self._eog
+
+    def _detect_eog(self) -> frozenset:
+        s = set()
+        for i in (self.eos_id, self.eot_id, self.eom_id):
+            if i is not None:
+                s.add(i)
+        for t in _EOG_TEXTS:
+            i = self.token_to_id.get(t)
+            if i is not None and self.token_types[i] in (TT_CONTROL, TT_USER, TT_UNKNOWN):
+                s.add(i)
+        if self.eot_id is None:
+            for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"):
+                i = self.token_to_id.get(t)
+                if i is not None:
+                    self.eot_id = i
+                    break
+        return frozenset(s)
+
+    def is_special(self, tid: int) -> bool:
+        return self.token_types[tid] in (TT_CONTROL, TT_UNKNOWN, TT_UNUSED)
+
+    # ------------------------------------------------------------------ encoding
+    def _partition(self, text: str, parse_special: bool) -> list:
+        """Split text into [str | int] fragments around special-token strings."""
+        frags: list = [text]
+        for tid in self._special_ids:
+            ttype = self.token_types[tid]
+            if not parse_special and ttype != TT_USER:
+                continue
+            tok = self.tokens[tid]
+            if not tok:
+                continue
+            out = []
+            for f in frags:
+                if isinstance(f, int) or tok not in f:
+                    out.append(f)
+                    continue
+                parts = f.split(tok)
+                for k, p in enumerate(parts):
+                    if k:
+                        out.append(tid)
+                    if p:
+                        out.append(p)
+            frags = out
+        return frags
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        ids: list[int] = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids.append(self.bos_id)
+        ids.extend(self._encode_fragments(self._partition(text, parse_special), bool(ids)))
+        if add_special and self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
+
+    def _encode_fragments(self, frags, after_bos):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ decoding
+    def token_to_piece(self, tid: int, special: bool = True) -> bytes:
+        raise NotImplementedError
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        return b"".join(self.token_to_piece(int(i), special=not skip_special) for i in ids)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.decode_bytes(ids, skip_special).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self, skip_special: bool = False) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special=skip_special)
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE: regex pre-tokenization, then merges by rank."""
+
+    model = "gpt2"
+
+    def __init__(self, md: dict):
+        super().__init__(md)
+        from tokenizers import Regex, Tokenizer as _HFTok, models, pre_tokenizers
+
+        regexes, ignore_merges = _PRE[self.pre or "default"]
+        merges = []
+        for m in _as_list(md.get("tokenizer.ggml.merges")):
+            m = str(m)
+            k = m.find(" ", 1)
+            if k > 0:
+                merges.append((m[:k], m[k + 1:]))
+        vocab = dict(self.token_to_id)
+        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False)
+        tk = _HFTok(bpe)
+        pts = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        pts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        tk.pre_tokenizer = pre_tokenizers.Sequence(pts)
+        self._hf = tk
+        self._pieces: list[bytes] = []
+        for i, t in enumerate(self.tokens):
+            tt = self.token_types[i]
+            if tt in (TT_NORMAL, TT_BYTE) or tt not in (TT_CONTROL, TT_USER, TT_UNKNOWN, TT_UNUSED):
+                try:
+                    self._pieces.append(bytes(_CHAR_TO_BYTE[c] for c in t))
+                    continue
+                except KeyError:
+                    pass
+            self._pieces.append(t.encode("utf-8"))
+
+    def _encode_fragments(self, frags, after_bos):
+        ids: list[int] = []
+        texts = [f for f in frags if isinstance(f, str)]
+        encs = iter(self._hf.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        for f in frags:
+            if isinstance(f, int):
+                ids.append(f)
+            else:
+                ids.extend(next(encs).ids)
+        return ids
+
+    def token_to_piece(self, tid: int, special: bool = True) -> bytes:
+        tt = self.token_types[tid]
+        if not special and tt in (TT_CONTROL, TT_UNKNOWN, TT_UNUSED):
+            return b""
+        return self._pieces[tid]
+
+
+class SPMTokenizer(Tokenizer):
+    """SentencePiece-style: whitespace escaped as U+2581, highest-score bigram
+    merging, then byte fallback through ``<0xXX>`` tokens."""
+
+    model = "llama"
+
+    def _init_flags(self, md):
+        self.add_bos = bool(_get(md, "tokenizer.ggml.add_bos_token", True))
+        self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
+        self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", True))
+
+    def __init__(self, md: dict):
+        super().__init__(md)
+        if self.unk_id is None:
+            self.unk_id = self.token_to_id.get("<unk>")
+        self._byte_ids = [self.token_to_id.get("<0x%02X>" % b) for b in range(256)]
+        self._pieces: list[bytes] = []
+        for i, t in enumerate(self.tokens):
+            tt = self.token_types[i]
+            if tt == TT_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+                self._pieces.append(bytes([int(t[3:5], 16)]))
+            elif tt in (TT_CONTROL, TT_USER, TT_UNKNOWN, TT_UNUSED):
+                self._pieces.append(t.encode("utf-8"))
+            else:
+                self._pieces.append(t.replace("\u2581", " ").encode("utf-8"))
+
+    def _encode_fragments(self, frags, after_bos):
+        ids: list[int] = []
+        prev_special = True
+        for f in frags:
+            if isinstance(f, int):
+                ids.append(f)
+                prev_special = True
+                continue
+            if not f:
+                continue
+            if self.add_space_prefix and prev_special:
+                f = " " + f
+            self._spm(f.replace(" ", "\u2581"), ids)
+            prev_special = False
+        return ids
+
+    def _spm(self, text: str, out: list[int]) -> None:
+        n = len(text)
+        if n == 0:
+            return
+        vocab = self.token_to_id
+        scores = self.scores
+        # symbol i covers text[start[i]:start[i]+length[i]]; chars are code points
+        start = list(range(n))
+        length = [1] * n
+        prev = list(range(-1, n - 1))
+        nxt = list(range(1, n + 1))
+        nxt[-1] = -1
+        heap: list = []
+        merged_from: dict[str, tuple[int, int]] = {}
+
+        def try_add(left: int, right: int) -> None:
+            if left < 0 or right < 0:
+                return
+            s = text[start[left]:start[left] + length[left] + length[right]]
+            tid = vocab.get(s)
+            if tid is None:
+                return
+            heapq.heappush(heap, (-scores[tid], left, right, len(s), s))
+
+        for i in range(n - 1):
+            try_add(i, i + 1)
+        while heap:
+            _, left, right, size, s = heapq.heappop(heap)
+            if length[left] == 0 or length[right] == 0 or length[left] + length[right] != size:
+                continue
+            merged_from[s] = (start[left], length[left])
+            length[left] += length[right]
+            length[right] = 0
+            nxt[left] = nxt[right]
+            if nxt[right] >= 0:
+                prev[nxt[right]] = left
+            try_add(prev[left], left)
+            try_add(left, nxt[left])
+
+        i = 0
+        while i >= 0:
+            self._resegment(text[start[i]:start[i] + length[i]], start[i], merged_from, text, out)
+            i = nxt[i]
+
+    def _resegment(self, s: str, pos: int, merged_from, text: str, out: list[int]) -> None:
+        tid = self.token_to_id.get(s)
+        if tid is not None:
+            out.append(tid)
+            return
+        m = merged_from.get(s)
+        if m is not None and len(s) > 1:
+            lstart, llen = m
+            # the recorded split is relative to where that merge happened; offsets
+            # are recomputed from the substring itself
+            left = s[:llen]
+            self._resegment(left, pos, merged_from, text, out)
+            self._resegment(s[llen:], pos + llen, merged_from, text, out)
+            return
+        for b in s.encode("utf-8"):
+            bid = self._byte_ids[b]
+            if bid is None:
+                bid = self.token_to_id.get(chr(b)) if b < 128 else None
+            if bid is None:
+                bid = self.unk_id if self.unk_id is not None else 0
+            out.append(bid)
+
+    def token_to_piece(self, tid: int, special: bool = True) -> bytes:
+        tt = self.token_types[tid]
+        if not special and tt in (TT_CONTROL, TT_UNKNOWN, TT_UNUSED):
+            return b""
+        return self._pieces[tid]
+
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
+        ids = [int(i) for i in ids]
+        out = []
+        strip = self.add_space_prefix
+        for k, i in enumerate(ids):
+            p = self.token_to_piece(i, special=not skip_special)
+            if strip:
+                if k == 0 and i == self.bos_id:
+                    continue
+                if p.startswith(b" "):
+                    p = p[1:]
+                strip = False
+            out.append(p)
+        return b"".join(out)
+
+
+class IncrementalDecoder:
+    """Feed token ids one at a time; get back only complete UTF-8 text."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+        self.tok = tok
+        self.skip_special = skip_special
+        self._buf = b""
+        self._first = True
+
+    def feed(self, tid: int) -> str:
+        tok = self.tok
+        piece = tok.token_to_piece(int(tid), special=not self.skip_special)
+        if self._first and isinstance(tok, SPMTokenizer) and tok.add_space_prefix:
+            if int(tid) == tok.bos_id:
+                return ""
+            if piece.startswith(b" "):
+                piece = piece[1:]
+            self._first = False
+        elif piece:
+            self._first = False
+        self._buf += piece
+        return self._drain()
+
+    def _drain(self) -> str:
+        buf = self._buf
+        # keep back an incomplete trailing UTF-8 sequence (at most 3 bytes)
+        cut = len(buf)
+        for back in range(1, min(4, len(buf)) + 1):
+            b = buf[-back]
+            if b & 0xC0 == 0x80:
+                continue
+            need = 1 if b < 0x80 else 2 if b >> 5 == 6 else 3 if b >> 4 == 14 else 4 if b >> 3 == 30 else 1
+            if need > back:
+                cut = len(buf) - back
+            break
+        self._buf = buf[cut:]
+        return buf[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        s = self._buf.decode("utf-8", errors="replace")
+        self._buf = b""
+        return s
