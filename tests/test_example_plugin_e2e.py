@@ -123,7 +123,7 @@ def test_example_plugin_own_tests_pass_in_isolation(site):
     """A plugin author's suite runs with the test kit's fixture, and nothing else loaded."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("PLINTH_")}
     environ["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT / "core")])
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "plinth.testing.pytest_plugin",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q",
                           "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
                          capture_output=True, text=True, env=environ, cwd=str(site))
     assert out.returncode == 0, out.stdout + out.stderr
