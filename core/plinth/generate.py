@@ -1,0 +1,123 @@
+"""The generation loop: prompt in, streamed text out.
+
+Stops on an end-of-generation token, on a stop string, or after ``max_tokens``;
+detokenises incrementally so a multi-byte character split across tokens is
+never printed in halves; reports tokens/s split into prompt and decode.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from .errors import UserError
+from .sampling import Sampler, SamplerConfig
+
+
+@attrs.define
+class GenerationStats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first generated token comes from the prefill; the rest from decode steps
+        steps = max(self.n_generated - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt: {self.n_prompt} tokens in {self.prompt_s:.2f} s ({self.prompt_tps:.1f} tok/s); "
+                f"decode: {self.n_generated} tokens in {self.decode_s:.2f} s ({self.decode_tps:.1f} tok/s); "
+                f"sampling {self.sample_s * 1000:.1f} ms; stop: {self.stop_reason}")
+
+
+def render_chat(template: str | None, messages: Sequence[dict[str, str]], tokenizer: Any,
+                add_generation_prompt: bool = True) -> str:
+    """Render ``messages`` with the model's GGUF chat template (Jinja2)."""
+    if not template:
+        raise UserError("this model has no 'tokenizer.chat_template'; run without --chat")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise UserError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+    env.globals["raise_exception"] = raise_exception
+    bos = tokenizer.tokens[tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else ""
+    eos = tokenizer.tokens[tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else ""
+    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                                            bos_token=bos, eos_token=eos)
+
+
+class Generator:
+    """Runs one model with one sampler; ``stream`` yields text chunks."""
+
+    def __init__(self, model: Any, sampler: Sampler | None = None) -> None:
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.sampler = sampler or Sampler(SamplerConfig(temperature=0.0))
+        self.stats = GenerationStats()
+        self.tokens: list[int] = []
+
+    def stream(self, prompt_ids: Sequence[int], max_tokens: int = 128,
+               stop: Sequence[str] = ()) -> Iterator[str]:
+        model, tok = self.model, self.tokenizer
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise UserError("the prompt is empty after tokenization")
+        if len(prompt_ids) >= model.n_ctx:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; the context holds {model.n_ctx}")
+        max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
+        ctx = model.new_context()
+        stats = self.stats = GenerationStats(n_prompt=len(prompt_ids))
+        history = list(prompt_ids)
+        decoder = tok.incremental_decoder(skip_special=True)
+        text = ""
+        t0 = time.perf_counter()
+        out = ctx.decode(prompt_ids)
+        stats.prompt_s = time.perf_counter() - t0
+        self.tokens = []
+        while True:
+            t1 = time.perf_counter()
+            logits = np.asarray(model.backend.to_numpy(out.logits[-1]))
+            token = self.sampler.sample(logits, history).token
+            stats.sample_s += time.perf_counter() - t1
+            if tok.is_eog(token):
+                stats.stop_reason = "end of generation token"
+                break
+            self.tokens.append(token)
+            history.append(token)
+            stats.n_generated += 1
+            chunk = decoder.feed(token)
+            if stop and chunk:
+                text += chunk
+                hit = min((text.find(s) for s in stop if s in text), default=-1)
+                if hit >= 0:
+                    already = len(text) - len(chunk)
+                    if hit > already:
+                        yield text[already:hit]
+                    stats.stop_reason = "stop string"
+                    break
+            if chunk:
+                yield chunk
+            if stats.n_generated >= max_tokens:
+                stats.stop_reason = "max tokens" if stats.n_generated < model.n_ctx else "context full"
+                break
+            t2 = time.perf_counter()
+            out = ctx.decode([token])
+            stats.decode_s += time.perf_counter() - t2
+        rest = decoder.flush()
+        if rest and stats.stop_reason != "stop string":
+            yield rest
