@@ -38,15 +38,17 @@ def main(names):
     text = corpus()
     nb = len(text.encode())
     for name in names:
+        tm = time.perf_counter()
+        md = fx.metadata(d / f"ggml-vocab-{name}.gguf")  # gguf.GGUFReader, not plinth
         t0 = time.perf_counter()
-        tok = Tokenizer.from_metadata(fx.metadata(d / f"ggml-vocab-{name}.gguf"))
+        tok = Tokenizer.from_metadata(md)
         t1 = time.perf_counter()
         ids = tok.encode(text, add_special=False)
         t2 = time.perf_counter()
         back = tok.decode(ids)
         t3 = time.perf_counter()
         assert back == text, name
-        print(f"{name:14s} vocab={tok.n_vocab:6d} build={t1 - t0:5.2f}s encode {nb / 1e6:.2f} MB -> "
+        print(f"{name:14s} vocab={tok.n_vocab:6d} read-md={t0 - tm:5.2f}s build={t1 - t0:5.2f}s encode {nb / 1e6:.2f} MB -> "
               f"{len(ids)} tokens in {t2 - t1:5.2f}s ({nb / (t2 - t1) / 1e6:.2f} MB/s), decode {t3 - t2:.2f}s")
 
 
