@@ -1,0 +1,74 @@
+"""Engine speed: load time, prompt and decode tokens/s, and decode against the memory roofline.
+
+Usage: python benchmarks/bench_engine.py [-m MODEL] [--threads N] [--prompt-tokens 128] [--decode-tokens 32]
+
+The roofline: numpy computes in f32, so each decode step reads every weight once
+as f32 (4 bytes per parameter). The machine's read bandwidth is measured here
+with a large np.sum over a 1 GiB f32 array (best of 5); the decode roofline is
+bandwidth / (4 * n_params) tokens/s, and the script prints the fraction reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+
+    import numpy as np
+
+    import plinth
+
+    t0 = time.perf_counter()
+    model = plinth.load_model(args.model)
+    load_s = time.perf_counter() - t0
+    n_params = model.stats.n_params
+
+    buf = np.ones(256 * 1024 * 1024, dtype=np.float32)  # 1 GiB
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    bandwidth = buf.nbytes / best
+    del buf
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
+    best_pp = best_tg = float("inf")
+    for _ in range(args.runs):
+        ctx = model.new_context()
+        t = time.perf_counter()
+        out = ctx.decode(prompt)
+        best_pp = min(best_pp, time.perf_counter() - t)
+        token = int(np.argmax(out.logits[-1]))
+        t = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            out = ctx.decode([token])
+            token = int(np.argmax(out.logits[-1]))
+        best_tg = min(best_tg, time.perf_counter() - t)
+    pp = args.prompt_tokens / best_pp
+    tg = args.decode_tokens / best_tg
+    roofline = bandwidth / (4 * n_params)
+    print(f"model            {model.path.name} ({model.arch}), {n_params / 1e6:.1f} M params as f32")
+    print(f"load             {load_s:.2f} s")
+    print(f"prompt           {pp:.1f} tok/s ({args.prompt_tokens} tokens)")
+    print(f"decode           {tg:.1f} tok/s ({args.decode_tokens} tokens after the prompt)")
+    print(f"read bandwidth   {bandwidth / 1e9:.1f} GB/s (np.sum over 1 GiB f32)")
+    print(f"decode roofline  {roofline:.1f} tok/s -> {100 * tg / roofline:.0f}% reached "
+          f"({tg * 4 * n_params / 1e9:.1f} GB/s of weights)")
+
+
+if __name__ == "__main__":
+    main()
