@@ -207,18 +207,20 @@ class GGUFFile:
             try:
                 block, type_size = BLOCK_SIZES[GGMLType(ggml_type)]
             except (ValueError, KeyError):
-                raise GGUFError(f"{self.path}: tensor '{name}' has unknown GGML type {ggml_type}") from None
+                raise GGUFError(f"{self.path}: tensor '{name}' has unknown GGML type {ggml_type} "
+                                f"(header entry before offset {self.data_offset})") from None
             n = 1
             for d in ne:
                 n *= d
             if ne and ne[0] % block:
                 raise GGUFError(f"{self.path}: tensor '{name}' row of {ne[0]} is not a multiple of the "
-                                f"{GGMLType(ggml_type).name} block size {block}")
+                                f"{GGMLType(ggml_type).name} block size {block} (header before offset "
+                                f"{self.data_offset})")
             n_bytes = n // block * type_size
             start = self.data_offset + offset
             if start + n_bytes > self.size:
-                raise GGUFError(f"{self.path}: tensor '{name}' data [{start}, {start + n_bytes}) runs past the "
-                                f"end of the file ({self.size} bytes): truncated file")
+                raise GGUFError(f"{self.path}: tensor '{name}' data at offset {start} ({n_bytes} bytes) runs past "
+                                f"the end of the file ({self.size} bytes): truncated file")
             self.tensors[name] = TensorInfo(name, ne, ggml_type, start, n_bytes)
 
     # ------------------------------------------------------------------ access
