@@ -116,6 +116,37 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     return (d.reshape(n, 1, 1, 1, 1) * s * q).reshape(n, 256)
 
 
+_SHIFTS_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+
+
+def _q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    scales = b[:, 0:16]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    dl = (d * (scales & 0x0F).astype(F32)).reshape(n, 2, 4, 2, 1)
+    ml = (dmin * (scales >> 4).astype(F32)).reshape(n, 2, 4, 2, 1)
+    # half h, shift j, element l: bits 2j of qs[h*32 + l]; scale index 8h + 2j + l // 16
+    q = ((b[:, 16:80].reshape(n, 2, 1, 32) >> _SHIFTS_2BIT) & 3).astype(F32).reshape(n, 2, 4, 2, 16)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    hmask = b[:, 0:32].reshape(n, 1, 1, 32)
+    qs = b[:, 32:96].reshape(n, 2, 1, 32)
+    s = b[:, 96:108]
+    d = _f16(b, 108)
+    # 16 six-bit scales: low nibbles from bytes 0-7, high two bits from bytes 8-11
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    high = (s[:, 8:12][:, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]) & 3
+    sc = ((low | (high.reshape(n, 16) << 4)).astype(np.int8) - np.int8(32)).astype(F32)
+    dl = (d * sc).reshape(n, 2, 4, 2, 1)
+    lo = ((qs >> _SHIFTS_2BIT) & 3).astype(np.int8)  # [n, 2, 4, 32]
+    bit = (hmask >> np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1)) & 1  # bit 4h + j
+    q = (lo - np.int8(4) * (np.int8(1) - bit.astype(np.int8))).astype(F32).reshape(n, 2, 4, 2, 16)
+    return (dl * q).reshape(n, 256)
+
+
 _FP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=F32)
 
 
@@ -147,11 +178,11 @@ def _nvfp4(b: np.ndarray) -> np.ndarray:
 DEQUANTIZERS: dict[GGMLType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1,
     GGMLType.Q8_0: _q8_0, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
-    GGMLType.MXFP4: _mxfp4, GGMLType.NVFP4: _nvfp4,
+    GGMLType.Q2_K: _q2_k, GGMLType.Q3_K: _q3_k, GGMLType.MXFP4: _mxfp4, GGMLType.NVFP4: _nvfp4,
 }
 
 #: types read through gguf-py's reference dequantizer (slower; no native kernel yet)
-REFERENCE_ONLY = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0,
+REFERENCE_ONLY = (GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.TQ1_0,
                   GGMLType.TQ2_0, GGMLType.IQ2_XXS, GGMLType.IQ2_XS, GGMLType.IQ2_S, GGMLType.IQ3_XXS,
                   GGMLType.IQ3_S, GGMLType.IQ1_S, GGMLType.IQ1_M)
 
