@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -152,17 +151,6 @@ def test_invalid_config():
         SamplerConfig(temperature=-1)
     with pytest.raises(ValueError):
         SamplerConfig(repetition_penalty=0)
-
-
-def test_greedy_fast_on_262k():
-    x = np.random.default_rng(0).normal(size=262144).astype(np.float32)
-    s = Sampler(SamplerConfig(temperature=0))
-    s.sample(x)
-    t = time.perf_counter()
-    for _ in range(50):
-        s.sample(x)
-    per = (time.perf_counter() - t) / 50
-    assert per < 0.01  # generous; measured well under 2 ms
 
 
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.999])
