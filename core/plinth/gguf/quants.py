@@ -60,12 +60,11 @@ def _q5_1(b: np.ndarray) -> np.ndarray:
     return d * q.astype(F32) + m
 
 
-_Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
-
-
 def _q8_0(b: np.ndarray) -> np.ndarray:
-    blk = np.ascontiguousarray(b).view(_Q8_0).reshape(-1)
-    return blk["d"].astype(F32)[:, None] * blk["qs"].astype(F32)
+    # one fused int8 * f32 -> f32 pass over the strided quants (no int8 -> f32 temporary)
+    out = np.empty((b.shape[0], 32), F32)
+    np.multiply(b[:, 2:34].view(np.int8), _f16(b, 0), out=out, dtype=F32)
+    return out
 
 
 def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
