@@ -81,6 +81,7 @@ def test_spm_bos_and_byte_fallback():
     byte_ids = [i for i in ids if tok.token_types[i] == 6]
     assert len(byte_ids) == 4  # the llama emoji has no piece: 4 <0xXX> tokens
     assert tok.decode(ids, skip_special=True) == "\U0001F999x"
+    assert tok.decode(tok.encode("Hello")) == "<s> Hello"
 
 
 def test_parse_special():

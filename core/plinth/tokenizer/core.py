@@ -440,17 +440,12 @@ class SPMTokenizer(Tokenizer):
 
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
         ids = [int(i) for i in ids]
-        out = []
-        strip = self.add_space_prefix
-        for k, i in enumerate(ids):
-            p = self.token_to_piece(i, special=not skip_special)
-            if strip:
-                if k == 0 and i == self.bos_id:
-                    continue
-                if p.startswith(b" "):
-                    p = p[1:]
-                strip = False
-            out.append(p)
+        if skip_special and ids and ids[0] == self.bos_id:
+            ids = ids[1:]
+        out = [self.token_to_piece(i, special=not skip_special) for i in ids]
+        # the space added by add_space_prefix is removed from the first piece only
+        if out and self.add_space_prefix and out[0].startswith(b" "):
+            out[0] = out[0][1:]
         return b"".join(out)
 
 
@@ -466,13 +461,11 @@ class IncrementalDecoder:
     def feed(self, tid: int) -> str:
         tok = self.tok
         piece = tok.token_to_piece(int(tid), special=not self.skip_special)
-        if self._first and isinstance(tok, SPMTokenizer) and tok.add_space_prefix:
-            if int(tid) == tok.bos_id:
+        if self._first:
+            if self.skip_special and int(tid) == tok.bos_id:
                 return ""
-            if piece.startswith(b" "):
+            if isinstance(tok, SPMTokenizer) and tok.add_space_prefix and piece.startswith(b" "):
                 piece = piece[1:]
-            self._first = False
-        elif piece:
             self._first = False
         self._buf += piece
         return self._drain()
