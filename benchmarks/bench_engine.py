@@ -29,6 +29,7 @@ def main() -> None:
     import numpy as np
 
     import plinth
+    from plinth.generate import time_prefill_decode
 
     t0 = time.perf_counter()
     model = plinth.load_model(args.model)
@@ -44,22 +45,7 @@ def main() -> None:
     bandwidth = buf.nbytes / best
     del buf
 
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
-    best_pp = best_tg = float("inf")
-    for _ in range(args.runs):
-        ctx = model.new_context()
-        t = time.perf_counter()
-        out = ctx.decode(prompt)
-        best_pp = min(best_pp, time.perf_counter() - t)
-        token = int(np.argmax(out.logits[-1]))
-        t = time.perf_counter()
-        for _ in range(args.decode_tokens):
-            out = ctx.decode([token])
-            token = int(np.argmax(out.logits[-1]))
-        best_tg = min(best_tg, time.perf_counter() - t)
-    pp = args.prompt_tokens / best_pp
-    tg = args.decode_tokens / best_tg
+    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
     roofline = bandwidth / (4 * n_params)
     print(f"model            {model.path.name} ({model.arch}), {n_params / 1e6:.1f} M params as f32")
     print(f"load             {load_s:.2f} s")

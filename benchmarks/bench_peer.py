@@ -48,6 +48,7 @@ def main() -> None:
 
     import plinth
     from plinth import hub
+    from plinth.generate import time_prefill_decode
 
     try:
         import llama_cpp
@@ -92,18 +93,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
-    # plinth
-    best_pp = best_tg = float("inf")
-    for _ in range(2):
-        ctx = model.new_context()
-        t = time.perf_counter()
-        out = ctx.decode(prompt)
-        best_pp = min(best_pp, time.perf_counter() - t)
-        token = int(np.argmax(out.logits[-1]))
-        t = time.perf_counter()
-        for _ in range(args.decode_tokens):
-            token = int(np.argmax(ctx.decode([token]).logits[-1]))
-        best_tg = min(best_tg, time.perf_counter() - t)
+    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=2)
     # llama.cpp (logits for the last row only, as a normal generation would)
     peer = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads,
                            verbose=False, n_batch=512)
@@ -119,7 +109,6 @@ def main() -> None:
             peer.eval([token])
             token = int(np.argmax(peer.scores[peer.n_tokens - 1]))
         peer_tg = min(peer_tg, time.perf_counter() - t)
-    pp, tg = args.prompt_tokens / best_pp, args.decode_tokens / best_tg
     ppp, ptg = args.prompt_tokens / peer_pp, args.decode_tokens / peer_tg
     print(f"prompt tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, ratio {pp / ppp:.2f}")
     print(f"decode tok/s: plinth {tg:.1f}, llama.cpp {ptg:.1f}, ratio {tg / ptg:.2f}")

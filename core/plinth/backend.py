@@ -51,9 +51,6 @@ class CupyBackend(NumpyBackend):
         self.xp = cupy
         self.options = dict(options or {})
 
-    def asarray(self, array: Any, dtype: Any = None) -> Any:
-        return self.xp.asarray(array, dtype=dtype)
-
     def to_numpy(self, array: Any) -> Any:
         return self.xp.asnumpy(array)
 

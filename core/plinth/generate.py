@@ -121,3 +121,26 @@ class Generator:
         rest = decoder.flush()
         if rest and stats.stop_reason != "stop string":
             yield rest
+
+
+def time_prefill_decode(model: Any, n_prompt: int, n_decode: int, runs: int = 3,
+                        seed: int = 0) -> tuple[float, float]:
+    """Best-of-``runs`` prompt and greedy decode speed, in tokens/s.
+
+    Each run prefills ``n_prompt`` random token ids into a fresh context, then
+    decodes ``n_decode`` tokens one at a time (argmax of the last row).
+    """
+    prompt = np.random.default_rng(seed).integers(0, model.n_vocab, n_prompt).tolist()
+    best_pp = best_tg = float("inf")
+    for _ in range(runs):
+        ctx = model.new_context()
+        t0 = time.perf_counter()
+        out = ctx.decode(prompt)
+        best_pp = min(best_pp, time.perf_counter() - t0)
+        token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            out = ctx.decode([token])
+            token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+        best_tg = min(best_tg, time.perf_counter() - t0)
+    return n_prompt / best_pp, n_decode / best_tg

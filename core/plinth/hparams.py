@@ -65,6 +65,9 @@ class KeyReader:
             return name
         return f"{self.arch}.{name}"
 
+    def _missing(self, key: str) -> HParamsError:
+        return HParamsError(f"{self.source}: missing required key '{key}' (architecture '{self.arch}')")
+
     def has(self, name: str) -> bool:
         return self.key(name) in self.metadata
 
@@ -74,7 +77,7 @@ class KeyReader:
         key = self.key(name)
         if key not in self.metadata:
             if required:
-                raise HParamsError(f"{self.source}: missing required key '{key}' (architecture '{self.arch}')")
+                raise self._missing(key)
             return default  # type: ignore[no-any-return]
         value = _to_python(self.metadata[key])
         if isinstance(value, list):
@@ -90,7 +93,7 @@ class KeyReader:
         key = self.key(name)
         if key not in self.metadata:
             if required:
-                raise HParamsError(f"{self.source}: missing required key '{key}' (architecture '{self.arch}')")
+                raise self._missing(key)
             return PerLayer([default] * n_layer, key)
         value = _to_python(self.metadata[key])
         if isinstance(value, list):
@@ -107,7 +110,7 @@ class KeyReader:
         key = self.key(name)
         if key not in self.metadata:
             if required:
-                raise HParamsError(f"{self.source}: missing required key '{key}' (architecture '{self.arch}')")
+                raise self._missing(key)
             return default  # type: ignore[no-any-return]
         value = _to_python(self.metadata[key])
         values = value if isinstance(value, list) else [value]

@@ -153,25 +153,12 @@ def run_tokenize(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import numpy as np
+    from ..generate import time_prefill_decode
 
     model = _load(args)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
-    best_pp = best_tg = float("inf")
-    for _ in range(args.runs):
-        ctx = model.new_context()
-        t0 = time.perf_counter()
-        out = ctx.decode(prompt)
-        best_pp = min(best_pp, time.perf_counter() - t0)
-        token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
-        t0 = time.perf_counter()
-        for _ in range(args.decode_tokens):
-            out = ctx.decode([token])
-            token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
-        best_tg = min(best_tg, time.perf_counter() - t0)
+    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
     print(f"model:  {model.path.name} ({model.arch}, {model.stats.n_params / 1e6:.1f} M params, backend "
           f"{model.backend.name})")
-    print(f"prompt: {args.prompt_tokens} tokens, {args.prompt_tokens / best_pp:.1f} tok/s")
-    print(f"decode: {args.decode_tokens} tokens, {args.decode_tokens / best_tg:.1f} tok/s")
+    print(f"prompt: {args.prompt_tokens} tokens, {pp:.1f} tok/s")
+    print(f"decode: {args.decode_tokens} tokens, {tg:.1f} tok/s")
     return 0
