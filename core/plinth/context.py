@@ -125,12 +125,30 @@ class ForwardOutput:
     features: dict[int, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class CacheSnapshot:
+    """What :meth:`KVCache.snapshot` saved of one sequence: its length and recurrent states."""
+
+    seq: int
+    n_cached: int
+    positions: np.ndarray
+    states: dict[int, Any]
+    next_position: int = 0
+
+
 class KVCache:
-    """Per-sequence, per-layer keys and values with their positions.
+    """Per-sequence, per-layer keys and values with their positions, and recurrent states.
 
     Layout per (sequence, layer): K [n_cached, n_head_kv, head_dim_k], V [n_cached,
     n_head_kv, head_dim_v], positions [n_cached]. Storage grows by doubling, so
     appending one token is amortised O(1).
+
+    Recurrent layers (Mamba2 conv and SSM states, ...) keep their state here too,
+    one value per (layer, sequence), through :meth:`get_state` / :meth:`set_state`.
+    That is the architecture side of the rollback contract: a state kept here is
+    saved by :meth:`snapshot` and put back by :meth:`restore`, so speculative
+    decoding can undo a verify batch on any target. A recurrent state cannot drop
+    single positions, so :meth:`seq_rm` refuses a partial range on such a sequence.
     """
 
     def __init__(self, n_layer: int, xp: Any = np) -> None:
@@ -141,6 +159,10 @@ class KVCache:
         self._pos: dict[int, np.ndarray] = {}
         self._len: dict[int, int] = {}
         self._pending: dict[int, int] = {}
+        # seq -> layer -> state (committed) and the states written during the current forward
+        self._state: dict[int, dict[int, Any]] = {}
+        self._state_pending: dict[int, dict[int, Any]] = {}
+        self._seen: dict[int, int] = {}
 
     # -------------------------------------------------------------- inspection
 
@@ -155,7 +177,70 @@ class KVCache:
 
     def next_position(self, seq: int) -> int:
         pos = self.positions(seq)
-        return int(pos.max()) + 1 if pos.size else 0
+        if pos.size:
+            return int(pos.max()) + 1
+        return int(self._seen.get(seq, 0))
+
+    def observe(self, seq: int, next_position: int) -> None:
+        """Record that ``seq`` has been run up to ``next_position`` (for sequences with no KV rows).
+
+        :class:`plinth.model.Context` calls it after every forward, so a purely recurrent
+        model still knows where its sequences stand.
+        """
+        if next_position > self._seen.get(seq, 0):
+            self._seen[seq] = next_position
+
+    def has_state(self, seq: int | None = None) -> bool:
+        """Whether ``seq`` (any sequence when None) holds recurrent state."""
+        if seq is None:
+            return any(self._state.values())
+        return bool(self._state.get(seq))
+
+    # -------------------------------------------------------------- recurrent state
+
+    def get_state(self, layer: int, seq: int) -> Any:
+        """The recurrent state of ``layer`` for ``seq`` (None before the first token)."""
+        pending = self._state_pending.get(seq)
+        if pending is not None and layer in pending:
+            return pending[layer]
+        return self._state.get(seq, {}).get(layer)
+
+    def set_state(self, layer: int, seq: int, value: Any) -> None:
+        """Store the state after this forward's rows of ``seq``; it becomes current at :meth:`commit`.
+
+        Store a new array (or a tuple of arrays) rather than mutating the previous one in place.
+        """
+        self._state_pending.setdefault(seq, {})[layer] = value
+
+    def snapshot(self, seq: int) -> CacheSnapshot:
+        """Save ``seq``'s length and a copy of its recurrent states (on the backend, no host copy)."""
+        def copy(v: Any) -> Any:
+            if isinstance(v, tuple):
+                return tuple(copy(x) for x in v)
+            return v.copy() if hasattr(v, "copy") else v
+
+        return CacheSnapshot(seq=seq, n_cached=self.n_cached(seq), positions=self.positions(seq).copy(),
+                             states={k: copy(v) for k, v in self._state.get(seq, {}).items()},
+                             next_position=self.next_position(seq))
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Put ``snap.seq`` back as it was at :meth:`snapshot`: rows added since are dropped, states restored.
+
+        Only rows appended after the snapshot may be dropped: the cache must not have been
+        edited below ``snap.n_cached`` in between.
+        """
+        seq = snap.seq
+        n = self.n_cached(seq)
+        if n < snap.n_cached or not np.array_equal(self.positions(seq)[: snap.n_cached], snap.positions):
+            raise ValueError(f"cannot restore sequence {seq}: the cache changed below the snapshot")
+        if snap.n_cached == 0 and not snap.states:
+            self.clear(seq)
+            return
+        if seq in self._len:
+            self._len[seq] = snap.n_cached
+        self._state[seq] = dict(snap.states)
+        self._state_pending.pop(seq, None)
+        self._seen[seq] = snap.next_position
 
     # -------------------------------------------------------------- writes
 
@@ -199,10 +284,14 @@ class KVCache:
         for seq, n in self._pending.items():
             self._len[seq] = n
         self._pending.clear()
+        for seq, states in self._state_pending.items():
+            self._state.setdefault(seq, {}).update(states)
+        self._state_pending.clear()
 
     def rollback_pending(self) -> None:
-        """Drop rows appended during a forward that failed half way."""
+        """Drop rows (and states) written during a forward that failed half way."""
         self._pending.clear()
+        self._state_pending.clear()
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:
         """Remove the cached rows of ``seq`` with p0 <= position < p1 (p1 None = to the end)."""
@@ -214,6 +303,10 @@ class KVCache:
         keep = ~((pos >= p0) & (pos < hi))
         if keep.all():
             return
+        if self._state.get(seq) and keep.any():
+            raise ValueError(
+                f"sequence {seq} holds recurrent state, which cannot drop positions {p0}..{p1}; "
+                "take a snapshot() before the rows and restore() it instead")
         idx = np.nonzero(keep)[0]
         m = len(idx)
         for entry in self._kv[seq]:
@@ -222,21 +315,25 @@ class KVCache:
                 entry[1][:m] = entry[1][idx]
         self._pos[seq][:m] = pos[idx]
         self._len[seq] = m
+        self._seen[seq] = int(pos[idx].max()) + 1 if m else 0
         if m == 0:
             self.clear(seq)
 
     def seq_cp(self, src: int, dst: int) -> None:
         """Make ``dst`` a copy of ``src`` (its rows replace whatever ``dst`` held)."""
         self.clear(dst)
-        if src not in self._len:
-            return
-        n = self._len[src]
-        self._len[dst] = n
-        self._pos[dst] = self._pos[src][:n].copy()
-        self._kv[dst] = [None if e is None else [e[0][:n].copy(), e[1][:n].copy()] for e in self._kv[src]]
+        if src in self._len:
+            n = self._len[src]
+            self._len[dst] = n
+            self._pos[dst] = self._pos[src][:n].copy()
+            self._kv[dst] = [None if e is None else [e[0][:n].copy(), e[1][:n].copy()] for e in self._kv[src]]
+        if self._state.get(src):
+            self._state[dst] = dict(self.snapshot(src).states)
+        if src in self._seen:
+            self._seen[dst] = self._seen[src]
 
     def clear(self, seq: int | None = None) -> None:
-        for table in (self._kv, self._pos, self._len, self._pending):
+        for table in (self._kv, self._pos, self._len, self._pending, self._state, self._state_pending, self._seen):
             if seq is None:
                 table.clear()
             else:

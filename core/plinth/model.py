@@ -52,7 +52,15 @@ class Context:
                     f"context limit exceeded: sequence {int(seq)} would hold {n} tokens, "
                     f"the context holds {self.model.n_ctx} (raise it with n_ctx=...)"
                 )
-        return self.model.graph.forward(batch, self.cache, taps=self.taps, pooling=self.pooling)
+        out = self.model.graph.forward(batch, self.cache, taps=self.taps, pooling=self.pooling)
+        for seq in np.unique(batch.seq_ids):
+            self.cache.observe(int(seq), int(batch.positions[batch.seq_ids == seq].max()) + 1)
+        return out
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the architecture keeps recurrent state (rollback needs snapshot + replay)."""
+        return bool(getattr(self.model.graph, "recurrent", False))
 
     def decode(self, tokens: Sequence[int], seq: int = 0, output: str = "last") -> ForwardOutput:
         """Append ``tokens`` to sequence ``seq`` after what it already holds."""

@@ -49,41 +49,10 @@ def random_tensors(specs: Iterable[Any], seed: int = 0, scale: float = 0.2) -> d
 
 def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
                qtypes: Mapping[str, Any] | None = None) -> Path:
-    """Write ``metadata`` and ``tensors`` (numpy order) with gguf's writer.
+    """Write ``metadata`` and ``tensors`` (numpy order); see :func:`plinth.convert.write_gguf`."""
+    from ..convert import write_gguf as _write
 
-    ``qtypes`` maps tensor names to a ``gguf.GGMLQuantizationType`` to store them
-    quantized (with gguf's own quantizer), else they are stored as F32.
-    """
-    import gguf
-
-    path = Path(path)
-    arch = str(metadata["general.architecture"])
-    writer = gguf.GGUFWriter(str(path), arch)
-    for key, value in metadata.items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value) if value >= 0 else writer.add_int32(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_array(key, list(value))
-    for name, array in tensors.items():
-        qtype = (qtypes or {}).get(name)
-        if qtype is None:
-            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
-        else:
-            packed = gguf.quants.quantize(np.asarray(array, dtype=np.float32), qtype)
-            writer.add_tensor(name, packed, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _write(path, metadata, tensors, qtypes)
 
 
 def write_synthetic_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any], registry: Any, *,
