@@ -9,7 +9,7 @@ import plinth
 from plinth.context import Batch
 from plinth.errors import UserError
 from plinth.tensors import TensorCheckError
-from plinth.testing import tiny_metadata, write_synthetic_gguf
+from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
 
 gguf = pytest.importorskip("gguf")
 
@@ -19,21 +19,6 @@ def registry(plinth_registry):
     from plinth_llama.plugin import plugin
 
     return plinth_registry(plugin)
-
-
-def byte_vocab() -> dict:
-    """A byte-level BPE vocabulary without merges: 256 byte tokens plus an end token."""
-    from plinth.tokenizer.core import _BYTE_TO_CHAR
-
-    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + ["<|end|>"]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "default",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * 256 + [3],
-        "tokenizer.ggml.merges": [],
-        "tokenizer.ggml.eos_token_id": 256,
-    }
 
 
 @pytest.fixture
@@ -104,7 +89,7 @@ def test_generation_greedy_matches_argmax_loop(tiny_path, registry):
             break
         expect.append(nxt)
         ids.append(nxt)
-    assert gen.tokens == expect
+    assert gen.tokens_out == expect
     assert text == model.tokenizer.decode(expect)
     assert gen.stats.n_generated == len(expect)
 

@@ -17,6 +17,14 @@ plugin = ManifestPlugin(
             "numpy": "plinth.backend:NumpyBackend",
             "cupy": "plinth.backend:CupyBackend",
         },
-        description="core backends",
+        drafters={
+            "ngram": "plinth.speculative.ngram:make_ngram",
+            "draft": "plinth.speculative.draft_model:make_draft_model",
+        },
+        verifiers={
+            "greedy": "plinth.speculative.verify:GreedyVerifier",
+            "rejection": "plinth.speculative.verify:RejectionVerifier",
+        },
+        description="core backends, the ngram and draft-model drafters, greedy and rejection verification",
     )
 )

@@ -190,6 +190,18 @@ class KVCache:
         if next_position > self._seen.get(seq, 0):
             self._seen[seq] = next_position
 
+    def layer_kv(self, layer: int, seq: int) -> tuple[Any, Any] | None:
+        """The cached (K, V) of ``layer`` for ``seq`` (views; None if that layer caches nothing)."""
+        entry = self._kv.get(seq, [None] * self.n_layer)[layer]
+        if entry is None:
+            return None
+        n = self._len[seq]
+        return entry[0][:n], entry[1][:n]
+
+    def states(self, seq: int) -> dict[int, Any]:
+        """The committed recurrent states of ``seq`` by layer."""
+        return dict(self._state.get(seq, {}))
+
     def has_state(self, seq: int | None = None) -> bool:
         """Whether ``seq`` (any sequence when None) holds recurrent state."""
         if seq is None:

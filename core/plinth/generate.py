@@ -62,33 +62,43 @@ def render_chat(template: str | None, messages: Sequence[dict[str, str]], tokeni
 
 
 class Generator:
-    """Runs one model with one sampler; ``stream`` yields text chunks."""
+    """Runs one model with one sampler; ``stream`` yields text chunks, ``tokens`` token ids.
+
+    Subclasses change how tokens are produced (speculative decoding overrides
+    :meth:`tokens`); the text side — incremental detokenisation and stop
+    strings — is shared.
+    """
 
     def __init__(self, model: Any, sampler: Sampler | None = None) -> None:
         self.model = model
         self.tokenizer = model.tokenizer
         self.sampler = sampler or Sampler(SamplerConfig(temperature=0.0))
         self.stats = GenerationStats()
-        self.tokens: list[int] = []
+        self.tokens_out: list[int] = []
 
-    def stream(self, prompt_ids: Sequence[int], max_tokens: int = 128,
-               stop: Sequence[str] = ()) -> Iterator[str]:
-        model, tok = self.model, self.tokenizer
+    def _check_prompt(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise UserError("the prompt is empty after tokenization")
-        if len(prompt_ids) >= model.n_ctx:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; the context holds {model.n_ctx}")
-        max_tokens = min(max_tokens, model.n_ctx - len(prompt_ids))
+        n_ctx = self.model.n_ctx
+        if len(prompt_ids) >= n_ctx:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; the context holds {n_ctx}")
+        return prompt_ids, min(max_tokens, n_ctx - len(prompt_ids))
+
+    def _new_stats(self, n_prompt: int) -> GenerationStats:
+        return GenerationStats(n_prompt=n_prompt)
+
+    def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
+        """Generated token ids, one at a time (end-of-generation tokens are not yielded)."""
+        model, tok = self.model, self.tokenizer
+        prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
         ctx = model.new_context()
-        stats = self.stats = GenerationStats(n_prompt=len(prompt_ids))
+        stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
-        decoder = tok.incremental_decoder(skip_special=True)
-        text = ""
+        self.tokens_out = []
         t0 = time.perf_counter()
         out = ctx.decode(prompt_ids)
         stats.prompt_s = time.perf_counter() - t0
-        self.tokens = []
         while True:
             t1 = time.perf_counter()
             logits = np.asarray(model.backend.to_numpy(out.logits[-1]))
@@ -96,10 +106,31 @@ class Generator:
             stats.sample_s += time.perf_counter() - t1
             if tok.is_eog(token):
                 stats.stop_reason = "end of generation token"
-                break
-            self.tokens.append(token)
+                return
+            self.tokens_out.append(token)
             history.append(token)
             stats.n_generated += 1
+            yield token
+            if stats.n_generated >= max_tokens:
+                stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < model.n_ctx \
+                    else "context full"
+                return
+            t2 = time.perf_counter()
+            out = ctx.decode([token])
+            stats.decode_s += time.perf_counter() - t2
+
+    def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> list[int]:
+        """All generated token ids."""
+        return list(self.tokens(prompt_ids, max_tokens))
+
+    def stream(self, prompt_ids: Sequence[int], max_tokens: int = 128,
+               stop: Sequence[str] = ()) -> Iterator[str]:
+        """Text chunks as tokens arrive; never half a UTF-8 character; ends at a stop string."""
+        decoder = self.tokenizer.incremental_decoder(skip_special=True)
+        text = ""
+        stopped = False
+        gen = self.tokens(prompt_ids, max_tokens)
+        for token in gen:
             chunk = decoder.feed(token)
             if stop and chunk:
                 text += chunk
@@ -108,18 +139,14 @@ class Generator:
                     already = len(text) - len(chunk)
                     if hit > already:
                         yield text[already:hit]
-                    stats.stop_reason = "stop string"
+                    self.stats.stop_reason = "stop string"
+                    stopped = True
+                    gen.close()
                     break
             if chunk:
                 yield chunk
-            if stats.n_generated >= max_tokens:
-                stats.stop_reason = "max tokens" if stats.n_generated < model.n_ctx else "context full"
-                break
-            t2 = time.perf_counter()
-            out = ctx.decode([token])
-            stats.decode_s += time.perf_counter() - t2
         rest = decoder.flush()
-        if rest and stats.stop_reason != "stop string":
+        if rest and not stopped:
             yield rest
 
 

@@ -21,6 +21,57 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
+def _spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding", "draft several tokens per step and verify them in one "
+                             "target forward; greedy output is unchanged, sampled output keeps its distribution")
+    g.add_argument("--spec", default=None, metavar="NAME[,NAME...]",
+                   help="drafter(s): ngram (prompt lookup), draft (a smaller model, see --draft), or a plugin "
+                   "drafter such as dflash (`plinth plugins` lists them); several, comma-separated, are tried "
+                   "in order each step and the first that proposes a draft drafts it")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="the draft model / drafter file for --spec draft (or a plugin drafter that needs a file)")
+    g.add_argument("--spec-n-max", type=int, default=8, help="longest draft per step (default 8)")
+    g.add_argument("--spec-n-min", type=int, default=0, help="drop drafts shorter than this (default 0)")
+    g.add_argument("--spec-p-min", type=float, default=0.0,
+                   help="cut a draft at its first token whose draft probability is below this (default 0)")
+    g.add_argument("--spec-verify", default="auto",
+                   help="verification rule: auto (greedy at temperature 0, else rejection), greedy, rejection")
+    g.add_argument("--spec-ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
+    g.add_argument("--spec-ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
+    g.add_argument("--spec-synthetic", type=float, default=None, metavar="RATE",
+                   help="benchmark only: accept each drafted position with this probability instead of "
+                   "verifying (the text is then NOT the model's output)")
+
+
+def _spec_names(args: argparse.Namespace) -> list[str]:
+    """The --spec drafter names, each checked against the registry before any model is loaded."""
+    names = [n.strip() for n in (getattr(args, "spec", None) or "").split(",") if n.strip()]
+    for n in names:
+        args.registry.owner("drafters", n)  # an unknown name raises, listing the available drafters
+    return names
+
+
+def make_generator(args: argparse.Namespace, model: Any) -> Any:
+    """A plain or speculative generator from the parsed options."""
+    from ..generate import Generator
+
+    sampler = _sampler(args)
+    names = _spec_names(args)
+    if not names:
+        return Generator(model, sampler)
+    from ..speculative.engine import SpecConfig, SpeculativeGenerator
+
+    options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min,
+               "p_min": args.spec_p_min, "backend": getattr(args, "backend", "numpy"),
+               "ngram_max": args.spec_ngram_max, "ngram_min": args.spec_ngram_min, "progress": True,
+               "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+               "seed": args.seed}
+    drafters = [args.registry.make_drafter(n, model, options) for n in names]
+    config = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min,
+                        verifier=args.spec_verify, synthetic_accept=args.spec_synthetic, seed=args.seed)
+    return SpeculativeGenerator(model, drafters, config=config, sampler=sampler, registry=args.registry)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streamed)",
                        description="Generate a continuation of PROMPT and stream it to stdout. With --chat the "
@@ -33,6 +84,7 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", action="store_true", help="print load time, tokens/s and timing split to stderr")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     _sampling_args(p)
+    _spec_args(p)
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("chat", help="interactive chat with history",
@@ -44,6 +96,7 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     _sampling_args(p)
+    _spec_args(p)
     p.set_defaults(func=run_chat)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text",
@@ -86,8 +139,9 @@ def _sampler(args: argparse.Namespace) -> Any:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ..generate import Generator, render_chat
+    from ..generate import render_chat
 
+    _spec_names(args)
     model = _load(args)
     tok = model.tokenizer
     if args.chat:
@@ -95,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(text, add_special=False, parse_special=True)
     else:
         ids = tok.encode(args.prompt, add_special=True)
-    gen = Generator(model, _sampler(args))
+    gen = make_generator(args, model)
     for chunk in gen.stream(ids, max_tokens=args.max_tokens, stop=args.stop):
         sys.stdout.write(chunk)
         sys.stdout.flush()
@@ -106,14 +160,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from ..generate import Generator, render_chat
+    from ..generate import render_chat
 
+    _spec_names(args)
     model = _load(args)
     tok = model.tokenizer
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    gen = Generator(model, _sampler(args))
+    gen = make_generator(args, model)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:

@@ -18,11 +18,12 @@ from typing import Any
 from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
-from .synthetic import random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
 __all__ = [
     "make_registry",
     "plugin_from_manifest",
+    "byte_vocab",
     "random_tensors",
     "tiny_metadata",
     "write_gguf",

@@ -34,6 +34,25 @@ def tiny_metadata(arch: str, *, n_vocab: int = 96, n_embd: int = 64, n_layer: in
     return md
 
 
+def byte_vocab(eos: str = "<|end|>") -> dict[str, Any]:
+    """Tokenizer metadata of a byte-level BPE vocabulary without merges: 256 byte tokens plus an end token.
+
+    Merge it into ``tiny_metadata(..., n_vocab=257)`` to get a tiny model that
+    ``Model.tokenizer`` and the generation loop can use.
+    """
+    from ..tokenizer.core import _BYTE_TO_CHAR
+
+    tokens = [_BYTE_TO_CHAR[b] for b in range(256)] + [eos]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 256 + [3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.eos_token_id": 256,
+    }
+
+
 def random_tensors(specs: Iterable[Any], seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
     """Random float32 weights for ``specs``; norm weights (1-D) centred on 1."""
     rng = np.random.default_rng(seed)

@@ -1,0 +1,307 @@
+"""The speculative decoding loop: draft -> one target forward -> verify -> accept / roll back.
+
+One step for a sequence whose last committed token ``t`` sits at position ``n``:
+
+1. the first drafter (in the order given) that proposes a non-empty draft after
+   the ``n_max`` / ``p_min`` / ``n_min`` controls drafts ``d_1..d_k``;
+2. the target runs ``[t, d_1..d_k]`` at positions ``n..n+k`` in one forward
+   (with the feature taps the drafters asked for);
+3. the verifier keeps ``a`` drafts and gives the next token;
+4. every drafter sees the batch (``process``); the target drops rows past
+   ``n + a`` — a KV crop, or for recurrent targets a restore of the snapshot
+   taken before step 2 and a replay of the ``a + 1`` kept rows; every drafter is
+   told ``accept(seq, a)``.
+
+With no draft the step is a plain one-token decode, so speculation never costs
+correctness: with the ``greedy`` rule the output equals greedy decoding, with
+``rejection`` it has the distribution of plain sampling.
+
+``SpecConfig.synthetic_accept`` replaces step 3 by a draw (each drafted position
+kept with that probability, in order): the cost of drafting and verifying is
+real but the text is not the model's. It measures how fast a drafter of that
+quality would make the engine; never use it for output.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence
+
+import attrs
+import numpy as np
+
+from ..context import Batch
+from ..errors import UserError
+from ..generate import GenerationStats, Generator
+from ..sampling import Sampler, SamplerConfig
+from .base import Draft, TargetOutput, check_compatible
+from .verify import GreedyVerifier, make_verifier
+
+
+def _nonneg_int(_inst: Any, attr: Any, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class SpecConfig:
+    """Controls of speculative decoding.
+
+    n_max: longest draft per step (clamped to each drafter's own limit).
+    n_min: a draft shorter than this is dropped (the step decodes one token).
+    p_min: a draft is cut at its first token whose probability / confidence is below it.
+    verifier: "greedy", "rejection", another registered verifier, or "auto"
+        (greedy at temperature 0, rejection otherwise).
+    synthetic_accept: None, or a per-position acceptance rate in [0, 1] for
+        benchmarking the verify path (output is then not the model's).
+    seed: seed of the verifier's random draws (rejection, synthetic).
+    """
+
+    n_max: int = attrs.field(default=16, converter=int, validator=_nonneg_int)
+    n_min: int = attrs.field(default=0, converter=int, validator=_nonneg_int)
+    p_min: float = attrs.field(default=0.0, converter=float)
+    verifier: str = "auto"
+    synthetic_accept: float | None = None
+    seed: int | None = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+        if self.synthetic_accept is not None and not 0.0 <= self.synthetic_accept <= 1.0:
+            raise ValueError(f"synthetic_accept must be in [0, 1], got {self.synthetic_accept}")
+
+
+@attrs.define
+class SpecStats(GenerationStats):
+    """Generation stats plus the speculative metrics (vLLM's definitions).
+
+    n_drafts: verify steps that carried a draft; n_drafted: drafted tokens;
+    n_accepted: drafted tokens kept (the bonus/correction token is not counted).
+    acceptance_rate = n_accepted / n_drafted; tau (mean acceptance length) =
+    1 + n_accepted / n_drafts; per-position rate k = accepted_per_pos[k] / n_drafts;
+    histogram: accepted length -> number of drafts.
+    """
+
+    n_steps: int = 0
+    n_drafts: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    accepted_per_pos: list[int] = attrs.field(factory=list)
+    histogram: dict[int, int] = attrs.field(factory=dict)
+    by_drafter: dict[str, list[int]] = attrs.field(factory=dict)  # name -> [drafts, drafted, accepted]
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rollback_s: float = 0.0
+    synthetic: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.n_accepted / self.n_drafts if self.n_drafts else 1.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.n_drafts if self.n_drafts else 0.0 for a in self.accepted_per_pos]
+
+    def record(self, drafter: str, k: int, a: int) -> None:
+        self.n_drafts += 1
+        self.n_drafted += k
+        self.n_accepted += a
+        if len(self.accepted_per_pos) < k:
+            self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
+        for i in range(a):
+            self.accepted_per_pos[i] += 1
+        self.histogram[a] = self.histogram.get(a, 0) + 1
+        row = self.by_drafter.setdefault(drafter, [0, 0, 0])
+        row[0] += 1
+        row[1] += k
+        row[2] += a
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "n_prompt": self.n_prompt, "n_generated": self.n_generated, "stop_reason": self.stop_reason,
+            "prompt_s": self.prompt_s, "decode_s": self.decode_s, "draft_s": self.draft_s,
+            "verify_s": self.verify_s, "rollback_s": self.rollback_s, "n_steps": self.n_steps,
+            "n_drafts": self.n_drafts, "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
+            "acceptance_rate": self.acceptance_rate, "tau": self.tau, "per_position": self.per_position,
+            "histogram": dict(sorted(self.histogram.items())), "by_drafter": dict(self.by_drafter),
+            "synthetic": self.synthetic,
+        }
+
+    def summary(self) -> str:
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(self.histogram.items()))
+        per = " ".join(f"{r:.2f}" for r in self.per_position[:8])
+        note = " (SYNTHETIC acceptance: output is not the model's)" if self.synthetic else ""
+        return (super().summary() + "\n"
+                f"speculative{note}: {self.n_drafts} drafts in {self.n_steps} steps, {self.n_accepted}/"
+                f"{self.n_drafted} drafted tokens accepted (rate {self.acceptance_rate:.3f}), tau {self.tau:.2f}; "
+                f"per position [{per}]; accepted-length histogram {{{hist}}}; time draft {self.draft_s:.2f} s, "
+                f"verify {self.verify_s:.2f} s, rollback {self.rollback_s:.2f} s")
+
+
+class SpeculativeGenerator(Generator):
+    """A :class:`Generator` whose decode steps verify drafts in one target forward.
+
+    drafters: drafter objects (:class:`plinth.speculative.base.BaseDrafter`
+    shape), in priority order: the first to propose a draft drafts the step;
+    all of them see every target batch.
+    """
+
+    def __init__(self, model: Any, drafters: Sequence[Any], *, config: SpecConfig | None = None,
+                 sampler: Sampler | SamplerConfig | None = None, registry: Any = None) -> None:
+        if isinstance(sampler, SamplerConfig):
+            sampler = Sampler(sampler)
+        super().__init__(model, sampler)
+        self.config = config or SpecConfig()
+        self.drafters = list(drafters)
+        self.requirements = [check_compatible(model, d) for d in self.drafters]
+        self.names = [str(getattr(d, "name", type(d).__name__)) for d in self.drafters]
+        vname = self.config.verifier
+        if vname == "auto":
+            vname = "greedy" if self.sampler.config.greedy else "rejection"
+        if vname == "greedy" and not self.sampler.config.greedy:
+            raise UserError("greedy verification only reproduces temperature-0 decoding; with temperature "
+                            f"{self.sampler.config.temperature} use the 'rejection' verifier")
+        self.verifier = make_verifier(vname, registry)
+        self.rng = np.random.default_rng(self.config.seed)
+        self.taps = tuple(sorted({int(t) for r in self.requirements for t in r.taps}))
+        self.context: Any = None
+        self.seq = 0
+
+    def _new_stats(self, n_prompt: int) -> SpecStats:
+        return SpecStats(n_prompt=n_prompt, synthetic=self.config.synthetic_accept is not None)
+
+    # ------------------------------------------------------------------ pieces
+
+    def _show(self, kind: str, batch: Batch, out: Any) -> None:
+        """Hand one target forward to every drafter (``process``)."""
+        if not self.drafters:
+            return
+        has_embd = batch.is_embd is not None and bool(np.any(batch.is_embd))
+        rows = np.nonzero(batch.seq_ids == self.seq)[0]
+        for drafter, req in zip(self.drafters, self.requirements):
+            feats = {t: out.features[t] for t in req.taps if t in out.features}
+            drafter.process(TargetOutput(seq=self.seq, kind=kind, tokens=batch.tokens[rows],
+                                         positions=batch.positions[rows], features=feats,
+                                         has_embeddings=has_embd, logits=out.logits))
+
+    def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
+        """The first drafter's non-empty draft after the controls; (-1, empty) when none drafts."""
+        cfg = self.config
+        for i, (drafter, req) in enumerate(zip(self.drafters, self.requirements)):
+            n = min(n_max, req.max_draft) if req.max_draft is not None else n_max
+            if n <= 0:
+                continue
+            d = drafter.draft(self.seq, n, history=history, pos=pos)
+            if d is None or not len(d):
+                continue
+            d = d.truncated(n)
+            if cfg.p_min > 0.0:
+                conf = d.confidence()
+                if conf is not None:
+                    low = np.nonzero(conf < cfg.p_min)[0]
+                    if low.size:
+                        d = d.truncated(int(low[0]))
+            if len(d) == 0 or len(d) < cfg.n_min:
+                continue
+            return i, d
+        return -1, Draft()
+
+    def _target_probs(self, logits: np.ndarray, history: list[int], draft: Sequence[int]) -> np.ndarray:
+        rows = [self.sampler.probs(logits[i], history + list(draft[:i])) for i in range(len(draft) + 1)]
+        return np.stack(rows)
+
+    # ------------------------------------------------------------------ loop
+
+    def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
+        model, tok, cfg = self.model, self.tokenizer, self.config
+        prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
+        seq = self.seq
+        ctx = self.context = model.new_context(taps=self.taps)
+        recurrent = ctx.recurrent
+        stats = self.stats = self._new_stats(len(prompt_ids))
+        history = list(prompt_ids)
+        self.tokens_out = []
+        greedy_rule = isinstance(self.verifier, GreedyVerifier)
+        for d in self.drafters:
+            d.begin(seq, list(prompt_ids))
+        try:
+            t0 = time.perf_counter()
+            batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")
+            out = ctx.forward(batch)
+            self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time
+            stats.prompt_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            token = self.sampler.sample(np.asarray(model.backend.to_numpy(out.logits[-1])), history).token
+            stats.sample_s += time.perf_counter() - t1
+            pending = [token]  # tokens decided but not yet yielded (the last one not yet run)
+            while True:
+                # emit what the last step decided, stopping at end of generation or the budget
+                for t in pending:
+                    if tok.is_eog(t):
+                        stats.stop_reason = "end of generation token"
+                        return
+                    self.tokens_out.append(t)
+                    history.append(t)
+                    stats.n_generated += 1
+                    yield t
+                    if stats.n_generated >= max_tokens:
+                        stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < model.n_ctx \
+                            else "context full"
+                        return
+                last = history[-1]
+                pos = ctx.cache.next_position(seq)
+                # a step emits at most k + 1 tokens and fills positions pos..pos+k
+                n_max = min(cfg.n_max, max_tokens - stats.n_generated - 1, model.n_ctx - pos - 1)
+                t0 = time.perf_counter()
+                who, draft = self._draft(history, pos, n_max) if n_max > 0 else (-1, Draft())
+                t_draft = time.perf_counter() - t0
+                k = len(draft)
+                t0 = time.perf_counter()
+                batch = Batch.from_tokens([last, *draft.tokens], start=pos, seq=seq,
+                                          output="all" if k else "last")
+                snap = ctx.cache.snapshot(seq) if (recurrent and k) else None
+                out = ctx.forward(batch)
+                logits = np.asarray(model.backend.to_numpy(out.logits))
+                if cfg.synthetic_accept is not None and k:
+                    a = 0
+                    while a < k and self.rng.random() < cfg.synthetic_accept:
+                        a += 1
+                    nxt = int(np.argmax(logits[a])) if self.sampler.config.greedy else \
+                        self.sampler.sample(logits[a], history + list(draft.tokens[:a])).token
+                elif greedy_rule and self.sampler.config.repetition_penalty == 1.0:  # argmax is enough
+                    res = GreedyVerifier.verify_argmax(draft.tokens, logits.argmax(axis=-1))
+                    a, nxt = res.n_accepted, res.next_token
+                else:
+                    probs = self._target_probs(logits, history, draft.tokens)
+                    res = self.verifier.verify(list(draft.tokens), draft.probs, probs, self.rng)
+                    a, nxt = int(res.n_accepted), int(res.next_token)
+                stats.verify_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self._show("verify", batch, out)
+                t_draft += time.perf_counter() - t0
+                stats.draft_s += t_draft
+                t0 = time.perf_counter()
+                if a < k:
+                    if snap is not None:
+                        ctx.cache.restore(snap)
+                        ctx.forward(Batch.from_tokens([last, *draft.tokens[:a]], start=pos, seq=seq,
+                                                      output="none"))
+                    else:
+                        ctx.cache.seq_rm(seq, pos + a + 1)
+                for d in self.drafters:
+                    d.accept(seq, a)
+                stats.rollback_s += time.perf_counter() - t0
+                stats.n_steps += 1
+                if k:
+                    stats.record(self.names[who], k, a)
+                pending = [*draft.tokens[:a], nxt]
+        finally:
+            stats.decode_s = stats.draft_s + stats.verify_s + stats.rollback_s
+            for d in self.drafters:
+                end = getattr(d, "end", None)
+                if end is not None:
+                    end(seq)

@@ -1,0 +1,151 @@
+"""Drafters and checks for testing speculative decoding, and any drafter plugin.
+
+* :class:`OracleDrafter` proposes the target's own greedy continuation
+  (acceptance 1.0 under greedy verification): it exercises long accepts.
+* :class:`RandomDrafter` proposes random tokens (acceptance near 0), optionally
+  with a random distribution ``q`` it really samples from: it exercises
+  rejections, corrections and rollback.
+* :func:`check_drafter_contract` is the test a drafter plugin runs against a
+  target: greedy output identical with and without the drafter, metrics
+  consistent, and the target's cache after speculation identical to the cache
+  of plain decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..speculative.base import BaseDrafter, Draft, DrafterRequirements
+
+
+class OracleDrafter(BaseDrafter):
+    """Drafts what the target will greedily produce (computed once per sequence by plain decoding)."""
+
+    name = "oracle"
+
+    def __init__(self, model: Any, horizon: int = 128, n_draft: int = 16, taps: Sequence[int] = ()) -> None:
+        self.model = model
+        self.horizon = horizon
+        self.n_draft = n_draft
+        self.taps = tuple(taps)
+        self.continuation: dict[int, list[int]] = {}
+        self.prompt_len: dict[int, int] = {}
+        self.seen_kinds: list[str] = []
+        self.accepted: list[int] = []
+
+    def requirements(self) -> DrafterRequirements:
+        return DrafterRequirements(taps=self.taps, max_draft=self.n_draft)
+
+    def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
+        from ..generate import Generator
+
+        self.continuation[seq] = Generator(self.model).generate(list(prompt_ids), self.horizon)
+        self.prompt_len[seq] = len(prompt_ids)
+
+    def process(self, target_output: Any) -> None:
+        self.seen_kinds.append(target_output.kind)
+        for t in self.taps:
+            if t not in target_output.features:
+                raise AssertionError(f"tap {t} missing from the target output")
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
+        g = len(history) - self.prompt_len[seq]  # generated so far: the next is continuation[g]
+        return Draft(tokens=tuple(self.continuation[seq][g: g + n_max]))
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        self.accepted.append(n_accepted)
+
+
+class RandomDrafter(BaseDrafter):
+    """Random drafts of ``length`` tokens; with ``with_probs`` each is sampled from a random q it returns."""
+
+    name = "random"
+
+    def __init__(self, n_vocab: int, length: int = 4, seed: int = 0, with_probs: bool = False,
+                 concentration: float = 0.3) -> None:
+        self.n_vocab = n_vocab
+        self.length = length
+        self.rng = np.random.default_rng(seed)
+        self.with_probs = with_probs
+        self.concentration = concentration
+
+    def requirements(self) -> DrafterRequirements:
+        return DrafterRequirements(max_draft=self.length)
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
+        n = min(n_max, self.length)
+        if not self.with_probs:
+            return Draft(tokens=tuple(int(t) for t in self.rng.integers(0, self.n_vocab, n)))
+        q = self.rng.dirichlet(np.full(self.n_vocab, self.concentration), size=n)
+        toks = tuple(int(self.rng.choice(self.n_vocab, p=row)) for row in q)
+        return Draft(tokens=toks, probs=q)
+
+
+def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5) -> None:
+    """Two KV caches hold the same positions, keys, values and recurrent states for ``seq``."""
+    pa, pb = a.positions(seq), b.positions(seq)
+    if not np.array_equal(pa, pb):
+        raise AssertionError(f"cached positions differ: {pa.tolist()} vs {pb.tolist()}")
+    if a.next_position(seq) != b.next_position(seq):
+        raise AssertionError(f"next positions differ: {a.next_position(seq)} vs {b.next_position(seq)}")
+    for layer in range(a.n_layer):
+        ka, kb = a.layer_kv(layer, seq), b.layer_kv(layer, seq)
+        if (ka is None) != (kb is None):
+            raise AssertionError(f"layer {layer}: one cache holds K/V and the other does not")
+        if ka is not None:
+            for name, x, y in (("K", ka[0], kb[0]), ("V", ka[1], kb[1])):
+                d = float(np.abs(np.asarray(x) - np.asarray(y)).max()) if np.asarray(x).size else 0.0
+                if d > atol:
+                    raise AssertionError(f"layer {layer} {name} differs by {d:.3g} (> {atol})")
+    sa, sb = a.states(seq), b.states(seq)
+    if sorted(sa) != sorted(sb):
+        raise AssertionError(f"recurrent state layers differ: {sorted(sa)} vs {sorted(sb)}")
+    for layer in sa:
+        xs = sa[layer] if isinstance(sa[layer], tuple) else (sa[layer],)
+        ys = sb[layer] if isinstance(sb[layer], tuple) else (sb[layer],)
+        for x, y in zip(xs, ys):
+            d = float(np.abs(np.asarray(x) - np.asarray(y)).max())
+            if d > atol:
+                raise AssertionError(f"layer {layer} recurrent state differs by {d:.3g} (> {atol})")
+
+
+def check_drafter_contract(model: Any, make_drafter: Callable[[], Any], prompts: Sequence[Sequence[int]], *,
+                           max_tokens: int = 24, n_max: int = 4, atol: float = 1e-5) -> list[Any]:
+    """Run the drafter contract on ``model``; raise AssertionError on a violation; return the stats.
+
+    For each prompt: greedy output with the drafter equals greedy output without it;
+    the metrics add up; the target's cache afterwards equals the cache of plain
+    decoding of the same tokens (rolled-back rows leave no trace).
+    """
+    from ..generate import Generator
+    from ..speculative.engine import SpecConfig, SpeculativeGenerator
+
+    all_stats = []
+    for prompt in prompts:
+        prompt = list(prompt)
+        plain = Generator(model).generate(prompt, max_tokens)
+        gen = SpeculativeGenerator(model, [make_drafter()], config=SpecConfig(n_max=n_max, verifier="greedy"))
+        spec = gen.generate(prompt, max_tokens)
+        if spec != plain:
+            i = next((j for j, (x, y) in enumerate(zip(spec, plain)) if x != y), min(len(spec), len(plain)))
+            raise AssertionError(f"greedy output differs with the drafter at token {i}: "
+                                 f"{spec[i:i + 8]} vs plain {plain[i:i + 8]} (prompt {prompt[:8]}...)")
+        st = gen.stats
+        if not 0 <= st.n_accepted <= st.n_drafted:
+            raise AssertionError(f"accepted {st.n_accepted} outside 0..drafted {st.n_drafted}")
+        if sum(st.histogram.values()) != st.n_drafts or sum(st.accepted_per_pos) != st.n_accepted:
+            raise AssertionError("histogram / per-position counts do not add up to the totals")
+        if st.n_drafts and abs(st.tau - (1 + st.n_accepted / st.n_drafts)) > 1e-12:
+            raise AssertionError("tau is not 1 + accepted / drafts")
+        if st.n_generated != len(spec):
+            raise AssertionError(f"n_generated {st.n_generated} != {len(spec)} tokens returned")
+        # the cache after speculation equals plain decoding's cache of prompt + output[:-1]
+        ref = model.new_context(taps=gen.taps)
+        ref.decode(prompt)
+        for t in spec[:-1]:
+            ref.decode([t])
+        assert_caches_equal(gen.context.cache, ref.cache, atol=atol)
+        all_stats.append(st)
+    return all_stats
