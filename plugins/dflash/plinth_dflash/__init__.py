@@ -1,0 +1,1 @@
+"""plinth-dflash: DFlash, DFlash2 and LiLiCorr block drafters for plinth."""

@@ -1,0 +1,60 @@
+"""GGUF names of the ``dflash`` architecture (llama.cpp's spelling; gguf-py 0.19.0 lacks them).
+
+Keys are written ``{ARCH}.{name}``; tensors use llama.cpp's short names. The
+LiLiCorr names are plinth's own (llama.cpp's were not published, see README.md).
+"""
+
+ARCH = "dflash"
+
+# ---------------------------------------------------------------- metadata keys (after the arch prefix)
+KEY_TARGET_LAYERS = "target_layers"  # i32/u32 array: tap ids after the +1 rule (required)
+KEY_BLOCK_SIZE = "block_size"  # u32, default 16
+KEY_TARGET_HIDDEN = "target_hidden_size"  # u32, written by the early converter, informational
+KEY_MASK_TOKEN = "mask_token_id"  # early converter; the runtime key is tokenizer.ggml.mask_token_id
+KEY_MASK_TOKEN_TOK = "tokenizer.ggml.mask_token_id"
+KEY_EPS = "attention.layer_norm_rms_epsilon"
+KEY_SWA = "attention.sliding_window"
+KEY_SWA_PATTERN = "attention.sliding_window_pattern"  # bool array per layer
+KEY_CAUSAL = "attention.causal"  # bool
+KEY_CAUSAL_LAYERS = "attention.causal_layers"  # plinth extension: bool array per layer (see README)
+KEY_DECODER_ARCH = "decoder_arch"  # "laguna" implies causal
+KEY_LOGIT_SCALE = "logit_scale"
+KEY_SOFTCAP = "final_logit_softcapping"
+KEY_TIED = "tie_word_embeddings"  # bool: the head is the draft's own token_embd
+KEY_CONV_KERNEL = "conv_kernel_size"
+KEY_CONV_GROUP = "conv_group_size"
+KEY_SEL_RANK = "selector_rank"
+KEY_SEL_TOP_K = "selector_top_k"
+
+# LiLiCorr head geometry (plinth names, [inferred])
+LILI_PREFIX = "lilicorr."
+KEY_LILI_TOP_K = "lilicorr.candidate_top_k"
+KEY_LILI_HIDDEN = "lilicorr.hidden_size"
+KEY_LILI_LAYERS = "lilicorr.block_count"
+KEY_LILI_HEADS = "lilicorr.head_count"
+KEY_LILI_MLP_RATIO = "lilicorr.mlp_ratio"
+KEY_LILI_FACTOR = "lilicorr.factor_dim"
+KEY_LILI_VEC_EPS = "lilicorr.vector_eps"
+KEY_LILI_LAMBDA = "lilicorr.logit_scale"
+
+# ---------------------------------------------------------------- tensors
+T_FC = "fc.weight"
+T_FC_SCALE = "fc.scale"
+T_FC_INPUT_SCALE = "fc.input_scale"
+T_ENC_NORM = "enc.output_norm.weight"
+T_OUTPUT_NORM = "output_norm.weight"
+T_TOKEN_EMBD = "token_embd.weight"
+T_OUTPUT = "output.weight"
+T_D2T = "d2t"
+T_MARKOV_W1 = "markov_w1.weight"  # DSpark marker (not served by this plugin)
+T_SEL_HIDDEN = "selector_hidden.weight"
+T_SEL_PRED = "selector_predecessor.weight"
+T_SEL_SUCC = "selector_successor.weight"
+
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+#: projections that may carry a per-tensor ``.scale``
+SCALED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_conv_proj",
+          "ffn_conv_proj")
+
+KINDS = ("dflash", "dflash2", "lilicorr")

@@ -1,0 +1,321 @@
+"""``plinth convert``: published DFlash / DFlash2 (and LiLiCorr) HF drafts to ``dflash`` GGUFs.
+
+The HF layout (z-lab): ``config.json`` is a Qwen3 config plus ``dflash_config``
+(``target_layer_ids``, ``block_size``, ``mask_token_id``; DFlash2 adds the conv and
+selector sizes); the safetensors hold ``fc``, ``hidden_norm``, ``norm`` and
+``layers.N.*`` with no ``model.`` prefix and, usually, no embedding or LM head.
+
+What the converter does (llama.cpp ``conversion/qwen.py`` ``DFlashModel`` semantics):
+
+* the +1 rule: ``dflash.target_layers = [id + 1 for id in target_layer_ids]`` (taps are
+  layer *inputs*); without ids, z-lab's ``build_target_layer_ids`` rule is used;
+* ``layer_types`` -> ``attention.sliding_window`` and a **bool** ``sliding_window_pattern``;
+  the reference makes sliding layers causal unless ``is_causal`` is set, which is written
+  as the per-layer ``attention.causal_layers`` (see README);
+* the tied flag ``dflash.tie_word_embeddings`` only when the draft ships its own
+  embedding and no ``lm_head`` (the head is then that embedding);
+* every ``dflash_config`` key it does not understand, quantised checkpoints, biases,
+  other decoder types and reduced vocabularies are refused with the reason.
+
+Options (``--option KEY=VALUE``): ``target=TARGET.gguf`` copies the tokenizer and checks
+the hidden size and layer count; ``drop_embeddings=1`` leaves out an untrained
+``embed_tokens`` (llama.cpp #26905); ``outtype=f32|f16``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from plinth.convert import SafetensorsDir, read_config, write_gguf
+from plinth.errors import UserError
+
+from . import constants as C
+
+A = C.ARCH
+
+LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
+}
+GLOBAL_MAP = {
+    "fc.weight": C.T_FC,
+    "hidden_norm.weight": C.T_ENC_NORM,
+    "norm.weight": C.T_OUTPUT_NORM,
+    "embed_tokens.weight": C.T_TOKEN_EMBD,
+    "lm_head.weight": C.T_OUTPUT,
+    "candidate_selector.predecessor_codebook.weight": C.T_SEL_PRED,
+    "candidate_selector.predecessor_codebook": C.T_SEL_PRED,
+    "candidate_selector.successor_codebook.weight": C.T_SEL_SUCC,
+    "candidate_selector.successor_codebook": C.T_SEL_SUCC,
+    "candidate_selector.hidden_projection.weight": C.T_SEL_HIDDEN,
+}
+# LiLiCorr head (plinth's assumed HF layout, see README); its layers stay in their own namespace
+LILI_GLOBAL_MAP = {
+    "token_proj": "token_proj", "pass_hidden_proj": "pass_hidden_proj", "feature_mlp.0": "feat_norm",
+    "feature_mlp.1": "feat_up", "feature_mlp.3": "feat_down", "slot_embedding": "slot_embd",
+    "rank_embedding": "rank_embd", "output_norm": "output_norm", "context_proj": "ctx_proj",
+    "anchor_norm": "anchor_norm", "factor_in": "factor_in", "out_head": "out_head", "in_head": "in_head",
+    "anchor_out_head": "anchor_out_head",
+}
+LILI_LAYER_MAP = {
+    "attn_norm.weight": "attn_norm.weight", "attn.in_proj_weight": "attn_qkv.weight",
+    "attn.in_proj_bias": "attn_qkv.bias", "attn.out_proj.weight": "attn_output.weight",
+    "attn.out_proj.bias": "attn_output.bias", "relative_slot_bias": "attn_rel_bias",
+    "same_slot_bias": "attn_same_bias", "mlp_norm.weight": "ffn_norm.weight", "mlp.0.weight": "ffn_up.weight",
+    "mlp.0.bias": "ffn_up.bias", "mlp.2.weight": "ffn_down.weight", "mlp.2.bias": "ffn_down.bias",
+}
+
+#: dflash_config keys the converter understands (anything else is refused)
+KNOWN_DFLASH_KEYS = {
+    "target_layer_ids", "block_size", "mask_token_id", "num_anchors", "loss_decay_gamma", "causal", "use_swa",
+    "swa_window_size", "input_embedding_scale", "conv_kernel_size", "conv_group_size", "selector_rank",
+    "selector_top_k", "output_multiplier", "final_logit_softcapping", "selector_loss_weight",
+}
+LILI_KEYS = ("lilicorr_enabled", "lilicorr_candidate_topk", "lilicorr_hidden_size", "lilicorr_num_layers",
+             "lilicorr_num_heads", "lilicorr_mlp_ratio", "lilicorr_factor_dim", "lilicorr_vector_eps",
+             "lilicorr_logit_scale")
+TRAINING_ONLY = {"num_anchors", "loss_decay_gamma", "selector_loss_weight"}
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default taps (HF ids, before +1): [L//2] for one layer, else spread over [1, L-3]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def map_tensor_name(name: str) -> str | None:
+    """HF tensor name -> GGUF name; None for tensors that are dropped; raises for unknown ones."""
+    n = name[len("model."):] if name.startswith("model.") else name
+    if n in GLOBAL_MAP:
+        return GLOBAL_MAP[n]
+    if n in ("d2t", "t2d"):
+        return None
+    m = re.match(r"^layers\.(\d+)\.(.+)$", n)  # anchored: 'lilicorr.layers.N' never matches here
+    if m and m.group(2) in LAYER_MAP:
+        return f"blk.{m.group(1)}.{LAYER_MAP[m.group(2)]}"
+    m = re.match(r"^lilicorr\.layers\.(\d+)\.(.+)$", n)
+    if m and m.group(2) in LILI_LAYER_MAP:
+        return f"lilicorr.blk.{m.group(1)}.{LILI_LAYER_MAP[m.group(2)]}"
+    m = re.match(r"^lilicorr\.(.+)\.(weight|bias)$", n)
+    if m and m.group(1) in LILI_GLOBAL_MAP:
+        return f"lilicorr.{LILI_GLOBAL_MAP[m.group(1)]}.{m.group(2)}"
+    raise UserError(f"tensor {name!r} is not part of the DFlash/DFlash2/LiLiCorr layout plinth understands")
+
+
+def _refuse(model_dir: Any, why: str) -> UserError:
+    return UserError(f"{model_dir}: cannot convert this draft: {why}")
+
+
+def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, kind: str) -> dict[str, Any]:
+    """config.json -> dflash GGUF metadata (no tokenizer); refuses what it does not understand."""
+    d = dict(cfg.get("dflash_config") or {})
+    unknown = sorted(k for k in d if k not in KNOWN_DFLASH_KEYS and k not in LILI_KEYS)
+    if unknown:
+        raise _refuse(model_dir, f"dflash_config keys {unknown} are not understood")
+    if cfg.get("model_type", "qwen3") != "qwen3":
+        raise _refuse(model_dir, f"decoder model_type {cfg.get('model_type')!r}; only the Qwen3-style DFlash "
+                      "backbone is supported")
+    if cfg.get("quantization_config"):
+        raise _refuse(model_dir, "quantised checkpoints (quantization_config) are not supported; convert the "
+                      "bf16/f32 release")
+    if cfg.get("attention_bias"):
+        raise _refuse(model_dir, "attention_bias = true (DFlash drafts have bias-free projections)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise _refuse(model_dir, f"hidden_act {cfg.get('hidden_act')!r}; the backbone is SwiGLU (silu)")
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+        raise _refuse(model_dir, f"rope scaling {rp!r} is not supported for drafts")
+    if float(d.get("input_embedding_scale", 1.0)) != 1.0:
+        raise _refuse(model_dir, "input_embedding_scale != 1 has no llama.cpp GGUF key")
+    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+    n_layer = int(cfg["num_hidden_layers"])
+    e = int(cfg["hidden_size"])
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    head_dim = int(cfg.get("head_dim") or e // n_head)
+    ids = d.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if ids is None:
+        if "num_target_layers" not in cfg:
+            raise _refuse(model_dir, "neither dflash_config.target_layer_ids nor num_target_layers is given")
+        ids = build_target_layer_ids(int(cfg["num_target_layers"]), n_layer)
+    block = int(d.get("block_size", cfg.get("block_size", 16)))
+    mask = d.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask is None:
+        raise _refuse(model_dir, "no mask_token_id (dflash_config.mask_token_id)")
+
+    md: dict[str, Any] = {
+        "general.architecture": A,
+        "general.name": str(cfg.get("_name_or_path") or Path(str(model_dir)).name),
+        f"{A}.block_count": n_layer,
+        f"{A}.embedding_length": e,
+        f"{A}.feed_forward_length": int(cfg["intermediate_size"]),
+        f"{A}.attention.head_count": n_head,
+        f"{A}.attention.head_count_kv": n_kv,
+        f"{A}.attention.key_length": head_dim,
+        f"{A}.attention.value_length": head_dim,
+        f"{A}.{C.KEY_EPS}": float(cfg.get("rms_norm_eps", 1e-6)),
+        f"{A}.rope.freq_base": theta,
+        f"{A}.context_length": int(cfg.get("max_position_embeddings", 4096)),
+        f"{A}.vocab_size": int(cfg["vocab_size"]),
+        f"{A}.{C.KEY_TARGET_LAYERS}": [int(i) + 1 for i in ids],  # the +1 rule
+        f"{A}.{C.KEY_BLOCK_SIZE}": block,
+        C.KEY_MASK_TOKEN_TOK: int(mask),
+        f"{A}.{C.KEY_MASK_TOKEN}": int(mask),
+    }
+    if "num_target_layers" in cfg:
+        md[f"{A}.{C.KEY_TARGET_HIDDEN}"] = e
+    layer_types = cfg.get("layer_types")
+    if d.get("use_swa"):
+        layer_types = ["sliding_attention"] * n_layer
+    if layer_types is not None:
+        if len(layer_types) != n_layer:
+            raise _refuse(model_dir, f"layer_types has {len(layer_types)} entries for {n_layer} layers")
+        bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if bad:
+            raise _refuse(model_dir, f"layer_types {bad} are not understood")
+    swa = [t == "sliding_attention" for t in (layer_types or ["full_attention"] * n_layer)]
+    causal_flag = cfg.get("is_causal", d.get("causal"))
+    if any(swa):
+        window = d.get("swa_window_size", cfg.get("sliding_window"))
+        if not window:
+            raise _refuse(model_dir, "sliding layers but no sliding_window / swa_window_size")
+        md[f"{A}.{C.KEY_SWA}"] = int(window)
+        md[f"{A}.{C.KEY_SWA_PATTERN}"] = [bool(s) for s in swa]
+        if causal_flag is None:  # reference semantics: sliding layers are causal in legacy checkpoints
+            md[f"{A}.{C.KEY_CAUSAL_LAYERS}"] = [bool(s) for s in swa]
+    if causal_flag is not None:
+        md[f"{A}.{C.KEY_CAUSAL}"] = bool(causal_flag)
+    if kind == "dflash2":
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if key not in d and key not in cfg:
+                raise _refuse(model_dir, f"a DFlash2 draft needs dflash_config.{key}")
+            md[f"{A}.{key}"] = int(d.get(key, cfg.get(key)))
+    mult = d.get("output_multiplier", cfg.get("output_multiplier"))
+    if mult is not None and float(mult) != 1.0:
+        md[f"{A}.{C.KEY_LOGIT_SCALE}"] = float(mult)
+    cap = d.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
+    if cap is not None and float(cap) > 0:
+        md[f"{A}.{C.KEY_SOFTCAP}"] = float(cap)
+    if kind == "lilicorr":
+        missing = [k for k in LILI_KEYS if k not in d]
+        if missing:
+            raise _refuse(model_dir, f"a LiLiCorr draft needs dflash_config {missing} (no defaults)")
+        if not d["lilicorr_enabled"]:
+            raise _refuse(model_dir, "lilicorr_enabled is false")
+        md.update({
+            f"{A}.{C.KEY_LILI_TOP_K}": int(d["lilicorr_candidate_topk"]),
+            f"{A}.{C.KEY_LILI_HIDDEN}": int(d["lilicorr_hidden_size"]),
+            f"{A}.{C.KEY_LILI_LAYERS}": int(d["lilicorr_num_layers"]),
+            f"{A}.{C.KEY_LILI_HEADS}": int(d["lilicorr_num_heads"]),
+            f"{A}.{C.KEY_LILI_MLP_RATIO}": float(d["lilicorr_mlp_ratio"]),
+            f"{A}.{C.KEY_LILI_FACTOR}": int(d["lilicorr_factor_dim"]),
+            f"{A}.{C.KEY_LILI_VEC_EPS}": float(d["lilicorr_vector_eps"]),
+            f"{A}.{C.KEY_LILI_LAMBDA}": float(d["lilicorr_logit_scale"]),
+        })
+        if "conv_kernel_size" in d:
+            md[f"{A}.conv_kernel_size"] = int(d["conv_kernel_size"])
+            md[f"{A}.conv_group_size"] = int(d["conv_group_size"])
+    return md
+
+
+def _truthy(v: Any) -> bool:
+    return str(v).lower() in ("1", "true", "yes", "on")
+
+
+class DFlashConverter:
+    hf_arch = "DFlashDraftModel"
+    kind = "dflash"
+
+    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> None:
+        cfg = read_config(model_dir)
+        md = config_to_metadata(cfg, model_dir, self.kind)
+        st = SafetensorsDir(model_dir)
+        tensors: dict[str, np.ndarray] = {}
+        drop_embd = _truthy(options.get("drop_embeddings", "0"))
+        for name in st.names():
+            gname = map_tensor_name(name)
+            if gname is None:
+                if name.endswith("d2t"):
+                    d2t = st.get(name, dtype=np.int64)
+                    v = int(cfg["vocab_size"])
+                    same = d2t.shape == (v,) and (not d2t.any() or np.array_equal(d2t, np.arange(v)))
+                    if not same:
+                        raise _refuse(model_dir, "a reduced draft vocabulary (d2t) is not supported")
+                continue
+            if gname == C.T_TOKEN_EMBD and drop_embd:
+                continue
+            tensors[gname] = st.get(name)
+        if self.kind == "dflash" and any(n.startswith(("selector_", "lilicorr.")) or "_conv_" in n for n in tensors):
+            raise _refuse(model_dir, "DFlashDraftModel config with DFlash2/LiLiCorr tensors")
+        own_embd, own_head = C.T_TOKEN_EMBD in tensors, C.T_OUTPUT in tensors
+        if bool(cfg.get("tie_word_embeddings")) and own_embd and not own_head:
+            md[f"{A}.{C.KEY_TIED}"] = True
+        elif own_embd or own_head:
+            md[f"{A}.{C.KEY_TIED}"] = False
+        target = options.get("target")
+        if target:
+            md.update(self._from_target(target, md, model_dir))
+        qtypes = None
+        if str(options.get("outtype", "f32")).lower() == "f16":
+            import gguf
+
+            qtypes = {n: gguf.GGMLQuantizationType.F16 for n, a in tensors.items() if a.ndim == 2}
+        write_gguf(out_path, md, tensors, qtypes)
+        # a converted file must load: check names and shapes now rather than at first use
+        from plinth.gguf import GGUFFile
+
+        from .format import load_hparams, tensor_specs
+        from plinth.tensors import check_tensors
+
+        gf = GGUFFile(out_path)
+        hp = load_hparams(dict(gf.metadata), str(out_path), gf.tensors.keys())
+        if hp.n_vocab is None:
+            raise _refuse(model_dir, "no vocab_size")
+        check_tensors(tensor_specs(hp), {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()},
+                      str(out_path))
+
+    @staticmethod
+    def _from_target(path: str, md: Mapping[str, Any], model_dir: Any) -> dict[str, Any]:
+        from plinth.gguf import GGUFFile
+
+        tmd = dict(GGUFFile(path).metadata)
+        arch = tmd.get("general.architecture")
+        e = tmd.get(f"{arch}.embedding_length")
+        n_layer = tmd.get(f"{arch}.block_count")
+        if e is not None and int(e) != int(md[f"{A}.embedding_length"]):
+            raise _refuse(model_dir, f"the target {path} has n_embd {e}, the draft {md[f'{A}.embedding_length']}")
+        taps = md[f"{A}.{C.KEY_TARGET_LAYERS}"]
+        if n_layer is not None and max(taps) > int(n_layer):
+            raise _refuse(model_dir, f"taps {taps} exceed the target's {n_layer} layers")
+        out = {k: v for k, v in tmd.items() if k.startswith("tokenizer.") and k != C.KEY_MASK_TOKEN_TOK}
+        return out
+
+
+class DFlash2Converter(DFlashConverter):
+    hf_arch = "DFlash2DraftModel"
+    kind = "dflash2"
+
+
+class LiLiCorrConverter(DFlashConverter):
+    hf_arch = "LiLiCorrDraftModel"
+    kind = "lilicorr"

@@ -1,0 +1,366 @@
+"""Reading a ``dflash`` GGUF: typed hparams, declared tensors, weights with their scales folded in.
+
+Three steps, as for an architecture: :func:`load_hparams` (metadata -> frozen
+:class:`DFlashHParams`, every problem a named error), :func:`tensor_specs` (what
+the file must hold for that hparams), :func:`load_draft` (both checked, then the
+weights dequantized to float32 on the backend with every ``<name>.scale`` multiplied
+into its tensor, so the injection path and the drafting path see the same scaled
+weights).
+
+The draft kind comes from the tensors, as llama.cpp's auto-detection does:
+``markov_w1.weight`` is a DSpark draft (refused here: it is plinth-dspark's),
+``selector_hidden.weight`` is DFlash2, ``lilicorr.*`` tensors are LiLiCorr, anything
+else is DFlash.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from plinth.errors import UserError
+from plinth.hparams import HParamsError, KeyReader
+from plinth.tensors import TensorSpec, check_tensors, scale_name
+
+from . import constants as C
+
+
+class DFlashFormatError(UserError):
+    """A dflash GGUF that plinth-dflash cannot use, with the reason."""
+
+
+@attrs.frozen
+class LiLiCorrHParams:
+    top_k: int  # K candidates per slot
+    hidden: int  # D_h
+    n_layer: int
+    n_head: int
+    mlp_ratio: float
+    factor_dim: int  # F
+    vector_eps: float
+    logit_scale: float  # lambda
+
+    @property
+    def n_ff(self) -> int:
+        return int(round(self.mlp_ratio * self.hidden))
+
+
+@attrs.frozen
+class DFlashHParams:
+    """Everything the draft graph and the drafter read from a dflash GGUF."""
+
+    kind: str  # "dflash", "dflash2" or "lilicorr"
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    norm_eps: float
+    rope_base: float
+    n_rot: int
+    target_layers: tuple[int, ...]  # taps, in file order (the feature concat order)
+    block_size: int
+    mask_token: int
+    sliding_window: int  # 0 = no SWA layer
+    swa_layers: tuple[bool, ...]  # per layer: this layer uses the window
+    causal_layers: tuple[bool, ...]  # per layer: causal attention (default: non-causal)
+    logit_scale: float = 0.0  # DFlash2 only; 0 = none
+    softcap: float = 0.0  # DFlash2 only; 0 = none
+    tied: bool = False
+    n_vocab: int | None = None
+    conv_kernel: int = 0
+    conv_group: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    lilicorr: LiLiCorrHParams | None = None
+
+    @property
+    def n_taps(self) -> int:
+        return len(self.target_layers)
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_kernel > 0
+
+    @property
+    def max_draft(self) -> int:
+        return self.block_size - 1
+
+
+def detect_kind(tensor_names: Any) -> str:
+    names = set(tensor_names)
+    if C.T_MARKOV_W1 in names:
+        raise DFlashFormatError("this dflash GGUF holds 'markov_w1.weight': it is a DSpark draft, which "
+                                "plinth-dflash does not run; install plinth-dspark and use --spec dspark")
+    if any(n.startswith(C.LILI_PREFIX) for n in names):
+        return "lilicorr"
+    if C.T_SEL_HIDDEN in names:
+        return "dflash2"
+    return "dflash"
+
+
+def _bool_array(md: Mapping[str, Any], key: str, n_layer: int, source: str) -> tuple[bool, ...]:
+    value = md[key]
+    arr = np.asarray(value)
+    if arr.ndim == 0 or arr.dtype != np.bool_:
+        raise HParamsError(
+            f"{source}: '{key}' must be a bool array with one entry per layer (true = sliding-window layer); "
+            f"found {'an integer' if arr.dtype.kind in 'iu' else 'a ' + arr.dtype.name} "
+            f"{'value' if arr.ndim == 0 else 'array'} {arr.tolist()!r}. DFlash does not accept the "
+            "'every N-th layer' integer pattern (llama.cpp #26900); re-convert the draft")
+    if arr.shape != (n_layer,):
+        raise HParamsError(f"{source}: '{key}' has {arr.size} entries, expected n_layer = {n_layer}")
+    return tuple(bool(v) for v in arr)
+
+
+def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> DFlashHParams:
+    arch = md.get("general.architecture")
+    if arch != C.ARCH:
+        raise DFlashFormatError(f"{source}: general.architecture is {arch!r}, a DFlash draft has 'dflash'")
+    kind = detect_kind(tensor_names)
+    r = KeyReader(md, source, C.ARCH)
+    n_embd = r.get("embedding_length")
+    n_layer = r.get("block_count")
+    n_head = r.get("attention.head_count")
+    n_head_kv = r.get("attention.head_count_kv", required=False, default=n_head)
+    head_dim = r.get("attention.key_length", required=False, default=n_embd // n_head)
+    if not r.has(C.KEY_TARGET_LAYERS):
+        raise HParamsError(f"{source}: DFlash model requires 'target_layers' (key '{C.ARCH}.{C.KEY_TARGET_LAYERS}')")
+    taps = r.get_array(C.KEY_TARGET_LAYERS)
+    if not taps:
+        raise HParamsError(f"{source}: '{C.ARCH}.{C.KEY_TARGET_LAYERS}' is empty")
+    if any(t < 0 for t in taps):
+        raise HParamsError(f"{source}: '{C.ARCH}.{C.KEY_TARGET_LAYERS}' has negative ids {list(taps)}")
+    block = r.get(C.KEY_BLOCK_SIZE, required=False, default=16)
+    if block < 2:
+        raise HParamsError(f"{source}: '{C.ARCH}.{C.KEY_BLOCK_SIZE}' = {block}; a block drafter needs at least 2")
+    if C.KEY_MASK_TOKEN_TOK in md:
+        mask = int(md[C.KEY_MASK_TOKEN_TOK])
+    elif r.has(C.KEY_MASK_TOKEN):
+        mask = r.get(C.KEY_MASK_TOKEN)
+    else:
+        raise HParamsError(f"{source}: no mask token: set '{C.KEY_MASK_TOKEN_TOK}' (or the early converter's "
+                           f"'{C.ARCH}.{C.KEY_MASK_TOKEN}')")
+    window = r.get(C.KEY_SWA, required=False, default=0)
+    if window > 0:
+        key = r.key(C.KEY_SWA_PATTERN)
+        if key not in md:
+            raise HParamsError(f"{source}: '{r.key(C.KEY_SWA)}' = {window} needs the per-layer bool array '{key}'")
+        swa = _bool_array(md, key, n_layer, source)
+    else:
+        if r.has(C.KEY_SWA_PATTERN):
+            _bool_array(md, r.key(C.KEY_SWA_PATTERN), n_layer, source)  # an int pattern is refused anyway
+        swa = (False,) * n_layer
+    causal_all = bool(md.get(r.key(C.KEY_CAUSAL), False)) or md.get(r.key(C.KEY_DECODER_ARCH)) == "laguna"
+    if r.has(C.KEY_CAUSAL_LAYERS):
+        causal = _bool_array(md, r.key(C.KEY_CAUSAL_LAYERS), n_layer, source)
+        causal = tuple(c or causal_all for c in causal)
+    else:
+        causal = (causal_all,) * n_layer
+    kw: dict[str, Any] = dict(
+        kind=kind, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_ff=r.get("feed_forward_length"), norm_eps=r.get(C.KEY_EPS, float),
+        rope_base=r.get("rope.freq_base", float, required=False, default=10000.0),
+        n_rot=r.get("rope.dimension_count", required=False, default=head_dim),
+        target_layers=tuple(int(t) for t in taps), block_size=block, mask_token=mask, sliding_window=window,
+        swa_layers=swa, causal_layers=causal,
+        logit_scale=r.get(C.KEY_LOGIT_SCALE, float, required=False, default=0.0),
+        softcap=r.get(C.KEY_SOFTCAP, float, required=False, default=0.0),
+        tied=bool(md.get(r.key(C.KEY_TIED), False)),
+        n_vocab=r.get("vocab_size", required=False, default=None),
+    )
+    if n_head % n_head_kv:
+        raise HParamsError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    conv_keys = (C.KEY_CONV_KERNEL, C.KEY_CONV_GROUP, C.KEY_SEL_RANK, C.KEY_SEL_TOP_K)
+    if kind == "dflash2":
+        vals = {}
+        for k in conv_keys:
+            if not r.has(k):
+                raise HParamsError(f"{source}: a DFlash2 draft (it has '{C.T_SEL_HIDDEN}') requires "
+                                   f"'{r.key(k)}'")
+            vals[k] = r.get(k)
+            if vals[k] <= 0:
+                raise HParamsError(f"{source}: '{r.key(k)}' = {vals[k]}; DFlash2 needs every conv/selector "
+                                   "size > 0")
+        gs, top_k = vals[C.KEY_CONV_GROUP], vals[C.KEY_SEL_TOP_K]
+        if n_embd % gs:
+            raise HParamsError(f"{source}: embedding_length {n_embd} is not a multiple of "
+                               f"'{r.key(C.KEY_CONV_GROUP)}' = {gs}")
+        if n_embd < top_k * (top_k + 1):
+            raise HParamsError(f"{source}: embedding_length {n_embd} < K*(K+1) = {top_k * (top_k + 1)} for "
+                               f"selector_top_k K = {top_k}: the lattice row (K ids + K*K scores) must fit E")
+        kw.update(conv_kernel=vals[C.KEY_CONV_KERNEL], conv_group=gs, selector_rank=vals[C.KEY_SEL_RANK],
+                  selector_top_k=top_k)
+    elif kind == "lilicorr" and r.has(C.KEY_CONV_KERNEL):
+        # LiLiCorr may keep the DFlash2 grouped convolution in its backbone
+        kw.update(conv_kernel=r.get(C.KEY_CONV_KERNEL), conv_group=r.get(C.KEY_CONV_GROUP))
+        if kw["conv_kernel"] <= 0 or kw["conv_group"] <= 0 or n_embd % kw["conv_group"]:
+            raise HParamsError(f"{source}: bad conv geometry kernel={kw['conv_kernel']} group={kw['conv_group']} "
+                               f"for embedding_length {n_embd}")
+    if kind == "lilicorr":
+        vals = {}
+        for k, cast in ((C.KEY_LILI_TOP_K, int), (C.KEY_LILI_HIDDEN, int), (C.KEY_LILI_LAYERS, int),
+                        (C.KEY_LILI_HEADS, int), (C.KEY_LILI_MLP_RATIO, float), (C.KEY_LILI_FACTOR, int),
+                        (C.KEY_LILI_VEC_EPS, float), (C.KEY_LILI_LAMBDA, float)):
+            if not r.has(k):
+                raise HParamsError(f"{source}: a LiLiCorr draft requires '{r.key(k)}' (no defaults)")
+            vals[k] = r.get(k, cast)
+        hidden = vals[C.KEY_LILI_HIDDEN] or n_embd
+        top_k = vals[C.KEY_LILI_TOP_K]
+        if top_k < 1 or top_k & (top_k - 1):
+            raise HParamsError(f"{source}: '{r.key(C.KEY_LILI_TOP_K)}' = {top_k} must be a power of two")
+        if vals[C.KEY_LILI_HEADS] < 1 or hidden % vals[C.KEY_LILI_HEADS]:
+            raise HParamsError(f"{source}: LiLiCorr hidden size {hidden} is not a multiple of "
+                               f"'{r.key(C.KEY_LILI_HEADS)}' = {vals[C.KEY_LILI_HEADS]}")
+        kw["lilicorr"] = LiLiCorrHParams(
+            top_k=top_k, hidden=hidden, n_layer=vals[C.KEY_LILI_LAYERS], n_head=vals[C.KEY_LILI_HEADS],
+            mlp_ratio=vals[C.KEY_LILI_MLP_RATIO], factor_dim=vals[C.KEY_LILI_FACTOR],
+            vector_eps=vals[C.KEY_LILI_VEC_EPS], logit_scale=vals[C.KEY_LILI_LAMBDA])
+    return DFlashHParams(**kw)
+
+
+def _lin(name: str, shape: tuple[int, ...], required: bool = True, bias: bool = False) -> list[TensorSpec]:
+    out = [TensorSpec(name + ".weight", shape, required=required, scale=True)]
+    if bias:
+        out.append(TensorSpec(name + ".bias", (shape[0],), required=False))
+    return out
+
+
+def lilicorr_specs(hp: DFlashHParams) -> list[TensorSpec]:
+    lh = hp.lilicorr
+    assert lh is not None
+    e, d, f, p = hp.n_embd, lh.hidden, lh.factor_dim, "lilicorr."
+    specs: list[TensorSpec] = []
+    specs += _lin(p + "token_proj", (d, e), required=d != e, bias=True)
+    specs += _lin(p + "pass_hidden_proj", (d, e), bias=True)
+    specs += [TensorSpec(p + "feat_norm.weight", (5,)), TensorSpec(p + "feat_norm.bias", (5,))]
+    specs += _lin(p + "feat_up", (d, 5), bias=True) + _lin(p + "feat_down", (d, d), bias=True)
+    specs += [TensorSpec(p + "slot_embd.weight", (hp.block_size - 1, d)),
+              TensorSpec(p + "rank_embd.weight", (lh.top_k, d))]
+    for il in range(lh.n_layer):
+        b = f"{p}blk.{il}."
+        specs += [TensorSpec(b + "attn_norm.weight", (d,)), TensorSpec(b + "ffn_norm.weight", (d,))]
+        specs += _lin(b + "attn_qkv", (3 * d, d), bias=True) + _lin(b + "attn_output", (d, d), bias=True)
+        specs += [TensorSpec(b + "attn_rel_bias", (lh.n_head, 2 * hp.block_size - 1)),
+                  TensorSpec(b + "attn_same_bias", (lh.n_head,))]
+        specs += _lin(b + "ffn_up", (lh.n_ff, d), bias=True) + _lin(b + "ffn_down", (d, lh.n_ff), bias=True)
+    specs += [TensorSpec(p + "output_norm.weight", (d,)), TensorSpec(p + "anchor_norm.weight", (d,))]
+    specs += _lin(p + "ctx_proj", (d, e), bias=True) + _lin(p + "factor_in", (d, 3 * d), bias=True)
+    specs += _lin(p + "out_head", (f, d), bias=True) + _lin(p + "in_head", (f, d), bias=True)
+    specs += _lin(p + "anchor_out_head", (f, d), bias=True)
+    return specs
+
+
+def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
+    """Names and numpy-order shapes the file must hold (``.scale`` companions are optional)."""
+    e, n_in = hp.n_embd, hp.n_taps * hp.n_embd
+    nq, nkv, ff = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_ff
+    v = hp.n_vocab if hp.n_vocab is not None else -1
+    specs = [
+        TensorSpec(C.T_FC, (e, n_in), scale=True),
+        TensorSpec(C.T_FC_INPUT_SCALE, (1,), required=False),
+        TensorSpec(C.T_ENC_NORM, (e,)),
+        TensorSpec(C.T_OUTPUT_NORM, (e,)),
+        TensorSpec(C.T_TOKEN_EMBD, (v, e), required=False),
+        TensorSpec(C.T_OUTPUT, (v, e), required=False, scale=True),
+    ]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (e,)),
+            TensorSpec(b + "attn_q.weight", (nq, e), scale=True),
+            TensorSpec(b + "attn_k.weight", (nkv, e), scale=True),
+            TensorSpec(b + "attn_v.weight", (nkv, e), scale=True),
+            TensorSpec(b + "attn_output.weight", (e, nq), scale=True),
+            TensorSpec(b + "attn_q_norm.weight", (hp.head_dim,)),
+            TensorSpec(b + "attn_k_norm.weight", (hp.head_dim,)),
+            TensorSpec(b + "attn_sinks.weight", (hp.n_head,), required=False),
+            TensorSpec(b + "ffn_norm.weight", (e,)),
+            TensorSpec(b + "ffn_gate.weight", (ff, e), scale=True),
+            TensorSpec(b + "ffn_up.weight", (ff, e), scale=True),
+            TensorSpec(b + "ffn_down.weight", (e, ff), scale=True),
+        ]
+        if hp.has_conv:
+            g = e // hp.conv_group
+            specs += [
+                TensorSpec(b + "attn_conv_base", (2, hp.conv_kernel, e)),
+                TensorSpec(b + "attn_conv_proj.weight", (2 * hp.conv_kernel * g, e), scale=True),
+                TensorSpec(b + "ffn_conv_base", (2, hp.conv_kernel, e)),
+                TensorSpec(b + "ffn_conv_proj.weight", (2 * hp.conv_kernel * g, e), scale=True),
+            ]
+    if hp.kind == "dflash2":
+        specs += [
+            TensorSpec(C.T_SEL_PRED, (v, hp.selector_rank)),
+            TensorSpec(C.T_SEL_SUCC, (v, hp.selector_rank)),
+            TensorSpec(C.T_SEL_HIDDEN, (hp.selector_rank, e), scale=True),
+        ]
+    if hp.kind == "lilicorr":
+        specs += lilicorr_specs(hp)
+    return specs
+
+
+@attrs.frozen
+class DraftFile:
+    """A loaded draft: hparams, float32 weights on the backend (scales folded), and where it came from."""
+
+    path: Path
+    hparams: DFlashHParams
+    weights: dict[str, Any]
+    metadata: dict[str, Any]
+    fc_input_scale: float | None
+    tensor_types: dict[str, str]
+
+
+def load_draft(path: str | Path, backend: Any) -> DraftFile:
+    from plinth.gguf import GGUFFile
+    from plinth.gguf import quants
+
+    path = Path(path)
+    if not path.is_file():
+        raise DFlashFormatError(f"draft file {path} does not exist")
+    gf = GGUFFile(path)
+    md = dict(gf.metadata)
+    hp = load_hparams(md, str(path), gf.tensors.keys())
+    if hp.n_vocab is None:
+        for name in (C.T_TOKEN_EMBD, C.T_OUTPUT, C.T_SEL_PRED):
+            if name in gf.tensors:
+                hp = attrs.evolve(hp, n_vocab=int(gf.tensors[name].shape[0]))
+                break
+    specs = tensor_specs(hp)
+    if hp.n_vocab is None:  # no vocabulary-sized tensor: nothing to check against -1
+        specs = [s for s in specs if -1 not in s.shape]
+    present = {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()}
+    found = check_tensors(specs, present, str(path))
+    if C.T_D2T in gf.tensors:
+        raise DFlashFormatError(f"{path}: the draft has a reduced vocabulary ('d2t'); plinth-dflash drafts over the "
+                                "target's full vocabulary only (re-convert with the full lm_head)")
+
+    def f32(name: str) -> np.ndarray:
+        info = gf.tensors[name]
+        raw = gf.raw(name)
+        arr = raw if info.type_name == "F32" else quants.dequantize(raw, info.ggml_type, info.shape)
+        return np.asarray(arr, dtype=np.float32)
+
+    weights: dict[str, Any] = {}
+    fc_in = None
+    for spec in found:
+        if spec.name == C.T_FC_INPUT_SCALE:
+            fc_in = float(f32(spec.name).reshape(-1)[0])
+            continue
+        arr = f32(spec.name)
+        sname = scale_name(spec.name)
+        if spec.scale and sname in gf.tensors:
+            s = f32(sname).reshape(-1)
+            if s.size != 1:
+                raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' has {s.size} elements, expected 1")
+            arr = arr * s[0]
+        weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=np.float32))
+    if hp.tied and C.T_TOKEN_EMBD not in weights:
+        raise DFlashFormatError(f"{path}: '{C.ARCH}.{C.KEY_TIED}' is true but the draft has no "
+                                f"'{C.T_TOKEN_EMBD}' to tie its head to")
+    types = {n: i.type_name for n, i in gf.tensors.items()}
+    return DraftFile(path=path, hparams=hp, weights=weights, metadata=md, fc_input_scale=fc_in, tensor_types=types)

@@ -1,0 +1,353 @@
+"""Tiny synthetic DFlash / DFlash2 / LiLiCorr GGUFs (and tiny targets) for tests and benchmarks.
+
+``write_tiny_draft(path, "dflash2", n_embd=64, n_target_layer=2, n_vocab=96)`` writes a
+random draft whose tensors are exactly what :func:`plinth_dflash.format.tensor_specs`
+declares, so every test builds its files the way a converter would.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import constants as C
+from .format import load_hparams, tensor_specs
+
+
+def default_taps(n_target_layer: int, n: int = 2) -> list[int]:
+    """Evenly spread taps over 1..n_target_layer (GGUF ids, after the +1 rule)."""
+    return sorted({max(1, round(1 + i * (n_target_layer - 1) / max(n - 1, 1))) for i in range(n)})
+
+
+def tiny_draft_metadata(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2,
+                        n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ff: int = 96,
+                        taps: Any = (1, 2), block_size: int = 8, mask_token: int | None = None,
+                        sliding_window: int = 0, swa_pattern: Any = None, causal: bool | None = None,
+                        tied: bool = False, conv_kernel: int = 2, conv_group: int = 8, selector_rank: int = 8,
+                        selector_top_k: int = 4, logit_scale: float = 0.0, softcap: float = 0.0,
+                        lilicorr: Mapping[str, Any] | None = None, rope_base: float = 10000.0,
+                        mask_key: str = C.KEY_MASK_TOKEN_TOK) -> dict[str, Any]:
+    a = C.ARCH
+    md: dict[str, Any] = {
+        "general.architecture": a,
+        "general.name": f"tiny-{kind}",
+        f"{a}.vocab_size": n_vocab,
+        f"{a}.embedding_length": n_embd,
+        f"{a}.block_count": n_layer,
+        f"{a}.attention.head_count": n_head,
+        f"{a}.attention.head_count_kv": n_head_kv,
+        f"{a}.attention.key_length": head_dim or n_embd // n_head,
+        f"{a}.attention.value_length": head_dim or n_embd // n_head,
+        f"{a}.feed_forward_length": n_ff,
+        f"{a}.context_length": 4096,
+        f"{a}.rope.freq_base": float(rope_base),
+        f"{a}.{C.KEY_EPS}": 1e-6,
+        f"{a}.{C.KEY_TARGET_LAYERS}": [int(t) for t in taps],
+        f"{a}.{C.KEY_BLOCK_SIZE}": block_size,
+    }
+    mask = n_vocab - 1 if mask_token is None else mask_token
+    md[mask_key if mask_key.startswith("tokenizer.") else f"{a}.{mask_key}"] = mask
+    if sliding_window:
+        md[f"{a}.{C.KEY_SWA}"] = sliding_window
+        md[f"{a}.{C.KEY_SWA_PATTERN}"] = list(swa_pattern) if swa_pattern is not None else [True] * n_layer
+    if causal is not None:
+        md[f"{a}.{C.KEY_CAUSAL}"] = bool(causal)
+    if tied:
+        md[f"{a}.{C.KEY_TIED}"] = True
+    if logit_scale:
+        md[f"{a}.{C.KEY_LOGIT_SCALE}"] = float(logit_scale)
+    if softcap:
+        md[f"{a}.{C.KEY_SOFTCAP}"] = float(softcap)
+    if kind in ("dflash2",) or (kind == "lilicorr" and lilicorr and lilicorr.get("conv")):
+        md[f"{a}.{C.KEY_CONV_KERNEL}"] = conv_kernel
+        md[f"{a}.{C.KEY_CONV_GROUP}"] = conv_group
+    if kind == "dflash2":
+        md[f"{a}.{C.KEY_SEL_RANK}"] = selector_rank
+        md[f"{a}.{C.KEY_SEL_TOP_K}"] = selector_top_k
+    if kind == "lilicorr":
+        lc = dict(top_k=4, hidden=32, n_layer=1, n_head=2, mlp_ratio=2.0, factor_dim=16, vector_eps=1e-6,
+                  logit_scale=8.0)
+        lc.update({k: v for k, v in (lilicorr or {}).items() if k != "conv"})
+        md[f"{a}.{C.KEY_LILI_TOP_K}"] = int(lc["top_k"])
+        md[f"{a}.{C.KEY_LILI_HIDDEN}"] = int(lc["hidden"])
+        md[f"{a}.{C.KEY_LILI_LAYERS}"] = int(lc["n_layer"])
+        md[f"{a}.{C.KEY_LILI_HEADS}"] = int(lc["n_head"])
+        md[f"{a}.{C.KEY_LILI_MLP_RATIO}"] = float(lc["mlp_ratio"])
+        md[f"{a}.{C.KEY_LILI_FACTOR}"] = int(lc["factor_dim"])
+        md[f"{a}.{C.KEY_LILI_VEC_EPS}"] = float(lc["vector_eps"])
+        md[f"{a}.{C.KEY_LILI_LAMBDA}"] = float(lc["logit_scale"])
+    return md
+
+
+def _marker_names(kind: str) -> list[str]:
+    if kind == "dflash2":
+        return [C.T_SEL_HIDDEN]
+    if kind == "lilicorr":
+        return ["lilicorr.pass_hidden_proj.weight"]
+    return []
+
+
+def random_draft_tensors(md: Mapping[str, Any], kind: str, *, seed: int = 0, scale: float = 0.2,
+                         own_embd: bool = False, own_head: bool = False) -> dict[str, np.ndarray]:
+    """Random weights for every tensor the metadata declares (norm weights around 1, optional tensors
+    only when asked: ``own_embd`` / ``own_head``)."""
+    hp = load_hparams(md, "tiny-draft", _marker_names(kind))
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for spec in tensor_specs(hp):
+        name = spec.name
+        if not spec.required:
+            if name == C.T_TOKEN_EMBD and not (own_embd or hp.tied):
+                continue
+            if name == C.T_OUTPUT and not own_head:
+                continue
+            if name not in (C.T_TOKEN_EMBD, C.T_OUTPUT):
+                continue  # sinks, input scales, biases: not by default
+        shape = tuple(spec.shape)
+        if name.endswith("norm.weight") and len(shape) == 1:
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        elif name.endswith(("_conv_base",)):
+            out[name] = (0.3 * rng.standard_normal(shape)).astype(np.float32)
+        elif name in (C.T_SEL_PRED, C.T_SEL_SUCC):
+            out[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    if kind == "lilicorr":  # the optional biases of the head exist in the (assumed) reference layout
+        for spec in tensor_specs(hp):
+            if spec.name.startswith(C.LILI_PREFIX) and spec.name.endswith(".bias") and spec.name not in out:
+                out[spec.name] = (0.05 * rng.standard_normal(spec.shape)).astype(np.float32)
+    return out
+
+
+def with_scales(tensors: Mapping[str, np.ndarray], seed: int = 1) -> dict[str, np.ndarray]:
+    """The same model written NVFP4-style: every scalable projection W stored as W / s plus ``<name>.scale`` = s."""
+    rng = np.random.default_rng(seed)
+    out = dict(tensors)
+    for name, arr in tensors.items():
+        base = name[:-len(".weight")] if name.endswith(".weight") else None
+        if base is None or arr.ndim != 2:
+            continue
+        short = base.split(".")[-1]
+        if short in C.SCALED or base in ("fc", "output", "selector_hidden"):
+            s = np.float32(rng.uniform(0.25, 4.0))
+            out[name] = (arr / s).astype(np.float32)
+            out[base + ".scale"] = np.array([s], dtype=np.float32)
+    out[C.T_FC_INPUT_SCALE] = np.array([0.5], dtype=np.float32)
+    return out
+
+
+def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, own_embd: bool = False,
+                     own_head: bool = False, scales: bool = False, extra_tensors: Mapping[str, np.ndarray] | None = None,
+                     **md_kw: Any) -> Path:
+    from plinth.convert import write_gguf
+
+    md = tiny_draft_metadata(kind, **md_kw)
+    tensors = random_draft_tensors(md, kind, seed=seed, own_embd=own_embd, own_head=own_head)
+    if scales:
+        tensors = with_scales(tensors)
+    tensors.update(extra_tensors or {})
+    return write_gguf(path, md, tensors)
+
+
+def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 96, n_embd: int = 64, n_layer: int = 3,
+                seed: int = 0, scale: float = 0.2, registry: Any = None) -> Any:
+    """Write and load a tiny random target of ``arch`` (needs plinth-llama installed)."""
+    import plinth
+    from plinth.testing import make_registry, tiny_metadata, write_synthetic_gguf
+
+    reg = registry or make_registry("llama")
+    md = tiny_metadata(arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_ctx=1024)
+    p = write_synthetic_gguf(path, arch, md, reg, seed=seed, scale=scale, drop=("output.weight",))
+    return plinth.load_model(p, registry=reg)
+
+
+# ---------------------------------------------------------------------- HF-layout drafts (converter input)
+
+
+def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Path:
+    """A minimal safetensors writer (F32 / I64), so tests need neither torch nor safetensors."""
+    import json
+    import struct
+
+    header: dict[str, Any] = {}
+    blobs = []
+    off = 0
+    for name, arr in tensors.items():
+        a = np.ascontiguousarray(arr)
+        dt = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[a.dtype]
+        b = a.tobytes()
+        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+    return path
+
+
+def hf_draft_config(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2, n_head: int = 4,
+                    n_head_kv: int = 2, n_ff: int = 96, target_layer_ids: Any = (0, 1), n_target_layer: int = 3,
+                    block_size: int = 16, mask_token: int | None = None, rope_theta: float = 10000.0,
+                    layer_types: Any = None, sliding_window: int | None = None, conv_kernel: int = 2,
+                    conv_group: int = 8, selector_rank: int = 8, selector_top_k: int = 4,
+                    output_multiplier: float | None = None, softcap: float | None = None,
+                    lilicorr: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "lilicorr": "LiLiCorrDraftModel"}[kind]
+    d: dict[str, Any] = {"target_layer_ids": list(target_layer_ids), "block_size": block_size,
+                         "mask_token_id": n_vocab - 1 if mask_token is None else mask_token}
+    if kind == "dflash2":
+        d.update(conv_kernel_size=conv_kernel, conv_group_size=conv_group, selector_rank=selector_rank,
+                 selector_top_k=selector_top_k)
+    if output_multiplier is not None:
+        d["output_multiplier"] = output_multiplier
+    if softcap is not None:
+        d["final_logit_softcapping"] = softcap
+    if kind == "lilicorr":
+        lc = dict(lilicorr_enabled=True, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_layers=1,
+                  lilicorr_num_heads=2, lilicorr_mlp_ratio=2.0, lilicorr_factor_dim=16, lilicorr_vector_eps=1e-6,
+                  lilicorr_logit_scale=8.0)
+        lc.update(lilicorr or {})
+        d.update(lc)
+    cfg: dict[str, Any] = {
+        "architectures": [arch], "model_type": "qwen3", "hidden_size": n_embd, "intermediate_size": n_ff,
+        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head_kv,
+        "head_dim": n_embd // n_head, "vocab_size": n_vocab, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}, "attention_bias": False,
+        "tie_word_embeddings": True, "num_target_layers": n_target_layer, "block_size": block_size,
+        "layer_types": list(layer_types) if layer_types is not None else ["full_attention"] * n_layer,
+        "dflash_config": d,
+    }
+    if sliding_window is not None:
+        cfg["sliding_window"] = sliding_window
+    cfg.update(extra)
+    return cfg
+
+
+def hf_draft_tensors(cfg: Mapping[str, Any], *, seed: int = 0, scale: float = 0.2) -> dict[str, np.ndarray]:
+    """Random weights under the HF (z-lab) tensor names of the draft described by ``cfg``."""
+    rng = np.random.default_rng(seed)
+    e, ff, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    d = cfg["dflash_config"]
+    n_taps = len(d["target_layer_ids"])
+    arch = cfg["architectures"][0]
+
+    def r(*shape: int, s: float = scale) -> np.ndarray:
+        return (s * rng.standard_normal(shape)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"fc.weight": r(e, n_taps * e), "hidden_norm.weight": norm(e), "norm.weight": norm(e)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": norm(e), p + "post_attention_layernorm.weight": norm(e),
+            p + "self_attn.q_proj.weight": r(nq, e), p + "self_attn.k_proj.weight": r(nkv, e),
+            p + "self_attn.v_proj.weight": r(nkv, e), p + "self_attn.o_proj.weight": r(e, nq),
+            p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+            p + "mlp.gate_proj.weight": r(ff, e), p + "mlp.up_proj.weight": r(ff, e),
+            p + "mlp.down_proj.weight": r(e, ff),
+        })
+        if arch == "DFlash2DraftModel" or "conv_kernel_size" in d:
+            kc, g = d["conv_kernel_size"], e // d["conv_group_size"]
+            for side in ("attention_conv", "mlp_conv"):
+                t[p + side + ".base_kernel"] = r(2, kc, e, s=0.3)
+                t[p + side + ".kernel_projection.weight"] = r(2 * kc * g, e)
+    if arch == "DFlash2DraftModel":
+        v, rk = cfg["vocab_size"], d["selector_rank"]
+        t["candidate_selector.predecessor_codebook.weight"] = r(v, rk, s=0.5)
+        t["candidate_selector.successor_codebook.weight"] = r(v, rk, s=0.5)
+        t["candidate_selector.hidden_projection.weight"] = r(rk, e)
+    if arch == "LiLiCorrDraftModel":
+        dh = d["lilicorr_hidden_size"] or e
+        k, f, nl = d["lilicorr_candidate_topk"], d["lilicorr_factor_dim"], d["lilicorr_num_layers"]
+        h, mr, b = d["lilicorr_num_heads"], int(round(d["lilicorr_mlp_ratio"] * dh)), d["block_size"]
+        q = "lilicorr."
+        if dh != e:
+            t.update({q + "token_proj.weight": r(dh, e), q + "token_proj.bias": r(dh, s=0.05)})
+        t.update({q + "pass_hidden_proj.weight": r(dh, e), q + "pass_hidden_proj.bias": r(dh, s=0.05),
+                  q + "feature_mlp.0.weight": norm(5), q + "feature_mlp.0.bias": r(5, s=0.05),
+                  q + "feature_mlp.1.weight": r(dh, 5), q + "feature_mlp.1.bias": r(dh, s=0.05),
+                  q + "feature_mlp.3.weight": r(dh, dh), q + "feature_mlp.3.bias": r(dh, s=0.05),
+                  q + "slot_embedding.weight": r(b - 1, dh), q + "rank_embedding.weight": r(k, dh)})
+        for i in range(nl):
+            p = f"{q}layers.{i}."
+            t.update({p + "attn_norm.weight": norm(dh), p + "attn.in_proj_weight": r(3 * dh, dh),
+                      p + "attn.in_proj_bias": r(3 * dh, s=0.05), p + "attn.out_proj.weight": r(dh, dh),
+                      p + "attn.out_proj.bias": r(dh, s=0.05), p + "relative_slot_bias": r(h, 2 * b - 1),
+                      p + "same_slot_bias": r(h), p + "mlp_norm.weight": norm(dh), p + "mlp.0.weight": r(mr, dh),
+                      p + "mlp.0.bias": r(mr, s=0.05), p + "mlp.2.weight": r(dh, mr), p + "mlp.2.bias": r(dh, s=0.05)})
+        for name, shape in (("output_norm", None), ("anchor_norm", None), ("context_proj", (dh, e)),
+                            ("factor_in", (dh, 3 * dh)), ("out_head", (f, dh)), ("in_head", (f, dh)),
+                            ("anchor_out_head", (f, dh))):
+            if shape is None:
+                t[q + name + ".weight"] = norm(dh)
+            else:
+                t[q + name + ".weight"] = r(*shape)
+                t[q + name + ".bias"] = r(shape[0], s=0.05)
+    return t
+
+
+def write_hf_draft(model_dir: str | Path, kind: str = "dflash", *, seed: int = 0, extra_tensors: Any = None,
+                   **cfg_kw: Any) -> Path:
+    """An HF-layout draft folder (config.json + model.safetensors) of random weights."""
+    import json
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_draft_config(kind, **cfg_kw)
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    t = hf_draft_tensors(cfg, seed=seed)
+    t.update(extra_tensors or {})
+    write_safetensors(model_dir / "model.safetensors", t)
+    return model_dir
+
+
+
+# ---------------------------------------------------------------------- the reference-comparison case
+
+REF_PROMPT_SEED = 1234
+REF_BLOCKS = (4, 8, 16)
+REF_ROUNDS = 3
+
+
+def reference_prompts(n: int = 5, n_vocab: int = 96, mask: int = 95) -> list[list[int]]:
+    rng = np.random.default_rng(REF_PROMPT_SEED)
+    out = []
+    for i in range(n):
+        p = rng.integers(0, n_vocab - 1, 5 + 2 * i).tolist()
+        out.append([t for t in p if t != mask])
+    return out
+
+
+def reference_case(workdir: str | Path, kind: str) -> dict[str, Path]:
+    """Deterministic files of the reference comparison: a tiny qwen3 target GGUF, the HF draft folder and the
+    draft converted by ``plinth convert``. Same numpy seeds everywhere, so the golden outputs regenerate."""
+    from .convert import DFlash2Converter, DFlashConverter
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    target = workdir / "target-qwen3.gguf"
+    if not target.exists():
+        from plinth.testing import make_registry, tiny_metadata, write_synthetic_gguf
+
+        md = tiny_metadata("qwen3", n_vocab=96, n_embd=64, n_layer=3, n_ctx=1024)
+        write_synthetic_gguf(target, "qwen3", md, make_registry("llama"), seed=11, scale=0.2,
+                             drop=("output.weight",))
+    kw: dict[str, Any] = dict(target_layer_ids=(0, 1), n_target_layer=3, block_size=16)
+    if kind == "dflash2":
+        kw.update(output_multiplier=1.5, softcap=30.0, conv_kernel=3)
+    hf_dir = write_hf_draft(workdir / f"hf-{kind}", kind, seed=21, **kw)
+    gguf_path = workdir / f"draft-{kind}.gguf"
+    conv = {"dflash": DFlashConverter, "dflash2": DFlash2Converter}[kind]()
+    conv.convert(str(hf_dir), str(gguf_path), {"target": str(target)})
+    return {"target": target, "hf": hf_dir, "draft": gguf_path}
