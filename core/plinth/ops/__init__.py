@@ -18,7 +18,7 @@ from .activations import (
     softmax,
     softplus,
 )
-from .attention import attention, attention_mask
+from .attention import attention, attention_bias, attention_mask
 from .ffn import geglu, glu_ffn, linear, relu2_mlp, swiglu
 from .misc import TopK, gather_rows, pad, top_k
 from .moe import MoeRoute, moe_ffn, moe_route
@@ -43,6 +43,7 @@ __all__ = [
     "array_module",
     "as_f32",
     "attention",
+    "attention_bias",
     "attention_mask",
     "gather_rows",
     "geglu",

@@ -38,6 +38,27 @@ def attention_mask(
     return vis
 
 
+def attention_bias(
+    q_pos: Any,
+    k_pos: Any,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    mask: Any = None,
+) -> Any:
+    """The additive score bias of :func:`attention_mask`: 0 where visible, -inf where hidden.
+
+    Returns [n_q, n_kv_tok] float32, or None when every query sees every key. Build it
+    once per forward and pass it as ``attention(..., bias=...)`` to every layer.
+    """
+    vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask)
+    if vis is None:
+        return None
+    xp = array_module(vis)
+    if bool(vis.all()):
+        return None
+    return xp.where(vis, F32(0.0), F32(-xp.inf))
+
+
 def attention(
     q: Any,
     k: Any,
@@ -50,6 +71,7 @@ def attention(
     soft_cap: float | None = None,
     sinks: Any = None,
     mask: Any = None,
+    bias: Any = None,
 ) -> Any:
     """Multi-head attention softmax(q k^T * scale) v over cached keys.
 
@@ -64,6 +86,9 @@ def attention(
     sinks: [n_head] or None — one extra logit per head that joins the softmax denominator
         but carries no value (gpt-oss / DeepSeek V4 attention sinks).
     mask: [n_q, n_kv_tok] bool or None — extra visibility (e.g. same-sequence), ANDed in.
+    bias: [n_q, n_kv_tok] float32 or None — additive score bias (0 / -inf), added after
+        soft-capping; e.g. :func:`attention_bias` built once per forward and shared by the
+        layers (then pass causal=False unless the masks should combine).
     n_head must be a multiple of n_head_kv; query head h reads kv head h // (n_head / n_head_kv).
     A query that sees no key (and has no sink) yields zeros.
     Returns [n_q, n_head, head_dim_v] float32.
@@ -97,6 +122,8 @@ def attention(
     if vis is not None:
         # additive 0 / -inf bias, built once at [n_q, n_kv] and broadcast over heads in place
         scores += xp.where(vis, F32(0.0), F32(-xp.inf))
+    if bias is not None:
+        scores += as_f32(bias, xp)
 
     m = xp.max(scores, axis=-1, keepdims=True) if n_kv else xp.full((n_head_kv, g, n_q, 1), -xp.inf, dtype=F32)
     if sinks is not None:

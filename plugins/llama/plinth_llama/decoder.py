@@ -120,8 +120,40 @@ def tensor_specs(hp: DecoderHParams, tied_output_optional: bool = True) -> list[
     return specs
 
 
+@attrs.define
+class _Step:
+    """What one forward computes once and every layer shares.
+
+    groups: (sequence id, its rows) — a slice when the rows are contiguous.
+    cos_sin: RoPE tables at the batch positions, one per distinct frequency table.
+    bias: attention score bias per (sequence, window), built at the first layer that needs it.
+    """
+
+    groups: list[tuple[int, Any]]
+    cos_sin: dict[int, tuple[Any, Any]]
+    bias: dict[tuple[int, int], Any] = attrs.field(factory=dict)
+
+
+def _groups(seq_ids: np.ndarray) -> list[tuple[int, Any]]:
+    """The batch's rows per sequence, in order of sequence id."""
+    n = len(seq_ids)
+    if n and seq_ids[0] == seq_ids[-1] and (n < 3 or (seq_ids == seq_ids[0]).all()):
+        return [(int(seq_ids[0]), slice(0, n))]  # one sequence: the common case
+    groups = []
+    for seq in np.unique(seq_ids):
+        rows = np.nonzero(seq_ids == seq)[0]
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        groups.append((int(seq), slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows))
+    return groups
+
+
 class DecoderGraph:
-    """Forward of a dense decoder over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+    """Forward of a dense decoder over a :class:`Batch`, reading and extending a :class:`KVCache`.
+
+    Q, K and V of a layer are computed by one matrix (their weights stacked on the output
+    axis), and so are the FFN gate and up projections: fewer, larger GEMMs. The GGUF-named
+    weights stay in ``weights`` as row views of the stacked matrices, so memory is not doubled.
+    """
 
     def __init__(self, hp: DecoderHParams, weights: Mapping[str, Any], backend: Any) -> None:
         self.hp = hp
@@ -139,6 +171,25 @@ class DecoderGraph:
         # layers sharing a frequency base share one cos/sin cache
         by_base: dict[float, Any] = {}
         self.rope = [by_base.setdefault(hp.rope_base[il], self.rope[il]) for il in range(hp.n_layer)]
+        self.w_qkv, self.b_qkv, self.w_gate_up = [], [], []
+        for il in range(hp.n_layer):
+            b = f"blk.{il}."
+            self.w_qkv.append(self._stack([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]))
+            self.b_qkv.append(self._stack([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"])
+                              if hp.qkv_bias else None)
+            self.w_gate_up.append(self._stack([b + "ffn_gate.weight", b + "ffn_up.weight"]))
+
+    def _stack(self, names: list[str]) -> Any:
+        """The named tensors stacked on axis 0 (f32, contiguous); the names become views of it."""
+        xp = self.xp
+        parts = [self.w[n] for n in names]
+        stacked = xp.concatenate([xp.asarray(a, dtype=xp.float32) for a in parts], axis=0)
+        if isinstance(self.w, dict):
+            o = 0
+            for n, a in zip(names, parts):
+                self.w[n] = stacked[o:o + a.shape[0]]
+                o += a.shape[0]
+        return stacked
 
     # -------------------------------------------------------------- pieces
 
@@ -153,45 +204,55 @@ class DecoderGraph:
             x = x * np.float32(self.hp.embd_scale)
         return x
 
-    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache) -> Any:
+    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, step: _Step) -> Any:
         """Self-attention of layer ``il``. x: [n_rows, n_embd] (normed) -> [n_rows, n_embd]."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = x.shape[0]
-        q = ops.linear(x, w[b + "attn_q.weight"], w.get(b + "attn_q.bias")).reshape(n, hp.n_head[il], hp.head_dim)
-        k = ops.linear(x, w[b + "attn_k.weight"], w.get(b + "attn_k.bias")).reshape(n, hp.n_head_kv[il], hp.head_dim)
-        v = ops.linear(x, w[b + "attn_v.weight"], w.get(b + "attn_v.bias")).reshape(n, hp.n_head_kv[il],
-                                                                                    hp.head_dim_v)
+        n_head, n_head_kv, hd = hp.n_head[il], hp.n_head_kv[il], hp.head_dim
+        nq, nk = n_head * hd, n_head_kv * hd
+        qkv = ops.linear(x, self.w_qkv[il], self.b_qkv[il])  # [n, nq + nk + nv]
+        v = qkv[:, nq + nk:].reshape(n, n_head_kv, hp.head_dim_v)
+        cs = step.cos_sin[id(self.rope[il])]
         if hp.qk_norm:
-            q = ops.head_rms_norm(q, w[b + "attn_q_norm.weight"], hp.norm_eps)
-            k = ops.head_rms_norm(k, w[b + "attn_k_norm.weight"], hp.norm_eps)
-        cs = self.rope[il](batch.positions)
-        q = ops.apply_rope(q, mode=hp.rope_mode, cos_sin=cs)
-        k = ops.apply_rope(k, mode=hp.rope_mode, cos_sin=cs)
-        window = hp.sliding_window[il] or None
-        out = self.xp.empty((n, hp.n_head[il], hp.head_dim_v), dtype=self.xp.float32)
-        for seq in np.unique(batch.seq_ids):
-            rows = np.nonzero(batch.seq_ids == seq)[0]
-            sel = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
-            kc, vc, kpos = cache.update(il, int(seq), batch.positions[sel], k[sel], v[sel])
-            out[sel] = ops.attention(q[sel], kc, vc, q_pos=batch.positions[sel], k_pos=kpos, scale=hp.attn_scale,
-                                     causal=True, sliding_window=window, soft_cap=hp.attn_softcap or None)
+            q = ops.head_rms_norm(qkv[:, :nq].reshape(n, n_head, hd), w[b + "attn_q_norm.weight"], hp.norm_eps)
+            k = ops.head_rms_norm(qkv[:, nq:nq + nk].reshape(n, n_head_kv, hd), w[b + "attn_k_norm.weight"],
+                                  hp.norm_eps)
+            q = ops.apply_rope(q, mode=hp.rope_mode, cos_sin=cs)
+            k = ops.apply_rope(k, mode=hp.rope_mode, cos_sin=cs)
+        else:
+            # Q and K heads side by side turn in one rotation
+            qk = ops.apply_rope(qkv[:, :nq + nk].reshape(n, n_head + n_head_kv, hd), mode=hp.rope_mode, cos_sin=cs)
+            q, k = qk[:, :n_head], qk[:, n_head:]
+        window = hp.sliding_window[il] or 0
+        out = self.xp.empty((n, n_head, hp.head_dim_v), dtype=self.xp.float32)
+        for seq, sel in step.groups:
+            pos = batch.positions[sel]
+            kc, vc, kpos = cache.update(il, seq, pos, k[sel], v[sel])
+            key = (seq, window)
+            if key not in step.bias:
+                step.bias[key] = ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None)
+            out[sel] = ops.attention(q[sel], kc, vc, scale=hp.attn_scale, causal=False, bias=step.bias[key],
+                                     soft_cap=hp.attn_softcap or None)
         return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"])
 
     def ffn(self, il: int, x: Any) -> Any:
-        w, b = self.w, f"blk.{il}."
-        return ops.glu_ffn(x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"],
-                           act=self.hp.act)
+        ff = self.hp.n_ff[il]
+        gate_up = ops.linear(x, self.w_gate_up[il])  # [n, 2 * n_ff]
+        h = ops.get_activation(self.hp.act)(gate_up[:, :ff])
+        h *= gate_up[:, ff:]
+        return ops.linear(h, self.w[f"blk.{il}.ffn_down.weight"])
 
-    def block(self, il: int, x: Any, batch: Batch, cache: KVCache) -> Any:
+    def block(self, il: int, x: Any, batch: Batch, cache: KVCache, step: _Step) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
-        h = self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], hp.norm_eps), batch, cache)
+        h = self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], hp.norm_eps), batch, cache, step)
         if hp.post_norms:
             h = ops.rms_norm(h, w[b + "post_attention_norm.weight"], hp.norm_eps)
         x = x + h
         h = self.ffn(il, ops.rms_norm(x, w[b + "ffn_norm.weight"], hp.norm_eps))
         if hp.post_norms:
             h = ops.rms_norm(h, w[b + "post_ffw_norm.weight"], hp.norm_eps)
-        return x + h
+        h += x
+        return h
 
     # -------------------------------------------------------------- forward
 
@@ -201,11 +262,13 @@ class DecoderGraph:
         hp = self.hp
         features: dict[int, Any] = {}
         x = self.embed(batch)
+        tables = {id(r): r for r in self.rope}
+        step = _Step(groups=_groups(batch.seq_ids), cos_sin={k: r(batch.positions) for k, r in tables.items()})
         try:
             for il in range(hp.n_layer):
                 if il in taps:
                     features[il] = x
-                x = self.block(il, x, batch, cache)
+                x = self.block(il, x, batch, cache, step)
         except BaseException:
             cache.rollback_pending()
             raise
