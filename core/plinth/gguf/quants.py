@@ -40,16 +40,21 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """[n, 4] bytes of 32 packed bits -> [n, 32] bit values (bit j for element j)."""
-    bits = qh.copy().view("<u4")  # [n, 1]
-    return ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    # bit j of the little-endian u32 is bit j % 8 of byte j // 8
+    return np.unpackbits(qh, axis=1, bitorder="little")
 
 
 def _q5_0(b: np.ndarray) -> np.ndarray:
     d = _f16(b, 0)
-    qh = _high_bits(b[:, 2:6])
     qs = b[:, 6:22]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1) | (qh << 4)
-    return d * (q.astype(np.int8) - np.int8(16)).astype(F32)
+    q = np.empty((b.shape[0], 32), np.uint8)
+    np.bitwise_and(qs, 0x0F, out=q[:, :16])
+    np.right_shift(qs, 4, out=q[:, 16:])
+    high = _high_bits(b[:, 2:6])
+    high <<= 4
+    q |= high
+    q -= np.uint8(16)  # wraps to the int8 value q - 16
+    return np.multiply(q.view(np.int8), d, dtype=F32)
 
 
 def _q5_1(b: np.ndarray) -> np.ndarray:
