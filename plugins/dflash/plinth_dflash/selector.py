@@ -142,6 +142,16 @@ def slot_bias(rel: Any, same: Any, slots: Any, block_size: int) -> Any:
     return rel[:, idx] + same[:, None, None] * (d == 0)[None].astype(F32)
 
 
+def lilicorr_candidates(hidden: Any, head: Any, k: int) -> tuple[Any, Any]:
+    """Top-K candidates per slot and their log-probs normalised over the **full** vocabulary.
+
+    hidden: [S, E]; head: [V, E]. Returns (ids [S, K], logp [S, K]), descending.
+    """
+    logp_all = ops.log_softmax(ops.linear(hidden, head), axis=-1)
+    tk = ops.top_k(logp_all, k, axis=-1)
+    return tk.indices, tk.values
+
+
 def lilicorr_scores(hidden: Any, head: Any, embed: Any, anchor_row: Any, anchor_valid: bool, w: Mapping[str, Any],
                     lh: Any, block_size: int, norm_eps: float) -> tuple[Any, Any, Any]:
     """Candidates and cosine scores of the LiLiCorr head for one block.
@@ -156,10 +166,7 @@ def lilicorr_scores(hidden: Any, head: Any, embed: Any, anchor_row: Any, anchor_
     s_n, _ = hidden.shape
     k = lh.top_k
     d = lh.hidden
-    logits = ops.linear(hidden, head)
-    logp_all = ops.log_softmax(logits, axis=-1)  # over the full vocabulary
-    tk = ops.top_k(logp_all, k, axis=-1)
-    ids, logp = tk.indices, tk.values  # [S, K]
+    ids, logp = lilicorr_candidates(hidden, head, k)  # [S, K]
     feats = candidate_features(logp)  # [S, K, 5]
     emb = embed[ids.reshape(-1)].reshape(s_n, k, -1)
     tok = ops.linear(emb, w[p + "token_proj.weight"], w.get(p + "token_proj.bias")) \

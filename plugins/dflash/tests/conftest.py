@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny targets (qwen3, llama) and a writer of tiny drafts for them."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def targets(tmp_path_factory):
+    from plinth_dflash.testkit import tiny_target
+
+    d = tmp_path_factory.mktemp("targets")
+    return {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
+
+
+@pytest.fixture
+def draft_file(tmp_path):
+    from plinth_dflash.testkit import write_tiny_draft
+
+    counter = iter(range(10_000))
+
+    def make(kind="dflash", **kw):
+        return write_tiny_draft(tmp_path / f"{kind}-{next(counter)}.gguf", kind, **kw)
+
+    return make
+
+
+@pytest.fixture
+def drafter(targets, draft_file):
+    from plinth_dflash.drafter import make_dflash
+
+    def make(kind="dflash", target="qwen3", options=None, **kw):
+        kw.setdefault("taps", (1, 3))
+        return make_dflash(targets[target], {"draft": str(draft_file(kind, **kw)), **(options or {})})
+
+    return make
