@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy
+
 from ._xp import F32, array_module, as_f32
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -12,18 +14,31 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 
 
 def sigmoid(x: Any) -> Any:
-    """Logistic function 1 / (1 + exp(-x)). ``x``: any shape."""
+    """Logistic function 1 / (1 + exp(-x)). ``x``: any shape.
+
+    exp(-x) overflows to inf for x < -88, which gives the right limit 0 (the overflow
+    warning is silenced); one exp and two in-place passes, no float64 temporaries.
+    """
     xp = array_module(x)
-    x = as_f32(x, xp)
-    # exp of a non-positive number never overflows
-    e = xp.exp(-xp.abs(x))
-    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(F32, copy=False)
+    e = _exp_neg(as_f32(x, xp), xp)
+    e += F32(1.0)
+    return xp.reciprocal(e, out=e)
 
 
 def silu(x: Any) -> Any:
-    """x * sigmoid(x) (a.k.a. swish). ``x``: any shape."""
-    x = as_f32(x)
-    return x * sigmoid(x)
+    """x * sigmoid(x) = x / (1 + exp(-x)) (a.k.a. swish). ``x``: any shape."""
+    xp = array_module(x)
+    x = as_f32(x, xp)
+    e = _exp_neg(x, xp)
+    e += F32(1.0)
+    return xp.divide(x, e, out=e)
+
+
+def _exp_neg(x: Any, xp: Any) -> Any:
+    """exp(-x) in a new float32 array (inf where it overflows)."""
+    e = xp.negative(x)
+    with numpy.errstate(over="ignore"):
+        return xp.exp(e, out=e)
 
 
 def gelu(x: Any, approximate: str = "tanh") -> Any:
