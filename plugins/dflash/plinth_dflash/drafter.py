@@ -99,6 +99,9 @@ class DFlashDrafter(BaseDrafter):
             if int(arr.shape[0]) != n_vocab:
                 raise UserError(f"{src}: the draft's {what} has {arr.shape[0]} rows, the target's vocabulary "
                                 f"{n_vocab}; a DFlash draft proposes target ids")
+        for name in (C.T_SEL_PRED, C.T_SEL_SUCC):
+            if name in w and int(w[name].shape[0]) != n_vocab:
+                raise UserError(f"{src}: '{name}' has {w[name].shape[0]} rows, the target's vocabulary {n_vocab}")
         if not 0 <= hp.mask_token < n_vocab:
             raise UserError(f"{src}: mask token {hp.mask_token} is outside the vocabulary (0..{n_vocab - 1})")
         self.target_embed = target.weights.get("token_embd.weight", embed)

@@ -151,14 +151,17 @@ def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, o
     return write_gguf(path, md, tensors)
 
 
-def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 96, n_embd: int = 64, n_layer: int = 3,
+def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_embd: int = 64, n_layer: int = 3,
                 seed: int = 0, scale: float = 0.2, registry: Any = None) -> Any:
-    """Write and load a tiny random target of ``arch`` (needs plinth-llama installed)."""
+    """Write and load a tiny random target of ``arch`` (needs plinth-llama installed); with the default
+    257-token vocabulary it carries plinth's byte-level test tokenizer, so the generation loop can run it."""
     import plinth
-    from plinth.testing import make_registry, tiny_metadata, write_synthetic_gguf
+    from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
 
     reg = registry or make_registry("llama")
     md = tiny_metadata(arch, n_vocab=n_vocab, n_embd=n_embd, n_layer=n_layer, n_ctx=1024)
+    if n_vocab == 257:
+        md |= byte_vocab()
     p = write_synthetic_gguf(path, arch, md, reg, seed=seed, scale=scale, drop=("output.weight",))
     return plinth.load_model(p, registry=reg)
 

@@ -20,6 +20,8 @@ def draft_file(tmp_path):
     counter = iter(range(10_000))
 
     def make(kind="dflash", **kw):
+        kw.setdefault("n_vocab", 257)
+        kw.setdefault("mask_token", 255)
         return write_tiny_draft(tmp_path / f"{kind}-{next(counter)}.gguf", kind, **kw)
 
     return make

@@ -44,18 +44,18 @@ def test_taps_outside_target_are_refused(drafter):
 
 
 # 2. concat in tap order; E_t must equal E
-def test_features_concatenate_in_file_tap_order(drafter, targets, draft_file):
+def test_features_concatenate_in_file_tap_order(drafter, targets, tmp_path):
     from plinth_dflash.drafter import make_dflash
     from plinth_dflash.testkit import random_draft_tensors, tiny_draft_metadata
 
     a = drafter(taps=(1, 3), seed=4)
     prefill(a, targets["qwen3"])
-    md = tiny_draft_metadata(taps=(3, 1))
-    t = random_draft_tensors(tiny_draft_metadata(taps=(1, 3)), "dflash", seed=4)
+    md = tiny_draft_metadata(taps=(3, 1), n_vocab=257, mask_token=255)
+    t = random_draft_tensors(tiny_draft_metadata(taps=(1, 3), n_vocab=257, mask_token=255), "dflash", seed=4)
     t["fc.weight"] = np.concatenate([t["fc.weight"][:, 64:], t["fc.weight"][:, :64]], axis=1)
     from plinth.convert import write_gguf
 
-    p = write_gguf(draft_file.__closure__ and a.draft_file.path.with_name("swapped.gguf"), md, t)
+    p = write_gguf(tmp_path / "swapped.gguf", md, t)
     b = make_dflash(targets["qwen3"], {"draft": str(p)})
     prefill(b, targets["qwen3"])
     np.testing.assert_allclose(a.draft_logits(0, 7, 8, 5), b.draft_logits(0, 7, 8, 5), atol=1e-5)
@@ -267,8 +267,8 @@ def test_head_selection(drafter, targets, draft_file, tmp_path):
     untied = drafter(own_embd=True)
     assert untied.head_source == "target" and untied.graph.embed_table is untied.draft_file.weights[
         "token_embd.weight"]
-    md = tiny_draft_metadata(taps=(1, 3), tied=True)
-    tens = random_draft_tensors(tiny_draft_metadata(taps=(1, 3)), "dflash")
+    md = tiny_draft_metadata(taps=(1, 3), tied=True, n_vocab=257)
+    tens = random_draft_tensors(tiny_draft_metadata(taps=(1, 3), n_vocab=257), "dflash")
     from plinth.convert import write_gguf
 
     p = write_gguf(tmp_path / "tied-noembd.gguf", md, tens)
@@ -283,7 +283,7 @@ def test_head_selection(drafter, targets, draft_file, tmp_path):
 def test_reduced_vocabulary_is_refused(draft_file, targets):
     from plinth_dflash.drafter import make_dflash
 
-    p = draft_file(taps=(1, 3), extra_tensors={"d2t": np.arange(96, dtype=np.int64)})
+    p = draft_file(taps=(1, 3), extra_tensors={"d2t": np.arange(257, dtype=np.int64)})
     with pytest.raises(UserError, match="d2t"):
         make_dflash(targets["qwen3"], {"draft": str(p)})
 
