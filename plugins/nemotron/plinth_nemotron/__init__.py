@@ -1,0 +1,1 @@
+"""plinth-nemotron: Nemotron-H hybrid architectures and their HF converter."""

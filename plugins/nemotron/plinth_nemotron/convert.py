@@ -1,0 +1,338 @@
+"""Hugging Face NemotronH / NemotronH-Puzzle folders to GGUF (``plinth convert DIR -o OUT.gguf``).
+
+Reads ``config.json`` (top level or under ``text_config``) and the safetensors, and writes
+``nemotron_h`` (no MoE layer) or ``nemotron_h_moe`` in llama.cpp's key and tensor names:
+
+* the layer pattern comes from ``layers_block_type`` (``mamba``/``linear_attention``,
+  ``attention``/``full_attention``, ``mlp``, ``moe``), ``hybrid_override_pattern``
+  (``M * - E``), or, for ``NemotronHPuzzleForCausalLM``, each ``block_configs[i].block_type``;
+  a Puzzle block's other fields override the global config for that layer (expert count
+  per layer, ``num_experts_per_tok``, ``moe_intermediate_size``, ...);
+* ``expert_used_count`` / ``expert_feed_forward_length`` are written as scalars when every
+  FFN layer is an identical MoE, else as per-layer arrays (0 on layers without experts);
+* tensor names may carry the ``backbone.`` or the ``model.`` prefix; the router bias may be
+  spelled ``e_score_correction_bias`` or ``e_score_correction.bias``; experts may be stored
+  one by one (``experts.{e}.up_proj.weight``) or stacked (``experts.up_proj``);
+* ``mtp.*`` tensors (multi-token-prediction heads) are dropped, with a note;
+* ``A_log`` is written as ``ssm_a = -exp(A_log)``; ``conv1d.weight [C, 1, K]`` as ``[C, K]``;
+  the gated norm weight as ``[G, d_inner / G]``.
+
+Before writing, the converted names and shapes are checked against the architecture's own
+hparams and tensor declarations, so a written file always loads. Anything the architecture
+does not implement (another activation, sliding-window attention, per-layer Mamba sizes,
+per-layer expert counts, a tensor no rule maps) is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from plinth.convert import SafetensorsDir, read_config, write_gguf
+from plinth.errors import UserError
+from plinth.tensors import check_tensors, unused_tensors
+
+from .nemotron_h import MAMBA, ATTENTION, MLP, MOE, PATTERN_CHAR, load_hparams, tensor_specs
+
+BLOCK_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "M": MAMBA,
+               "attention": ATTENTION, "full_attention": ATTENTION, "*": ATTENTION,
+               "mlp": MLP, "-": MLP, "moe": MOE, "E": MOE}
+OUTTYPES = ("f32", "f16", "bf16")
+
+# per-layer renames (after the prefix is stripped): HF suffix -> GGUF suffix
+_LAYER_MAP = {
+    "norm.weight": "attn_norm.weight",
+    "mixer.in_proj.weight": "ssm_in.weight",
+    "mixer.in_proj.bias": "ssm_in.bias",
+    "mixer.conv1d.weight": "ssm_conv1d.weight",
+    "mixer.conv1d.bias": "ssm_conv1d.bias",
+    "mixer.dt_bias": "ssm_dt.bias",
+    "mixer.A_log": "ssm_a",
+    "mixer.D": "ssm_d",
+    "mixer.norm.weight": "ssm_norm.weight",
+    "mixer.out_proj.weight": "ssm_out.weight",
+    "mixer.out_proj.bias": "ssm_out.bias",
+    "mixer.q_proj.weight": "attn_q.weight",
+    "mixer.k_proj.weight": "attn_k.weight",
+    "mixer.v_proj.weight": "attn_v.weight",
+    "mixer.o_proj.weight": "attn_output.weight",
+    "mixer.q_proj.bias": "attn_q.bias",
+    "mixer.k_proj.bias": "attn_k.bias",
+    "mixer.v_proj.bias": "attn_v.bias",
+    "mixer.o_proj.bias": "attn_output.bias",
+    "mixer.up_proj.weight": "ffn_up.weight",
+    "mixer.down_proj.weight": "ffn_down.weight",
+    "mixer.up_proj.bias": "ffn_up.bias",
+    "mixer.down_proj.bias": "ffn_down.bias",
+    "mixer.gate.weight": "ffn_gate_inp.weight",
+    "mixer.gate.e_score_correction.bias": "exp_probs_b.bias",
+    "mixer.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mixer.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mixer.fc1_latent_proj.weight": "ffn_latent_down.weight",
+    "mixer.fc2_latent_proj.weight": "ffn_latent_up.weight",
+    "mixer.experts.up_proj": "ffn_up_exps.weight",  # already stacked [E, I, D]
+    "mixer.experts.down_proj": "ffn_down_exps.weight",
+}
+_GLOBAL_MAP = {"embeddings.weight": "token_embd.weight", "embed_tokens.weight": "token_embd.weight",
+               "norm_f.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"mixer\.experts\.(\d+)\.(up|down)_proj\.weight")
+
+
+def normalise_name(name: str) -> str | None:
+    """HF tensor name -> prefix-free name with the router-bias spelling unified; None for MTP tensors."""
+    if name.startswith("mtp."):
+        return None
+    for prefix in ("backbone.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    return name.replace("e_score_correction_bias", "e_score_correction.bias")
+
+
+# ============================================================================ config
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    cfg = dict(config)
+    if isinstance(config.get("text_config"), Mapping):
+        cfg.update(config["text_config"])
+    return cfg
+
+
+def layer_configs(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+    """(global config, per-layer configs, per-layer kinds) of a NemotronH or Puzzle config."""
+    cfg = _text_config(config)
+    blocks = cfg.get("block_configs")
+    if blocks:
+        kinds = []
+        per_layer = []
+        for i, blk in enumerate(blocks):
+            bt = blk.get("block_type")
+            if bt not in BLOCK_TYPES:
+                raise UserError(f"{source}: block_configs[{i}].block_type is {bt!r}; expected one of "
+                                "mamba, attention, mlp, moe")
+            kinds.append(BLOCK_TYPES[bt])
+            per_layer.append({**cfg, **{k: v for k, v in blk.items() if v is not None}})
+        return cfg, per_layer, kinds
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None and cfg.get("hybrid_override_pattern"):
+        types = list(cfg["hybrid_override_pattern"])
+    if not types:
+        raise UserError(f"{source}: config has none of block_configs, layers_block_type, hybrid_override_pattern; "
+                        "cannot tell the layer pattern")
+    bad = [t for t in types if t not in BLOCK_TYPES]
+    if bad:
+        raise UserError(f"{source}: unknown layer type(s) {sorted(set(map(str, bad)))} in the layer pattern")
+    return cfg, [dict(cfg) for _ in types], [BLOCK_TYPES[t] for t in types]
+
+
+def _uniform(values: list[Any], what: str, source: str) -> Any:
+    if len(set(values)) > 1:
+        raise UserError(f"{source}: {what} differs between layers ({sorted(set(values))}); plinth-nemotron needs "
+                        "one value for the whole model")
+    return values[0] if values else None
+
+
+def gguf_metadata(config: Mapping[str, Any], source: str, name: str) -> dict[str, Any]:
+    """The GGUF metadata of a NemotronH(-Puzzle) config."""
+    cfg, per, kinds = layer_configs(config, source)
+    n_layer = len(kinds)
+    has_moe = MOE in kinds
+    arch = "nemotron_h_moe" if has_moe else "nemotron_h"
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        got = [str(c.get(key, want)) for c in per]
+        if any(g != want for g in got):
+            raise UserError(f"{source}: {key} = {sorted(set(got))}; plinth-nemotron implements only {want!r}")
+    window = [c.get("sliding_window") for c, k in zip(per, kinds) if k == ATTENTION]
+    if any(w for w in window):
+        raise UserError(f"{source}: sliding-window attention layers (sliding_window = {window}) are not supported")
+    mamba = [c for c, k in zip(per, kinds) if k == MAMBA] or [cfg]
+    m = {key: _uniform([int(c.get(key, d)) for c in mamba], key, source)
+         for key, d in (("mamba_num_heads", 128), ("mamba_head_dim", 64), ("ssm_state_size", 128),
+                        ("n_groups", 8), ("conv_kernel", 4))}
+    hidden = int(cfg["hidden_size"])
+    attn = [c for c, k in zip(per, kinds) if k == ATTENTION]
+    head_dim = _uniform([int(c.get("head_dim") or hidden // int(c["num_attention_heads"])) for c in attn],
+                        "head_dim", source) if attn else 0
+    n_head = [int(c.get("num_attention_heads", 0)) if k == ATTENTION else 0 for c, k in zip(per, kinds)]
+    n_head_kv = [int(c.get("num_key_value_heads") or c.get("num_attention_heads", 0)) if k == ATTENTION else 0
+                 for c, k in zip(per, kinds)]
+    heads = sorted(set(h for h in n_head if h))
+    n_ff = []
+    for c, k in zip(per, kinds):
+        n_ff.append(int(c["intermediate_size"]) if k == MLP else int(c["moe_intermediate_size"]) if k == MOE else 0)
+        if k in (MLP, MOE) and n_ff[-1] <= 0:
+            raise UserError(f"{source}: layer {len(n_ff) - 1} ({k}) has no intermediate size")
+    a = arch
+    md: dict[str, Any] = {
+        "general.architecture": arch,
+        "general.name": name,
+        f"{a}.vocab_size": int(cfg["vocab_size"]),
+        f"{a}.context_length": int(cfg.get("max_position_embeddings", 4096)),
+        f"{a}.embedding_length": hidden,
+        f"{a}.block_count": n_layer,
+        f"{a}.feed_forward_length": n_ff,
+        f"{a}.attention.head_count": heads[0] if len(heads) == 1 else (n_head if heads else 0),
+        f"{a}.attention.head_count_kv": n_head_kv,
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)),
+        f"{a}.ssm.conv_kernel": m["conv_kernel"],
+        f"{a}.ssm.inner_size": m["mamba_num_heads"] * m["mamba_head_dim"],
+        f"{a}.ssm.state_size": m["ssm_state_size"],
+        f"{a}.ssm.time_step_rank": m["mamba_num_heads"],
+        f"{a}.ssm.group_count": m["n_groups"],
+    }
+    if head_dim:
+        md[f"{a}.attention.key_length"] = head_dim
+        md[f"{a}.attention.value_length"] = head_dim
+    if has_moe:
+        moe = [c for c, k in zip(per, kinds) if k == MOE]
+        only_moe = MLP not in kinds
+
+        def per_layer(key: str) -> int | list[int]:
+            vals = [int(c.get(key) or 0) if k == MOE else 0 for c, k in zip(per, kinds)]
+            moe_vals = [v for v, k in zip(vals, kinds) if k == MOE]
+            return moe_vals[0] if only_moe and len(set(moe_vals)) == 1 else vals
+
+        md.update({
+            f"{a}.expert_count": _uniform([int(c["n_routed_experts"]) for c in moe], "n_routed_experts", source),
+            f"{a}.expert_used_count": per_layer("num_experts_per_tok"),
+            f"{a}.expert_feed_forward_length": per_layer("moe_intermediate_size"),
+            f"{a}.expert_shared_feed_forward_length": per_layer("moe_shared_expert_intermediate_size"),
+            f"{a}.expert_shared_count": int(cfg.get("n_shared_experts", 1)),
+            f"{a}.expert_weights_norm": bool(cfg.get("norm_topk_prob", True)),
+            f"{a}.expert_weights_scale": float(_uniform([float(c.get("routed_scaling_factor", 1.0)) for c in moe],
+                                                        "routed_scaling_factor", source)),
+            f"{a}.expert_group_count": int(cfg.get("n_group", 1)),
+            f"{a}.expert_group_used_count": int(cfg.get("topk_group", 1)),
+        })
+        latent = [int(c.get("moe_latent_size") or 0) for c in moe]
+        if any(latent):
+            md[f"{a}.moe_latent_size"] = per_layer("moe_latent_size")
+    return md
+
+
+# ============================================================================ tensors
+
+def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """GGUF-named float32 tensors, and notes about what was left out."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[tuple[int, str], dict[int, str]] = {}
+    dropped_mtp = []
+    for hf_name in st.names():
+        name = normalise_name(hf_name)
+        if name is None:
+            dropped_mtp.append(hf_name)
+            continue
+        if name in _GLOBAL_MAP:
+            out[_GLOBAL_MAP[name]] = st.get(hf_name)
+            continue
+        m = _LAYER_RE.fullmatch(name)
+        if m is None:
+            raise UserError(f"{st.dir}: tensor {hf_name!r} has no GGUF name in plinth-nemotron's mapping")
+        il, rest = int(m.group(1)), m.group(2)
+        if il >= n_layer:
+            raise UserError(f"{st.dir}: tensor {hf_name!r} belongs to layer {il}, but the config has {n_layer} layers")
+        e = _EXPERT_RE.fullmatch(rest)
+        if e is not None:
+            experts.setdefault((il, e.group(2)), {})[int(e.group(1))] = hf_name
+            continue
+        if rest not in _LAYER_MAP:
+            raise UserError(f"{st.dir}: tensor {hf_name!r} has no GGUF name in plinth-nemotron's mapping")
+        gguf = f"blk.{il}.{_LAYER_MAP[rest]}"
+        t = st.get(hf_name)
+        if rest == "mixer.A_log":
+            t = -np.exp(t.astype(np.float64)).astype(np.float32).reshape(-1, 1)
+        elif rest == "mixer.D":
+            t = t.reshape(-1, 1)
+        elif rest == "mixer.conv1d.weight":
+            t = t.reshape(t.shape[0], t.shape[-1])
+        elif rest == "mixer.norm.weight":
+            t = t.reshape(n_groups, -1)
+        out[gguf] = t
+    for (il, which), by_index in sorted(experts.items()):
+        idx = sorted(by_index)
+        if idx != list(range(len(idx))):
+            missing = sorted(set(range(max(idx) + 1)) - set(idx))
+            raise UserError(f"{st.dir}: layer {il} is missing {which}_proj of expert(s) {missing}")
+        out[f"blk.{il}.ffn_{which}_exps.weight"] = np.stack([st.get(by_index[i]) for i in idx])
+    notes = []
+    if dropped_mtp:
+        notes.append(f"dropped {len(dropped_mtp)} MTP tensor(s) (mtp.*): plinth-nemotron does not export "
+                     "Nemotron-H multi-token-prediction heads")
+    return out, notes
+
+
+# ============================================================================ converter
+
+class NemotronHConverter:
+    """``NemotronHForCausalLM`` folder -> ``nemotron_h`` / ``nemotron_h_moe`` GGUF."""
+
+    hf_arch = "NemotronHForCausalLM"
+
+    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
+        """Write ``out_path``; returns (and prints to stderr) notes on what was left out.
+
+        options: ``outtype`` = f32 (default), f16 or bf16 for matrices (norms, biases and
+        the SSM vectors stay f32).
+        """
+        outtype = str(options.get("outtype", "f32")).lower()
+        unknown = sorted(set(options) - {"outtype"})
+        if unknown or outtype not in OUTTYPES:
+            raise UserError(f"plinth-nemotron converter options: outtype in {', '.join(OUTTYPES)}; "
+                            f"got {dict(options)}")
+        source = str(Path(model_dir) / "config.json")
+        config = read_config(model_dir)
+        name = str(config.get("_name_or_path") or Path(model_dir).name)
+        md = gguf_metadata(config, source, name)
+        arch = md["general.architecture"]
+        n_layer = md[f"{arch}.block_count"]
+        cfg = _text_config(config)
+        tensors, notes = convert_tensors(SafetensorsDir(model_dir), n_layer, md[f"{arch}.ssm.group_count"])
+        if cfg.get("tie_word_embeddings") and "output.weight" in tensors:
+            del tensors["output.weight"]  # tied: the LM head is token_embd
+        # check against the architecture's own declaration, so the file we write loads
+        hp = load_hparams(md, source, arch)
+        if hp.n_vocab == -1 and "token_embd.weight" in tensors:
+            import attrs
+
+            hp = attrs.evolve(hp, n_vocab=tensors["token_embd.weight"].shape[0])
+        specs = tensor_specs(hp)
+        check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
+        extra = unused_tensors(specs, tensors)
+        if extra:
+            raise UserError(f"{model_dir}: tensor(s) {extra} do not belong to the {arch} layer pattern "
+                            f"{hp.pattern!r}")
+        qtypes = None
+        if outtype != "f32":
+            import gguf
+
+            q = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}[outtype]
+            keep_f32 = ("ssm_a", "ssm_d", "ssm_norm.weight", "ssm_conv1d.weight")
+            qtypes = {k: q for k, v in tensors.items() if v.ndim >= 2 and not k.endswith(keep_f32)}
+        if cfg.get("num_nextn_predict_layers") or cfg.get("mtp_block_configs"):
+            if not notes:
+                notes.append("the config declares MTP layers, but no mtp.* tensors were found; none exported")
+        write_gguf(out_path, md, tensors, qtypes)
+        for note in notes:
+            print(f"plinth-nemotron: {note}", file=sys.stderr)
+        return notes
+
+
+class NemotronHPuzzleConverter(NemotronHConverter):
+    """``NemotronHPuzzleForCausalLM`` (per-block ``block_configs``) folder -> ``nemotron_h_moe`` GGUF."""
+
+    hf_arch = "NemotronHPuzzleForCausalLM"
+
+    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
+        cfg = _text_config(read_config(model_dir))
+        if not cfg.get("block_configs"):
+            raise UserError(f"{model_dir}/config.json: NemotronHPuzzleForCausalLM without block_configs")
+        return super().convert(model_dir, out_path, options)
+
+
+__all__ = ["NemotronHConverter", "NemotronHPuzzleConverter", "PATTERN_CHAR", "convert_tensors", "gguf_metadata",
+           "layer_configs", "normalise_name"]

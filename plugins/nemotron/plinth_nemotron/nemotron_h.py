@@ -1,0 +1,469 @@
+"""Nemotron-H: hybrid Mamba-2 / attention / MLP / MoE decoders (``nemotron_h``, ``nemotron_h_moe``).
+
+Every one of the ``n_layer`` blocks is a single mixer, ``x += mixer(rms_norm(x))``; what the
+mixer is follows from the per-layer arrays, as in llama.cpp:
+
+* Mamba-2 (recurrent) where ``head_count_kv(il) == 0`` and ``feed_forward_length(il) == 0``;
+* attention (GQA, no positional encoding) where only ``feed_forward_length(il) == 0``;
+* an FFN where ``feed_forward_length(il) > 0``: a routed MoE (sigmoid router with a score-
+  correction bias, normalised top-k, routed scaling, shared expert, optional LatentMoE
+  projections) when the file has experts and that layer's ``expert_used_count`` is non-zero,
+  else a dense ReLU² MLP.
+
+Per-layer experts (NVIDIA Puzzle): ``expert_feed_forward_length`` and ``expert_used_count`` are
+scalar-or-array keys; ``n_ff_exp(il)`` and ``n_expert_used(il)`` read them per layer and refuse
+an out-of-range layer. A layer without its own expert width uses ``n_ff(il) / n_expert_used(il)``.
+
+Recurrent state lives in the KV cache (``get_state`` / ``set_state``): per Mamba layer and
+sequence a tuple ``(conv_state [K-1, conv_dim], ssm_state [H, P, N])`` of backend arrays, so
+the speculative engine's snapshot / restore makes any drafter lossless on these models.
+Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from plinth import ops
+from plinth.context import Batch, ForwardOutput, KVCache, pool
+from plinth.errors import UserError
+from plinth.hparams import HParamsError, KeyReader, PerLayer
+from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
+from plinth.tensors import TensorSpec
+
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
+PATTERN_CHAR = {MAMBA: "M", ATTENTION: "*", MLP: "-", MOE: "E"}
+
+# chunk length of the SSD prefill (an exact computation: any length gives the same result)
+SSM_CHUNK = 64
+
+
+# ============================================================================ hparams
+
+@attrs.frozen
+class NemotronHParams:
+    arch: str
+    model_type: str  # llama.cpp's size label ("120B.A12B", "75B.A9B", ..., "?B")
+    pattern: str  # one char per layer: M mamba, * attention, - MLP, E MoE
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ctx_train: int
+    norm_eps: float
+    # attention
+    n_head: PerLayer
+    n_head_kv: PerLayer
+    head_dim: int
+    head_dim_v: int
+    attn_scale: float
+    # FFN / MoE
+    n_ff: PerLayer
+    n_expert: int
+    n_expert_used_arr: PerLayer  # top-k per layer (0 where the layer has no router)
+    n_ff_exp_arr: PerLayer  # expert width per layer, resolved (0 where the layer has no experts)
+    n_ff_shexp: PerLayer  # shared-expert width per layer (0 = no shared expert)
+    moe_latent: PerLayer  # LatentMoE width per layer (0 = experts work in n_embd)
+    expert_weights_norm: bool
+    expert_weights_scale: float
+    n_expert_group: int
+    n_group_used: int
+    # Mamba-2
+    ssm_d_conv: int
+    ssm_d_inner: int
+    ssm_d_state: int
+    ssm_n_head: int
+    ssm_n_group: int
+
+    @property
+    def ssm_head_dim(self) -> int:
+        return self.ssm_d_inner // self.ssm_n_head
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        return self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state
+
+    def _layer(self, il: int, what: str) -> int:
+        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer:
+            raise IndexError(f"{what}({il}): layer out of range (n_layer = {self.n_layer})")
+        return int(il)
+
+    def kind(self, il: int) -> str:
+        """The mixer of layer ``il``: "mamba", "attention", "mlp" or "moe"."""
+        return {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}[self.pattern[self._layer(il, "kind")]]
+
+    def is_recurrent(self, il: int) -> bool:
+        return self.kind(il) == MAMBA
+
+    def n_ff_exp(self, il: int = 0) -> int:
+        """Width of layer ``il``'s routed experts (raises IndexError outside 0..n_layer-1)."""
+        return int(self.n_ff_exp_arr[self._layer(il, "n_ff_exp")])
+
+    def n_expert_used(self, il: int = 0) -> int:
+        """Top-k of layer ``il``'s router (raises IndexError outside 0..n_layer-1)."""
+        return int(self.n_expert_used_arr[self._layer(il, "n_expert_used")])
+
+    def moe_width(self, il: int) -> int:
+        """Width the experts of layer ``il`` read and write: the latent size, or n_embd."""
+        return int(self.moe_latent[il]) or self.n_embd
+
+
+def model_type(arch: str, n_layer: int, n_expert_used: PerLayer) -> str:
+    """llama.cpp's size label: the per-layer top-k array alone tells Puzzle from Super 3."""
+    if arch == "nemotron_h_moe":
+        if n_layer == 52:
+            return "31B.A3.5B"
+        if n_layer == 88:
+            return "120B.A12B" if n_expert_used.uniform else "75B.A9B"
+    if n_layer == 56:
+        return "9B"
+    return "?B"
+
+
+def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> NemotronHParams:
+    r = KeyReader(metadata, source, arch)
+    n_embd = r.get("embedding_length")
+    n_layer = r.get("block_count")
+    ssm = dict(
+        ssm_d_conv=r.get("ssm.conv_kernel"),
+        ssm_d_inner=r.get("ssm.inner_size"),
+        ssm_d_state=r.get("ssm.state_size"),
+        ssm_n_head=r.get("ssm.time_step_rank"),
+        ssm_n_group=r.get("ssm.group_count"),
+    )
+    norm_eps = r.get("attention.layer_norm_rms_epsilon", float)
+    n_head = r.get_key_or_arr("attention.head_count", n_layer, required=False, default=0)
+    n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_layer, required=False, default=0)
+    n_ff = r.get_key_or_arr("feed_forward_length", n_layer, required=False, default=0)
+
+    n_expert = r.get("expert_count", required=False, default=0)
+    # the central llama.cpp loader reads expert_used_count over every layer; optional unless experts exist
+    n_used = r.get_key_or_arr("expert_used_count", n_layer, required=n_expert > 0, default=0)
+    ff_exp_raw = r.get_key_or_arr("expert_feed_forward_length", n_layer, required=False, default=0)
+    n_ff_shexp = r.get_key_or_arr("expert_shared_feed_forward_length", n_layer, required=False, default=0)
+    latent = r.get_key_or_arr("moe_latent_size", n_layer, required=False, default=0)
+    if n_expert and max(n_used) > n_expert:
+        raise HParamsError(f"{source}: key '{r.key('expert_used_count')}' has a layer using {max(n_used)} "
+                           f"experts, more than '{r.key('expert_count')}' = {n_expert}")
+
+    pattern = []
+    for il in range(n_layer):
+        if n_ff[il] == 0:
+            pattern.append("M" if n_head_kv[il] == 0 else "*")
+        elif n_expert > 0 and n_used[il] > 0:
+            pattern.append("E")
+        else:
+            pattern.append("-")
+    ff_exp = []
+    for il in range(n_layer):
+        if pattern[il] != "E":
+            ff_exp.append(0)
+        elif ff_exp_raw[il]:
+            ff_exp.append(int(ff_exp_raw[il]))
+        else:  # llama.cpp's fallback for files without expert_feed_forward_length
+            ff_exp.append(int(n_ff[il]) // int(n_used[il]))
+    for il, c in enumerate(pattern):
+        if c == "*" and n_head[il] == 0:
+            raise HParamsError(f"{source}: layer {il} is an attention layer (head_count_kv > 0) but key "
+                               f"'{r.key('attention.head_count')}' gives it 0 heads")
+
+    attn_heads = [n_head[il] for il in range(n_layer) if pattern[il] == "*"]
+    default_hd = n_embd // attn_heads[0] if attn_heads else 0
+    head_dim = r.get("attention.key_length", required=False, default=default_hd)
+    scale = r.get("attention.scale", float, required=False, default=0.0)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    n_vocab = r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1)
+    if ssm["ssm_n_head"] and ssm["ssm_d_inner"] % ssm["ssm_n_head"]:
+        raise HParamsError(f"{source}: '{r.key('ssm.inner_size')}' = {ssm['ssm_d_inner']} is not a multiple of "
+                           f"'{r.key('ssm.time_step_rank')}' = {ssm['ssm_n_head']} (the SSM head count)")
+    if ssm["ssm_n_group"] and ssm["ssm_n_head"] % ssm["ssm_n_group"]:
+        raise HParamsError(f"{source}: '{r.key('ssm.time_step_rank')}' = {ssm['ssm_n_head']} heads cannot be "
+                           f"split into '{r.key('ssm.group_count')}' = {ssm['ssm_n_group']} groups")
+    return NemotronHParams(
+        arch=arch,
+        model_type=model_type(arch, n_layer, n_used),
+        pattern="".join(pattern),
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_ctx_train=r.get("context_length", required=False, default=4096),
+        norm_eps=norm_eps,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        head_dim_v=r.get("attention.value_length", required=False, default=head_dim),
+        attn_scale=scale if scale else (1.0 / float(head_dim) ** 0.5 if head_dim else 1.0),
+        n_ff=n_ff,
+        n_expert=n_expert,
+        n_expert_used_arr=n_used,
+        n_ff_exp_arr=PerLayer(ff_exp, r.key("expert_feed_forward_length")),
+        n_ff_shexp=n_ff_shexp,
+        moe_latent=latent,
+        expert_weights_norm=bool(r.get("expert_weights_norm", bool, required=False, default=False)),
+        expert_weights_scale=r.get("expert_weights_scale", float, required=False, default=1.0) or 1.0,
+        n_expert_group=r.get("expert_group_count", required=False, default=1) or 1,
+        n_group_used=r.get("expert_group_used_count", required=False, default=0),
+        **ssm,
+    )
+
+
+# ============================================================================ tensors
+
+def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
+    """GGUF tensor names and numpy-order shapes, per layer kind."""
+    e, v = hp.n_embd, hp.n_vocab
+    specs = [
+        TensorSpec("token_embd.weight", (v, e)),
+        TensorSpec("output_norm.weight", (e,)),
+        TensorSpec("output.weight", (v, e), required=False),  # absent: tied to token_embd
+    ]
+    d_in_proj = 2 * hp.ssm_d_inner + 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_n_head
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs.append(TensorSpec(b + "attn_norm.weight", (e,)))
+        kind = hp.kind(il)
+        if kind == MAMBA:
+            cd, h = hp.ssm_conv_dim, hp.ssm_n_head
+            specs += [
+                TensorSpec(b + "ssm_in.weight", (d_in_proj, e)),
+                TensorSpec(b + "ssm_in.bias", (d_in_proj,), required=False),
+                TensorSpec(b + "ssm_conv1d.weight", (cd, hp.ssm_d_conv)),
+                TensorSpec(b + "ssm_conv1d.bias", (cd,), required=False),
+                TensorSpec(b + "ssm_dt.bias", (h,)),
+                TensorSpec(b + "ssm_a", (h, 1)),
+                TensorSpec(b + "ssm_d", (h, 1)),
+                TensorSpec(b + "ssm_norm.weight", (hp.ssm_n_group, hp.ssm_d_inner // hp.ssm_n_group)),
+                TensorSpec(b + "ssm_out.weight", (e, hp.ssm_d_inner)),
+                TensorSpec(b + "ssm_out.bias", (e,), required=False),
+            ]
+        elif kind == ATTENTION:
+            nq, nkv = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim
+            nv = hp.n_head_kv[il] * hp.head_dim_v
+            specs += [
+                TensorSpec(b + "attn_q.weight", (nq, e)),
+                TensorSpec(b + "attn_k.weight", (nkv, e)),
+                TensorSpec(b + "attn_v.weight", (nv, e)),
+                TensorSpec(b + "attn_output.weight", (e, hp.n_head[il] * hp.head_dim_v)),
+                TensorSpec(b + "attn_q.bias", (nq,), required=False),
+                TensorSpec(b + "attn_k.bias", (nkv,), required=False),
+                TensorSpec(b + "attn_v.bias", (nv,), required=False),
+                TensorSpec(b + "attn_output.bias", (e,), required=False),
+            ]
+        elif kind == MLP:
+            ff = hp.n_ff[il]
+            specs += [
+                TensorSpec(b + "ffn_up.weight", (ff, e)),
+                TensorSpec(b + "ffn_down.weight", (e, ff)),
+                TensorSpec(b + "ffn_up.bias", (ff,), required=False),
+                TensorSpec(b + "ffn_down.bias", (e,), required=False),
+            ]
+        else:
+            n_exp, ff, m = hp.n_expert, hp.n_ff_exp(il), hp.moe_width(il)
+            specs += [
+                TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
+                TensorSpec(b + "exp_probs_b.bias", (n_exp,)),
+                TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, m)),
+                TensorSpec(b + "ffn_down_exps.weight", (n_exp, m, ff)),
+            ]
+            if hp.moe_latent[il]:
+                specs += [TensorSpec(b + "ffn_latent_down.weight", (m, e)),
+                          TensorSpec(b + "ffn_latent_up.weight", (e, m))]
+            if hp.n_ff_shexp[il]:
+                sh = hp.n_ff_shexp[il]
+                specs += [TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
+                          TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
+    return specs
+
+
+# ============================================================================ graph
+
+class NemotronHGraph:
+    """Forward of a Nemotron-H model over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+
+    recurrent = True  # Mamba layers keep state: rollback is snapshot + replay
+
+    def __init__(self, hp: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> None:
+        self.hp = hp
+        self.backend = backend
+        self.xp = backend.xp
+        self.w = weights
+        self.output_weight = weights.get("output.weight")
+        if self.output_weight is None:
+            self.output_weight = weights["token_embd.weight"]
+        xp = self.xp
+        # per Mamba layer: A = -exp(A_log) [H], D [H], conv taps [C, K], norm weight [d_inner]
+        self.ssm = {}
+        for il in range(hp.n_layer):
+            if hp.is_recurrent(il):
+                b = f"blk.{il}."
+                self.ssm[il] = (xp.ascontiguousarray(weights[b + "ssm_a"].reshape(-1)),
+                                xp.ascontiguousarray(weights[b + "ssm_d"].reshape(-1)),
+                                weights[b + "ssm_norm.weight"].reshape(-1))
+
+    # -------------------------------------------------------------- pieces
+
+    def embed(self, batch: Batch) -> Any:
+        """Input rows: token embeddings, or the batch's own embeddings where ``is_embd``. [n_rows, n_embd]"""
+        xp = self.xp
+        x = self.w["token_embd.weight"][xp.asarray(batch.tokens)]
+        if batch.is_embd is not None and batch.is_embd.any():
+            x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
+        return x
+
+    def mamba(self, il: int, u: Any, batch: Batch, cache: KVCache, seq_rows: list) -> Any:
+        """Mamba-2 mixer of layer ``il``. u: [n_rows, n_embd] (normed) -> [n_rows, n_embd]."""
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        d_inner, h, p = hp.ssm_d_inner, hp.ssm_n_head, hp.ssm_head_dim
+        g, n = hp.ssm_n_group, hp.ssm_d_state
+        A, D, norm_w = self.ssm[il]
+        proj = ops.linear(u, w[b + "ssm_in.weight"], w.get(b + "ssm_in.bias"))  # [n, 2 d_inner + 2GN + H]
+        z = proj[:, :d_inner]
+        xbc = proj[:, d_inner:d_inner + hp.ssm_conv_dim]
+        dt_raw = proj[:, d_inner + hp.ssm_conv_dim:]
+        y = xp.empty((u.shape[0], d_inner), dtype=xp.float32)
+        for seq, sel in seq_rows:
+            state = cache.get_state(il, seq)
+            conv_state, ssm_state = (None, None) if state is None else state
+            conv = causal_conv1d(xbc[sel], w[b + "ssm_conv1d.weight"], w.get(b + "ssm_conv1d.bias"), conv_state)
+            xbc_t = ops.silu(conv.y)
+            t = xbc_t.shape[0]
+            x = xbc_t[:, :d_inner].reshape(t, h, p)
+            B = xbc_t[:, d_inner:d_inner + g * n].reshape(t, g, n)
+            C = xbc_t[:, d_inner + g * n:].reshape(t, g, n)
+            dt = ops.softplus(dt_raw[sel] + w[b + "ssm_dt.bias"])
+            if t == 1:
+                out = ssm_step(x, dt, A, B, C, D, state=ssm_state)
+            else:
+                out = ssm_scan(x, dt, A, B, C, D, state=ssm_state, chunk=SSM_CHUNK)
+            cache.set_state(il, seq, (conv.state, out.state))
+            y[sel] = out.y.reshape(t, d_inner)
+        y = gated_group_rms_norm(y, z, norm_w, g, hp.norm_eps)
+        return ops.linear(y, w[b + "ssm_out.weight"], w.get(b + "ssm_out.bias"))
+
+    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list) -> Any:
+        """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        n = x.shape[0]
+        q = ops.linear(x, w[b + "attn_q.weight"], w.get(b + "attn_q.bias")).reshape(n, hp.n_head[il], hp.head_dim)
+        k = ops.linear(x, w[b + "attn_k.weight"], w.get(b + "attn_k.bias")).reshape(n, hp.n_head_kv[il],
+                                                                                    hp.head_dim)
+        v = ops.linear(x, w[b + "attn_v.weight"], w.get(b + "attn_v.bias")).reshape(n, hp.n_head_kv[il],
+                                                                                    hp.head_dim_v)
+        out = self.xp.empty((n, hp.n_head[il], hp.head_dim_v), dtype=self.xp.float32)
+        for seq, sel in seq_rows:
+            kc, vc, kpos = cache.update(il, seq, batch.positions[sel], k[sel], v[sel])
+            out[sel] = ops.attention(q[sel], kc, vc, q_pos=batch.positions[sel], k_pos=kpos, scale=hp.attn_scale,
+                                     causal=True)
+        return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"], w.get(b + "attn_output.bias"))
+
+    def mlp(self, il: int, x: Any) -> Any:
+        """Dense ReLU² MLP (no gate). x: [n_rows, n_embd] -> [n_rows, n_embd]."""
+        w, b = self.w, f"blk.{il}."
+        h = ops.relu2(ops.linear(x, w[b + "ffn_up.weight"], w.get(b + "ffn_up.bias")))
+        return ops.linear(h, w[b + "ffn_down.weight"], w.get(b + "ffn_down.bias"))
+
+    def moe(self, il: int, x: Any) -> Any:
+        """Routed ReLU² experts (+ LatentMoE projections) plus the shared expert. x: [n_rows, n_embd]."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        logits = ops.linear(x, w[b + "ffn_gate_inp.weight"])  # the router sees the full-width x
+        route = ops.moe_route(logits, hp.n_expert_used(il), score_func="sigmoid", norm_topk=hp.expert_weights_norm,
+                              score_bias=w[b + "exp_probs_b.bias"], n_group=hp.n_expert_group,
+                              topk_group=hp.n_group_used or None, routed_scaling=hp.expert_weights_scale)
+        latent = hp.moe_latent[il] > 0
+        z = ops.linear(x, w[b + "ffn_latent_down.weight"]) if latent else x
+        y = ops.moe_ffn(z, route, None, w[b + "ffn_up_exps.weight"], w[b + "ffn_down_exps.weight"], act="relu2")
+        if latent:
+            y = ops.linear(y, w[b + "ffn_latent_up.weight"])
+        if hp.n_ff_shexp[il]:
+            y = y + ops.relu2_mlp(x, w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"])
+        return y
+
+    # -------------------------------------------------------------- forward
+
+    def _seq_rows(self, batch: Batch, cache: KVCache) -> list:
+        """(seq, row selector) per sequence; a recurrent model needs each sequence's rows in order."""
+        out = []
+        for seq in np.unique(batch.seq_ids):
+            seq = int(seq)
+            rows = np.nonzero(batch.seq_ids == seq)[0]
+            pos = batch.positions[rows]
+            if len(rows) > 1 and not np.all(np.diff(pos) == 1):
+                raise UserError(f"{self.hp.arch}: sequence {seq}'s rows must have consecutive increasing positions "
+                                f"in a batch (got {pos.tolist()}); a recurrent state cannot skip or reorder tokens")
+            if self.hp.pattern.count("M"):
+                start = cache.next_position(seq) if cache.has_state(seq) else 0
+                if int(pos[0]) != start:
+                    raise UserError(
+                        f"{self.hp.arch}: sequence {seq} continues at position {int(pos[0])}, but its recurrent "
+                        f"state stands at position {start}; drop rows with KVCache.restore(snapshot), not seq_rm")
+            sel = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
+            out.append((seq, sel))
+        return out
+
+    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
+                embeddings: bool = False) -> ForwardOutput:
+        """Run the batch; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
+        hp, w = self.hp, self.w
+        features: dict[int, Any] = {}
+        seq_rows = self._seq_rows(batch, cache)
+        x = self.embed(batch)
+        try:
+            for il in range(hp.n_layer):
+                if il in taps:
+                    features[il] = x
+                h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
+                kind = hp.kind(il)
+                if kind == MAMBA:
+                    h = self.mamba(il, h, batch, cache, seq_rows)
+                elif kind == ATTENTION:
+                    h = self.attention(il, h, batch, cache, seq_rows)
+                elif kind == MLP:
+                    h = self.mlp(il, h)
+                else:
+                    h = self.moe(il, h)
+                x = x + h
+        except BaseException:
+            cache.rollback_pending()
+            raise
+        cache.commit()
+        for seq, sel in seq_rows:  # where each sequence's state now stands (plinth.model.Context does the same)
+            cache.observe(seq, int(batch.positions[sel].max()) + 1)
+        if hp.n_layer in taps:
+            features[hp.n_layer] = x
+        rows = np.nonzero(batch.output)[0]
+        if pooling != "none":
+            normed = ops.rms_norm(x, w["output_norm.weight"], hp.norm_eps)
+            pooled, seqs = pool(normed, batch, pooling, self.xp)
+            return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
+        h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
+        logits = ops.linear(h, self.output_weight)
+        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+
+
+# ============================================================================ architectures
+
+class NemotronH:
+    """``nemotron_h``: Mamba-2 + attention + dense ReLU² MLP layers."""
+
+    name = "nemotron_h"
+
+    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> NemotronHParams:
+        return load_hparams(metadata, source, self.name)
+
+    def tensor_specs(self, hparams: NemotronHParams) -> list[TensorSpec]:
+        return tensor_specs(hparams)
+
+    def build(self, hparams: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> NemotronHGraph:
+        return NemotronHGraph(hparams, weights, backend)
+
+
+class NemotronHMoE(NemotronH):
+    """``nemotron_h_moe``: as nemotron_h, with routed-expert (and LatentMoE) FFN layers."""
+
+    name = "nemotron_h_moe"
+
+
+__all__ = ["NemotronH", "NemotronHGraph", "NemotronHMoE", "NemotronHParams", "load_hparams", "model_type",
+           "tensor_specs"]

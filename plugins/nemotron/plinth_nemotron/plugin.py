@@ -1,0 +1,19 @@
+"""Entry point of plinth-nemotron: names and lazy import paths only."""
+
+from plinth.manifest import Manifest, ManifestPlugin
+
+plugin = ManifestPlugin(
+    Manifest(
+        name="nemotron",
+        api_version="1.0",
+        architectures={
+            "nemotron_h": "plinth_nemotron.nemotron_h:NemotronH",
+            "nemotron_h_moe": "plinth_nemotron.nemotron_h:NemotronHMoE",
+        },
+        converters={
+            "NemotronHForCausalLM": "plinth_nemotron.convert:NemotronHConverter",
+            "NemotronHPuzzleForCausalLM": "plinth_nemotron.convert:NemotronHPuzzleConverter",
+        },
+        description="Nemotron-H hybrids (Mamba-2 + attention + MLP/MoE), LatentMoE, Puzzle per-layer experts",
+    )
+)

@@ -1,0 +1,161 @@
+"""Accuracy of Nemotron-H against Hugging Face transformers' NemotronH.
+
+``golden/<case>.npz`` holds, for a tiny random model of each case (Mamba-2 only; Mamba-2 +
+attention + MLP; MoE; LatentMoE mixed with MLP; Puzzle per-layer experts), the reference's
+all-position logits for prompts of 1, 7 and 64 tokens and its 32-token greedy continuation
+of each (``golden/make_golden.py``). Here the same weights are written as an HF folder,
+converted by plinth's converter, loaded through the plugin, and compared. The default run
+needs no torch; the ``ref`` tests recompute the reference live, and convert a folder written
+by transformers' own ``save_pretrained``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plinth.context import Batch, KVCache
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+LOGIT_ATOL = 1e-4
+
+
+def _load_maker():
+    spec = importlib.util.spec_from_file_location("plinth_nemotron_make_golden", GOLDEN / "make_golden.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+golden = _load_maker()
+CASES = sorted(golden.CASES)
+
+
+def load(case):
+    with np.load(GOLDEN / f"{case}.npz") as z:
+        rec = {k: z[k] for k in z.files}
+    info = json.loads(str(rec["info"]))
+    n = sum(k.startswith("prompt_") for k in rec)
+    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"logits_{i}"],
+             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
+    return info, runs
+
+
+def greedy(graph, hp, prompt, n_new):
+    """Chunked prefill, then one token at a time through the cache, always taking the argmax."""
+    cache = KVCache(hp.n_layer)
+    logits = graph.forward(Batch.from_tokens(prompt), cache).logits
+    out = []
+    for i in range(n_new):
+        tok = int(np.argmax(logits[-1]))
+        out.append(tok)
+        if i < n_new - 1:
+            logits = graph.forward(Batch.from_tokens([tok], start=len(prompt) + i), cache).logits
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nemotron-golden")
+    reg = golden.registry()
+    return {case: golden.plinth_model(case, tmp, reg) for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden_file_matches_this_case(case):
+    info, runs = load(case)
+    c = golden.CASES[case]
+    assert (info["seed"], info["prompt_seed"], info["arch"]) == (c["seed"], c["prompt_seed"], c["arch"])
+    assert info["config"] == json.loads(json.dumps(c["config"]))
+    assert [len(p) for p, _, _ in runs] == list(golden.PROMPT_LENGTHS)
+    assert [p for p, _, _ in runs] == golden.prompts(case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_converted_model_has_the_configured_pattern(models, case):
+    model = models[case]
+    assert model.arch == golden.CASES[case]["arch"]
+    kinds = golden.layer_kinds(golden.CASES[case]["config"])
+    assert [model.hparams.kind(i) for i in range(model.hparams.n_layer)] == kinds
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_reference(models, case):
+    model = models[case]
+    _, runs = load(case)
+    for prompt, ref, _ in runs:
+        got = model.logits(prompt)
+        assert got.shape == ref.shape
+        diff = float(np.max(np.abs(got - ref)))
+        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - transformers| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_continuation_matches_reference(models, case):
+    model = models[case]
+    _, runs = load(case)
+    for prompt, _, ref in runs:
+        got = greedy(model.graph, model.hparams, prompt, len(ref))
+        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+        assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
+
+
+def test_puzzle_case_is_heterogeneous(models):
+    """The Puzzle file really has per-layer expert widths and top-k (not a uniform model in disguise)."""
+    hp = models["puzzle"].hparams
+    moe = [il for il in range(hp.n_layer) if hp.kind(il) == "moe"]
+    assert [hp.n_expert_used(il) for il in moe] == [2, 4, 1]
+    assert [hp.n_ff_exp(il) for il in moe] == [24, 40, 16]
+    assert [hp.n_ff_shexp[il] for il in moe] == [48, 32, 48]
+    assert hp.n_head_kv[2] == 1
+    md = models["puzzle"].metadata
+    assert isinstance(md["nemotron_h_moe.expert_used_count"], (list, np.ndarray))
+
+
+@pytest.mark.ref
+@pytest.mark.parametrize("case", CASES)
+def test_golden_logits_are_reproducible(case, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    rec = golden.reference(case, tmp_path, with_greedy=False)
+    _, runs = load(case)
+    for i, (prompt, logits, _) in enumerate(runs):
+        assert rec[f"prompt_{i}"].tolist() == prompt
+        np.testing.assert_allclose(rec[f"logits_{i}"], logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.ref
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mamba2"])
+def test_golden_greedy_is_reproducible(case, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    rec = golden.reference(case, tmp_path)
+    _, runs = load(case)
+    for i, (_, _, greedy_ref) in enumerate(runs):
+        assert rec[f"greedy_{i}"].tolist() == greedy_ref
+
+
+@pytest.mark.ref
+@pytest.mark.parametrize("case", ["hybrid", "latent"])
+def test_folder_saved_by_transformers_converts_and_matches(case, tmp_path):
+    """transformers' own save_pretrained output (its names, its dtype handling) goes through plinth convert."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from plinth.convert import convert
+    from plinth.model import load_model
+
+    ref = golden.HFReference(golden.write_hf_folder(case, tmp_path / "numpy-hf"))
+    saved = tmp_path / "saved-by-transformers"
+    ref.model.save_pretrained(saved)
+    reg = golden.registry()
+    convert(saved, tmp_path / "m.gguf", registry=reg)
+    model = load_model(tmp_path / "m.gguf", registry=reg)
+    for prompt in golden.prompts(case):
+        diff = float(np.abs(model.logits(prompt) - ref.logits(prompt)).max())
+        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: {diff:.3g}"
+    assert torch is not None
