@@ -18,11 +18,14 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, add_unit_offset: boo
     """
     xp = array_module(x)
     x = as_f32(x, xp)
-    ms = xp.mean(x * x, axis=-1, keepdims=True)
-    y = x * (F32(1.0) / xp.sqrt(ms + F32(eps)))
+    # the mean as numpy computes it (sum, then divide by n), in place where possible
+    ms = xp.sum(x * x, axis=-1, keepdims=True)
+    ms /= F32(x.shape[-1])
+    ms += F32(eps)
+    y = x * xp.reciprocal(xp.sqrt(ms, out=ms), out=ms)
     if weight is not None:
         w = as_f32(weight, xp)
-        y = y * (w + F32(1.0)) if add_unit_offset else y * w
+        y *= (w + F32(1.0)) if add_unit_offset else w
     return y
 
 
