@@ -135,7 +135,10 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
     )
     norm_eps = r.get("attention.layer_norm_rms_epsilon", float)
     n_head = r.get_key_or_arr("attention.head_count", n_layer, required=False, default=0)
-    n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_layer, required=False, default=0)
+    # as in llama.cpp, head_count_kv defaults to head_count (then no layer is recurrent)
+    n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_layer, required=False, default=None)
+    if n_head_kv[0] is None:
+        n_head_kv = PerLayer(list(n_head), r.key("attention.head_count_kv"))
     n_ff = r.get_key_or_arr("feed_forward_length", n_layer, required=False, default=0)
 
     n_expert = r.get("expert_count", required=False, default=0)
@@ -188,7 +191,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         n_vocab=n_vocab,
         n_embd=n_embd,
         n_layer=n_layer,
-        n_ctx_train=r.get("context_length", required=False, default=4096),
+        n_ctx_train=r.get("context_length"),
         norm_eps=norm_eps,
         n_head=n_head,
         n_head_kv=n_head_kv,
