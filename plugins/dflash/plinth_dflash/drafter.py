@@ -190,7 +190,8 @@ class DFlashDrafter(BaseDrafter):
         if hp.kind == "dflash":
             return argmax_walk(self.graph.logits(hidden[1:]), self.p_min)
         if hp.kind == "dflash2":
-            logits = self.graph.logits(hidden)
+            rows = self.graph.logits(hidden[1:])  # row 0 (the anchor) is no prediction slot: no LM head for it
+            logits = xp.concatenate([xp.zeros((1, rows.shape[1]), dtype=rows.dtype), rows])
             lat = dflash2_lattice(hidden, logits, [anchor], self.graph.w, hp.selector_top_k,
                                   max_block=hp.block_size)
             return lattice_walk(lat, hp.selector_top_k, hidden.shape[0], self.p_min)

@@ -140,11 +140,11 @@ def with_scales(tensors: Mapping[str, np.ndarray], seed: int = 1) -> dict[str, n
 
 def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, own_embd: bool = False,
                      own_head: bool = False, scales: bool = False, extra_tensors: Mapping[str, np.ndarray] | None = None,
-                     **md_kw: Any) -> Path:
+                     scale: float = 0.2, **md_kw: Any) -> Path:
     from plinth.convert import write_gguf
 
     md = tiny_draft_metadata(kind, **md_kw)
-    tensors = random_draft_tensors(md, kind, seed=seed, own_embd=own_embd, own_head=own_head)
+    tensors = random_draft_tensors(md, kind, seed=seed, own_embd=own_embd, own_head=own_head, scale=scale)
     if scales:
         tensors = with_scales(tensors)
     tensors.update(extra_tensors or {})
