@@ -89,3 +89,15 @@ def test_lossless_on_smollm2(tmp_path, kind):
                                config=SpecConfig(n_max=7, verifier="greedy"))
     assert gen.generate(prompt, 24) == plain
     assert gen.stats.n_drafts > 0
+
+
+def test_cli_generate_with_spec_dflash(targets, draft_file, capsys):
+    from plinth.cli import main
+
+    model = str(targets["qwen3"].path)
+    draft = str(draft_file("dflash2", taps=(1, 3)))
+    base = ["--plugins", "llama,dflash", "generate", "hello", "-m", model, "-n", "12", "--temp", "0"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--spec", "dflash", "--draft", draft, "--spec-n-max", "5"]) == 0
+    assert capsys.readouterr().out == plain
