@@ -129,13 +129,17 @@ def attention(
     if sinks is not None:
         sk = as_f32(sinks, xp).reshape(n_head_kv, g, 1, 1)
         m = xp.maximum(m, sk)
-    m = xp.where(xp.isfinite(m), m, F32(0.0))
+    masked = vis is not None or bias is not None or not n_kv
+    if masked:  # a query that sees no key has max -inf
+        m = xp.where(xp.isfinite(m), m, F32(0.0))
     scores -= m
     p = xp.exp(scores, out=scores)
     denom = xp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + xp.exp(sk - m)
-    p *= F32(1.0) / xp.where(denom > 0, denom, F32(1.0))
+    if masked:
+        denom = xp.where(denom > 0, denom, F32(1.0))
+    p *= xp.reciprocal(denom, out=denom)
 
     vt = v.transpose(1, 0, 2)  # [n_head_kv, n_kv, hd_v]
     out = xp.matmul(p.reshape(n_head_kv, g * n_q, n_kv), vt)  # [n_head_kv, g*n_q, hd_v]

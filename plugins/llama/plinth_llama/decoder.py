@@ -212,17 +212,14 @@ class DecoderGraph:
         nq, nk = n_head * hd, n_head_kv * hd
         qkv = ops.linear(x, self.w_qkv[il], self.b_qkv[il])  # [n, nq + nk + nv]
         v = qkv[:, nq + nk:].reshape(n, n_head_kv, hp.head_dim_v)
-        cs = step.cos_sin[id(self.rope[il])]
+        # Q and K heads side by side: one normalisation and one rotation for both
+        qk = qkv[:, :nq + nk].reshape(n, n_head + n_head_kv, hd)
         if hp.qk_norm:
-            q = ops.head_rms_norm(qkv[:, :nq].reshape(n, n_head, hd), w[b + "attn_q_norm.weight"], hp.norm_eps)
-            k = ops.head_rms_norm(qkv[:, nq:nq + nk].reshape(n, n_head_kv, hd), w[b + "attn_k_norm.weight"],
-                                  hp.norm_eps)
-            q = ops.apply_rope(q, mode=hp.rope_mode, cos_sin=cs)
-            k = ops.apply_rope(k, mode=hp.rope_mode, cos_sin=cs)
-        else:
-            # Q and K heads side by side turn in one rotation
-            qk = ops.apply_rope(qkv[:, :nq + nk].reshape(n, n_head + n_head_kv, hd), mode=hp.rope_mode, cos_sin=cs)
-            q, k = qk[:, :n_head], qk[:, n_head:]
+            qk = ops.head_rms_norm(qk, None, hp.norm_eps)
+            qk[:, :n_head] *= w[b + "attn_q_norm.weight"]
+            qk[:, n_head:] *= w[b + "attn_k_norm.weight"]
+        qk = ops.apply_rope(qk, mode=hp.rope_mode, cos_sin=step.cos_sin[id(self.rope[il])])
+        q, k = qk[:, :n_head], qk[:, n_head:]
         window = hp.sliding_window[il] or 0
         out = self.xp.empty((n, n_head, hp.head_dim_v), dtype=self.xp.float32)
         for seq, sel in step.groups:
