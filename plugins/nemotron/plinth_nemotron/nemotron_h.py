@@ -285,10 +285,10 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
 class NemotronHGraph:
     """Forward of a Nemotron-H model over a :class:`Batch`, reading and extending a :class:`KVCache`."""
 
-    recurrent = True  # Mamba layers keep state: rollback is snapshot + replay
-
     def __init__(self, hp: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> None:
         self.hp = hp
+        # Mamba layers keep state that cannot be cropped: the engine rolls back by snapshot + replay
+        self.recurrent = MAMBA in (hp.kind(il) for il in range(hp.n_layer))
         self.backend = backend
         self.xp = backend.xp
         self.w = weights
