@@ -409,3 +409,18 @@ def test_cli_generate_with_spec_prints_the_same_text_and_metrics(tmp_path, regis
     assert main(["generate", "-m", str(path), "x", "--spec", "nope"]) == 1
     err = capsys.readouterr().err
     assert "drafter 'nope'" in err and "draft, " in err and "ngram" in err
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "recurrent"])
+def test_rows_after_an_accepted_end_of_generation_token_are_dropped(request, model_name):
+    model = request.getfixturevalue(model_name)
+    eog = 256
+    d = Scripted("eog", [65, eog, 66, 67])
+    gen = SpeculativeGenerator(model, [d], config=SpecConfig(n_max=4, synthetic_accept=1.0))
+    out = gen.generate(PROMPTS[0], 20)
+    assert gen.stats.stop_reason == "end of generation token"
+    assert out[-1] == 65 and eog not in out
+    assert gen.context.cache.next_position(0) == len(PROMPTS[0]) + len(out)
+    ref = model.new_context()
+    ref.decode(PROMPTS[0] + out)
+    assert_caches_equal(gen.context.cache, ref.cache)

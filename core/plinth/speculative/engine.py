@@ -214,6 +214,21 @@ class SpeculativeGenerator(Generator):
         rows = [self.sampler.probs(logits[i], history + list(draft[:i])) for i in range(len(draft) + 1)]
         return np.stack(rows)
 
+    def _drop_after_eog(self, ctx: Any, history: list[int], step: tuple[Any, int, int] | None) -> None:
+        """An accepted draft ran past an end-of-generation token: drop the target rows after it.
+
+        Plain decoding would have stopped there, holding exactly ``history`` in its cache.
+        """
+        n = len(history)
+        if ctx.cache.next_position(self.seq) <= n:
+            return
+        snap, last, pos = step if step is not None else (None, 0, 0)
+        if snap is not None:
+            ctx.cache.restore(snap)
+            ctx.forward(Batch.from_tokens(history[pos:], start=pos, seq=self.seq, output="none"))
+        elif not ctx.recurrent:
+            ctx.cache.seq_rm(self.seq, n)
+
     # ------------------------------------------------------------------ loop
 
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
@@ -238,11 +253,13 @@ class SpeculativeGenerator(Generator):
             token = self.sampler.sample(np.asarray(model.backend.to_numpy(out.logits[-1])), history).token
             stats.sample_s += time.perf_counter() - t1
             pending = [token]  # tokens decided but not yet yielded (the last one not yet run)
+            step: tuple[Any, int, int] | None = None  # (snapshot, last token, its position) of the last step
             while True:
                 # emit what the last step decided, stopping at end of generation or the budget
                 for t in pending:
                     if tok.is_eog(t):
                         stats.stop_reason = "end of generation token"
+                        self._drop_after_eog(ctx, history, step)
                         return
                     self.tokens_out.append(t)
                     history.append(t)
@@ -295,6 +312,7 @@ class SpeculativeGenerator(Generator):
                 for d in self.drafters:
                     d.accept(seq, a)
                 stats.rollback_s += time.perf_counter() - t0
+                step = (snap, last, pos)
                 stats.n_steps += 1
                 if k:
                     stats.record(self.names[who], k, a)
