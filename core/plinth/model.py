@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -110,13 +111,40 @@ class Model:
         return np.asarray(self.backend.to_numpy(out.logits), dtype=np.float32)
 
 
-def _dequantized(gf: Any, name: str, info: Any) -> np.ndarray:
+CHUNK_ELEMENTS = 1 << 21  # rows dequantized per task: small enough that temporaries stay in cache
+
+
+def _dequantized(gf: Any, name: str, info: Any, pool: Any = None) -> np.ndarray:
+    """A tensor as float32: a zero-copy view for F32, else dequantized in row chunks.
+
+    With ``pool`` (a ``concurrent.futures`` executor) the chunks run in parallel; numpy
+    releases the GIL inside the dequantizers' array passes.
+    """
     from .gguf import quants
 
     raw = gf.raw(name)
     if info.type_name == "F32":
         return raw  # a zero-copy view of the mapped file
-    return quants.dequantize(raw, info.ggml_type, info.shape)
+    n_rows = raw.shape[0] if raw.ndim == 2 else 1
+    row_len = info.n_elements // n_rows
+    step = max(1, CHUNK_ELEMENTS // row_len)
+    if n_rows <= step or raw.ndim != 2:
+        return quants.dequantize(raw, info.ggml_type, info.shape)
+    out = np.empty(info.shape, dtype=np.float32)
+    rows = out.reshape(n_rows, row_len)
+
+    def chunk(r0: int) -> None:
+        r1 = min(r0 + step, n_rows)
+        rows[r0:r1] = quants.dequantize(raw[r0:r1], info.ggml_type, (r1 - r0, row_len))
+
+    starts = range(0, n_rows, step)
+    if pool is None:
+        for r0 in starts:
+            chunk(r0)
+    else:
+        for f in [pool.submit(chunk, r0) for r0 in starts]:
+            f.result()
+    return out
 
 
 def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
@@ -151,12 +179,13 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     iterator: Iterable[TensorSpec] = found
     if progress:
         iterator = _progress(found, f"loading {path.name}")
-    for spec in iterator:
-        arr = _dequantized(gf, spec.name, gf.tensors[spec.name])
-        if spec.scale and scale_name(spec.name) in gf.tensors:
-            arr = arr * _dequantized(gf, scale_name(spec.name), gf.tensors[scale_name(spec.name)])
-        weights[spec.name] = be.asarray(np.ascontiguousarray(arr, dtype=np.float32))
-        stats.n_params += int(arr.size)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for spec in iterator:
+            arr = _dequantized(gf, spec.name, gf.tensors[spec.name], pool)
+            if spec.scale and scale_name(spec.name) in gf.tensors:
+                arr = arr * _dequantized(gf, scale_name(spec.name), gf.tensors[scale_name(spec.name)], pool)
+            weights[spec.name] = be.asarray(np.ascontiguousarray(arr, dtype=np.float32))
+            stats.n_params += int(arr.size)
     stats.weights_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     graph = registry.arch_build(arch, hparams, weights, be)
