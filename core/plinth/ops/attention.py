@@ -125,7 +125,7 @@ def attention(
     if bias is not None:
         scores += as_f32(bias, xp)
 
-    m = xp.max(scores, axis=-1, keepdims=True) if n_kv else xp.full((n_head_kv, g, n_q, 1), -xp.inf, dtype=F32)
+    m = scores.max(axis=-1, keepdims=True) if n_kv else xp.full((n_head_kv, g, n_q, 1), -xp.inf, dtype=F32)
     if sinks is not None:
         sk = as_f32(sinks, xp).reshape(n_head_kv, g, 1, 1)
         m = xp.maximum(m, sk)
@@ -134,7 +134,7 @@ def attention(
         m = xp.where(xp.isfinite(m), m, F32(0.0))
     scores -= m
     p = xp.exp(scores, out=scores)
-    denom = xp.sum(p, axis=-1, keepdims=True)
+    denom = p.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + xp.exp(sk - m)
     if masked:

@@ -19,7 +19,7 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, add_unit_offset: boo
     xp = array_module(x)
     x = as_f32(x, xp)
     # the mean as numpy computes it (sum, then divide by n), in place where possible
-    ms = xp.sum(x * x, axis=-1, keepdims=True)
+    ms = (x * x).sum(axis=-1, keepdims=True)
     ms /= F32(x.shape[-1])
     ms += F32(eps)
     y = x * xp.reciprocal(xp.sqrt(ms, out=ms), out=ms)
