@@ -36,7 +36,7 @@ from plinth.convert import SafetensorsDir, read_config, write_gguf
 from plinth.errors import UserError
 from plinth.tensors import check_tensors, unused_tensors
 
-from .nemotron_h import MAMBA, ATTENTION, MLP, MOE, PATTERN_CHAR, load_hparams, tensor_specs
+from .nemotron_h import ATTENTION, MAMBA, MLP, MOE, load_hparams, tensor_specs
 
 BLOCK_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "M": MAMBA,
                "attention": ATTENTION, "full_attention": ATTENTION, "*": ATTENTION,
@@ -334,5 +334,5 @@ class NemotronHPuzzleConverter(NemotronHConverter):
         return super().convert(model_dir, out_path, options)
 
 
-__all__ = ["NemotronHConverter", "NemotronHPuzzleConverter", "PATTERN_CHAR", "convert_tensors", "gguf_metadata",
+__all__ = ["NemotronHConverter", "NemotronHPuzzleConverter", "convert_tensors", "gguf_metadata",
            "layer_configs", "normalise_name"]

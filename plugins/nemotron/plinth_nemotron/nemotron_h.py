@@ -35,7 +35,7 @@ from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_st
 from plinth.tensors import TensorSpec
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-PATTERN_CHAR = {MAMBA: "M", ATTENTION: "*", MLP: "-", MOE: "E"}
+KIND_OF_CHAR = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # the hparams.pattern letters
 
 # chunk length of the SSD prefill (an exact computation: any length gives the same result)
 SSM_CHUNK = 64
@@ -92,7 +92,7 @@ class NemotronHParams:
 
     def kind(self, il: int) -> str:
         """The mixer of layer ``il``: "mamba", "attention", "mlp" or "moe"."""
-        return {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}[self.pattern[self._layer(il, "kind")]]
+        return KIND_OF_CHAR[self.pattern[self._layer(il, "kind")]]
 
     def is_recurrent(self, il: int) -> bool:
         return self.kind(il) == MAMBA
