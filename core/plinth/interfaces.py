@@ -33,9 +33,15 @@ class Drafter(Protocol):
     * ``begin(seq, prompt_ids)``: a new sequence starts with this prompt.
     * ``process(target_output)``: after every target batch (prefill chunks and
       verify batches); sees the rows, positions and requested feature taps.
-    * ``draft(seq, n_max)``: propose up to ``n_max`` tokens (and optionally their
-      probabilities ``[n, n_vocab]`` or confidences ``[n]``).
+    * ``draft(seq, n_max, *, history, pos)``: propose up to ``n_max`` tokens after
+      ``history[-1]`` (the last committed token, to sit at position ``pos``), as a
+      :class:`plinth.speculative.base.Draft` (optionally with probabilities
+      ``[n, n_vocab]`` or confidences ``[n]``).
     * ``accept(seq, n_accepted)``: how many of the last draft the target kept.
+    * ``requirements()`` (optional): a :class:`plinth.speculative.base.DrafterRequirements`
+      — feature taps, shared tensors, longest draft, vocabulary.
+
+    :class:`plinth.speculative.base.BaseDrafter` documents the full protocol.
     """
 
     name: str
@@ -44,7 +50,7 @@ class Drafter(Protocol):
 
     def process(self, target_output: Any) -> None: ...
 
-    def draft(self, seq: int, n_max: int) -> Any: ...
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Any: ...
 
     def accept(self, seq: int, n_accepted: int) -> None: ...
 

@@ -196,7 +196,11 @@ class SpeculativeGenerator(Generator):
             if n <= 0:
                 continue
             d = drafter.draft(self.seq, n, history=history, pos=pos)
-            if d is None or not len(d):
+            if d is None:
+                continue
+            if not isinstance(d, Draft):  # a plain sequence of token ids is accepted too
+                d = Draft(tokens=tuple(int(t) for t in d))
+            if not len(d):
                 continue
             d = d.truncated(n)
             if cfg.p_min > 0.0:

@@ -52,22 +52,28 @@ class ToyBigram:
 
 
 class RepeatDrafter:
-    """Proposes the last accepted token again, ``n_max`` times."""
+    """Proposes the last committed token again, ``n_max`` times (good for runs like "aaaa")."""
 
     name = "toy-repeat"
 
     def __init__(self, target: Any, options: Mapping[str, Any]) -> None:
-        self.history: dict[int, list[int]] = {}
+        self.n_draft = int(options.get("n_max", 4))
+
+    def requirements(self) -> Any:
+        from plinth.speculative.base import DrafterRequirements
+
+        return DrafterRequirements(max_draft=self.n_draft)  # no taps, no shared tensors
 
     def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
-        self.history[seq] = list(prompt_ids)
+        """Nothing to set up: the engine passes the whole history to ``draft``."""
 
     def process(self, target_output: Any) -> None:
         """This drafter needs nothing from the target's batches."""
 
-    def draft(self, seq: int, n_max: int) -> list[int]:
-        tokens = self.history.get(seq) or []
-        return [tokens[-1]] * n_max if tokens else []
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Any:
+        from plinth.speculative.base import Draft
+
+        return Draft(tokens=(int(history[-1]),) * n_max if len(history) else ())
 
     def accept(self, seq: int, n_accepted: int) -> None:
-        """The engine appends accepted tokens through ``begin``-style bookkeeping; nothing to drop here."""
+        """It keeps no per-position state, so there is nothing to drop."""

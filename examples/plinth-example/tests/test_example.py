@@ -30,4 +30,4 @@ def test_missing_key_names_key_and_file(registry):
 def test_drafter(registry):
     drafter = registry.make_drafter("toy-repeat", target=None)
     drafter.begin(0, [5, 7])
-    assert drafter.draft(0, 3) == [7, 7, 7]
+    assert drafter.draft(0, 3, history=[5, 7], pos=2).tokens == (7, 7, 7)
