@@ -133,16 +133,17 @@ def test_ngram_drafter_limits_and_requirements():
 # ---------------------------------------------------------------------------- engine: lossless greedy
 
 
+@pytest.mark.parametrize("verifier", ["greedy", "rejection"])
 @pytest.mark.parametrize("model_name", ["tiny", "tiny_qwen3", "recurrent"])
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "random"])
-def test_greedy_output_is_identical_with_every_drafter(request, model_name, drafter):
+def test_greedy_output_is_identical_with_every_drafter(request, model_name, drafter, verifier):
     model = request.getfixturevalue(model_name)
     make = {
         "ngram": lambda: NgramDrafter(),
         "oracle": lambda: OracleDrafter(model, taps=(0, model.hparams.n_layer)),
         "random": lambda: RandomDrafter(model.n_vocab, length=3, seed=5),
     }[drafter]
-    stats = check_drafter_contract(model, make, PROMPTS, max_tokens=24, n_max=4)
+    stats = check_drafter_contract(model, make, PROMPTS, max_tokens=24, n_max=4, verifier=verifier)
     total = sum(s.n_drafted for s in stats)
     accepted = sum(s.n_accepted for s in stats)
     if drafter == "oracle":

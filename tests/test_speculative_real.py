@@ -43,15 +43,17 @@ def chat_ids(model, text):
                       add_special=False, parse_special=True)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "oracle", "random"])
-def test_greedy_output_unchanged_on_real_models(model, drafter):
+@pytest.mark.parametrize("drafter,verifier", [("ngram", "greedy"), ("oracle", "greedy"), ("random", "greedy"),
+                                              ("ngram", "rejection")])
+def test_greedy_output_unchanged_on_real_models(model, drafter, verifier):
     make = {
         "ngram": lambda: NgramDrafter(),
         "oracle": lambda: OracleDrafter(model, horizon=24),
         "random": lambda: RandomDrafter(model.n_vocab, length=3, seed=1),
     }[drafter]
     prompts = [chat_ids(model, p) for p in PROMPTS]
-    stats = check_drafter_contract(model, make, prompts, max_tokens=24, n_max=6, atol=1e-4, rtol=1e-4)
+    stats = check_drafter_contract(model, make, prompts, max_tokens=24, n_max=6, atol=1e-4, rtol=1e-4,
+                                   verifier=verifier)
     drafted = sum(s.n_drafted for s in stats)
     assert drafted > 0
     if drafter == "oracle":

@@ -123,10 +123,12 @@ def _close(what: str, x: Any, y: Any, atol: float, rtol: float) -> None:
 
 def check_drafter_contract(model: Any, make_drafter: Callable[[], Any], prompts: Sequence[Sequence[int]], *,
                            max_tokens: int = 24, n_max: int = 4, atol: float = 1e-5,
-                           rtol: float = 1e-5) -> list[Any]:
+                           rtol: float = 1e-5, verifier: str = "greedy") -> list[Any]:
     """Run the drafter contract on ``model``; raise AssertionError on a violation; return the stats.
 
-    For each prompt: greedy output with the drafter equals greedy output without it;
+    For each prompt: greedy output with the drafter (verified by ``verifier``: "greedy", or
+    "rejection", which at temperature 0 must reproduce greedy decoding too) equals greedy
+    output without it;
     the metrics add up; the target's cache afterwards equals the cache of plain
     decoding of the same tokens (rolled-back rows leave no trace).
     """
@@ -137,7 +139,7 @@ def check_drafter_contract(model: Any, make_drafter: Callable[[], Any], prompts:
     for prompt in prompts:
         prompt = list(prompt)
         plain = Generator(model).generate(prompt, max_tokens)
-        gen = SpeculativeGenerator(model, [make_drafter()], config=SpecConfig(n_max=n_max, verifier="greedy"))
+        gen = SpeculativeGenerator(model, [make_drafter()], config=SpecConfig(n_max=n_max, verifier=verifier))
         spec = gen.generate(prompt, max_tokens)
         if spec != plain:
             i = next((j for j, (x, y) in enumerate(zip(spec, plain)) if x != y), min(len(spec), len(plain)))
