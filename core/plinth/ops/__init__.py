@@ -19,7 +19,7 @@ from .activations import (
     softplus,
 )
 from .attention import attention, attention_bias, attention_mask
-from .ffn import geglu, glu_ffn, linear, relu2_mlp, swiglu
+from .ffn import geglu, glu_ffn, linear, linear_t, relu2_mlp, swiglu
 from .misc import TopK, gather_rows, pad, top_k
 from .moe import MoeRoute, moe_ffn, moe_route
 from .norm import head_layer_norm, head_rms_norm, layer_norm, rms_norm
@@ -55,6 +55,7 @@ __all__ = [
     "head_rms_norm",
     "layer_norm",
     "linear",
+    "linear_t",
     "log_softmax",
     "moe_ffn",
     "moe_route",

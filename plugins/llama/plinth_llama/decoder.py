@@ -147,12 +147,39 @@ def _groups(seq_ids: np.ndarray) -> list[tuple[int, Any]]:
     return groups
 
 
+@attrs.frozen
+class Dense:
+    """A linear layer ``x -> x @ W.T (+ bias)`` with W kept in the layout BLAS runs fastest.
+
+    OpenBLAS streams a matrix-vector product through a row-major [n_in, n_out] matrix
+    faster than through [n_out, n_in] when the output is at least as wide as the input
+    (QKV, gate/up, the attention output), and slower for narrow outputs (FFN down); see
+    benchmarks/README.md. ``transposed`` says which layout ``w`` has.
+    """
+
+    w: Any  # [n_out, n_in], or [n_in, n_out] when transposed
+    transposed: bool
+    bias: Any = None
+
+    def __call__(self, x: Any) -> Any:
+        return ops.linear_t(x, self.w, self.bias) if self.transposed else ops.linear(x, self.w, self.bias)
+
+
+def _offsets(parts: list[Any]) -> list[int]:
+    """Start row of each part when the parts are stacked on axis 0."""
+    out, o = [], 0
+    for p in parts:
+        out.append(o)
+        o += p.shape[0]
+    return out
+
+
 class DecoderGraph:
     """Forward of a dense decoder over a :class:`Batch`, reading and extending a :class:`KVCache`.
 
     Q, K and V of a layer are computed by one matrix (their weights stacked on the output
     axis), and so are the FFN gate and up projections: fewer, larger GEMMs. The GGUF-named
-    weights stay in ``weights`` as row views of the stacked matrices, so memory is not doubled.
+    weights stay in ``weights`` as views of the stacked matrices, so memory is not doubled.
     """
 
     def __init__(self, hp: DecoderHParams, weights: Mapping[str, Any], backend: Any) -> None:
@@ -171,25 +198,41 @@ class DecoderGraph:
         # layers sharing a frequency base share one cos/sin cache
         by_base: dict[float, Any] = {}
         self.rope = [by_base.setdefault(hp.rope_base[il], self.rope[il]) for il in range(hp.n_layer)]
-        self.w_qkv, self.b_qkv, self.w_gate_up = [], [], []
+        self.qkv, self.attn_out, self.gate_up, self.down = [], [], [], []
         for il in range(hp.n_layer):
             b = f"blk.{il}."
-            self.w_qkv.append(self._stack([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"]))
-            self.b_qkv.append(self._stack([b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"])
-                              if hp.qkv_bias else None)
-            self.w_gate_up.append(self._stack([b + "ffn_gate.weight", b + "ffn_up.weight"]))
+            bias = None
+            if hp.qkv_bias:
+                bias = self.xp.concatenate([self.xp.asarray(weights[b + f"attn_{t}.bias"], dtype=self.xp.float32)
+                                            for t in "qkv"])
+            self.qkv.append(self._dense([b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], bias))
+            self.attn_out.append(self._dense([b + "attn_output.weight"]))
+            self.gate_up.append(self._dense([b + "ffn_gate.weight", b + "ffn_up.weight"]))
+            self.down.append(self._dense([b + "ffn_down.weight"]))
 
-    def _stack(self, names: list[str]) -> Any:
-        """The named tensors stacked on axis 0 (f32, contiguous); the names become views of it."""
+    def _dense(self, names: list[str], bias: Any = None) -> Dense:
+        """The named [n_out, n_in] weights stacked on the output axis as one :class:`Dense`.
+
+        The names in ``weights`` become views of the stacked matrix (same values and shapes).
+        """
         xp = self.xp
-        parts = [self.w[n] for n in names]
-        stacked = xp.concatenate([xp.asarray(a, dtype=xp.float32) for a in parts], axis=0)
+        parts = [xp.asarray(self.w[n], dtype=xp.float32) for n in names]
+        n_in, n_out = parts[0].shape[1], sum(p.shape[0] for p in parts)
+        if n_out < n_in:
+            w = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
+            w = xp.ascontiguousarray(w)
+            views = [w[o:o + p.shape[0]] for o, p in zip(_offsets(parts), parts)]
+            dense = Dense(w, transposed=False, bias=bias)
+        else:
+            w_t = xp.empty((n_in, n_out), dtype=xp.float32)
+            for o, p in zip(_offsets(parts), parts):
+                w_t[:, o:o + p.shape[0]] = p.T
+            views = [w_t[:, o:o + p.shape[0]].T for o, p in zip(_offsets(parts), parts)]
+            dense = Dense(w_t, transposed=True, bias=bias)
         if isinstance(self.w, dict):
-            o = 0
-            for n, a in zip(names, parts):
-                self.w[n] = stacked[o:o + a.shape[0]]
-                o += a.shape[0]
-        return stacked
+            for n, v in zip(names, views):
+                self.w[n] = v
+        return dense
 
     # -------------------------------------------------------------- pieces
 
@@ -210,7 +253,7 @@ class DecoderGraph:
         n = x.shape[0]
         n_head, n_head_kv, hd = hp.n_head[il], hp.n_head_kv[il], hp.head_dim
         nq, nk = n_head * hd, n_head_kv * hd
-        qkv = ops.linear(x, self.w_qkv[il], self.b_qkv[il])  # [n, nq + nk + nv]
+        qkv = self.qkv[il](x)  # [n, nq + nk + nv]
         v = qkv[:, nq + nk:].reshape(n, n_head_kv, hp.head_dim_v)
         # Q and K heads side by side: one normalisation and one rotation for both
         qk = qkv[:, :nq + nk].reshape(n, n_head + n_head_kv, hd)
@@ -230,14 +273,14 @@ class DecoderGraph:
                 step.bias[key] = ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None)
             out[sel] = ops.attention(q[sel], kc, vc, scale=hp.attn_scale, causal=False, bias=step.bias[key],
                                      soft_cap=hp.attn_softcap or None)
-        return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"])
+        return self.attn_out[il](out.reshape(n, -1))
 
     def ffn(self, il: int, x: Any) -> Any:
         ff = self.hp.n_ff[il]
-        gate_up = ops.linear(x, self.w_gate_up[il])  # [n, 2 * n_ff]
+        gate_up = self.gate_up[il](x)  # [n, 2 * n_ff]
         h = ops.get_activation(self.hp.act)(gate_up[:, :ff])
         h *= gate_up[:, ff:]
-        return ops.linear(h, self.w[f"blk.{il}.ffn_down.weight"])
+        return self.down[il](h)
 
     def block(self, il: int, x: Any, batch: Batch, cache: KVCache, step: _Step) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
