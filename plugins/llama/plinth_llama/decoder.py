@@ -187,9 +187,14 @@ class DecoderGraph:
         self.backend = backend
         self.xp = backend.xp
         self.w = weights
-        self.output_weight = weights.get("output.weight")
-        if self.output_weight is None:
-            self.output_weight = weights["token_embd.weight"]  # tied LM head
+        # the LM head (tied to token_embd when output.weight is absent); a tied table is
+        # then read through its transposed copy by the embedding lookup too
+        head = "output.weight" if "output.weight" in weights else "token_embd.weight"
+        self.lm_head = self._dense([head])
+        # [n_vocab, n_embd] in GGUF layout (a view), for code that shares the head
+        self.output_weight = self.lm_head.w.T if self.lm_head.transposed else self.lm_head.w
+        if isinstance(weights, dict):
+            weights[head] = self.output_weight
         self.rope = [
             ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base[il], scaling=hp.rope_scaling,
                                          factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig, xp=self.xp))
@@ -226,7 +231,9 @@ class DecoderGraph:
         else:
             w_t = xp.empty((n_in, n_out), dtype=xp.float32)
             for o, p in zip(_offsets(parts), parts):
-                w_t[:, o:o + p.shape[0]] = p.T
+                for r in range(0, p.shape[0], 256):  # in blocks: a whole-matrix transpose thrashes the cache
+                    r1 = min(r + 256, p.shape[0])
+                    w_t[:, o + r:o + r1] = p[r:r1].T
             views = [w_t[:, o:o + p.shape[0]].T for o, p in zip(_offsets(parts), parts)]
             dense = Dense(w_t, transposed=True, bias=bias)
         if isinstance(self.w, dict):
@@ -322,7 +329,7 @@ class DecoderGraph:
             pooled, seqs = pool(normed, batch, pooling, self.xp)
             return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
         h = ops.rms_norm(x[rows], self.w["output_norm.weight"], hp.norm_eps)
-        logits = ops.linear(h, self.output_weight)
+        logits = self.lm_head(h)
         if hp.final_softcap:
             c = np.float32(hp.final_softcap)
             logits = self.xp.tanh(logits / c) * c
