@@ -1,117 +1,160 @@
 """plinth against llama.cpp (llama-cpp-python) on the same GGUF: agreement and speed.
 
-Usage: python benchmarks/bench_peer.py [-m MODEL] [--threads 2] [--positions 512] [--transformers]
+Usage::
 
-Needs llama-cpp-python (pip install 'plinth[peer]'); --transformers also needs
-torch==2.13.0, transformers and accelerate (pip install 'plinth[ref]').
+    python benchmarks/bench_peer.py [-m MODEL ...] [--threads 2] [--positions 512] [--runs 5] [--transformers]
 
-* Teacher-forced top-1 agreement over --positions positions of real text (the
-  Python license text shipped with the interpreter): how often plinth's argmax
-  equals llama.cpp's, and, with --transformers, how often transformers' does on
-  the same positions (llama.cpp's quantized dot products move logits, so the bar
-  is relative).
-* Prompt processing and decode tokens/s of both, same thread count, one process.
+Needs llama-cpp-python (``pip install 'plinth[peer]'``); ``--transformers`` also
+needs torch==2.13.0 and transformers (``pip install 'plinth[ref]'``). Models
+default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
+
+* Teacher-forced top-1 agreement over ``--positions`` positions of
+  ``tests/golden/real/peer_corpus.txt`` (prose and code written for this
+  purpose): how often plinth's argmax equals llama.cpp's, and with
+  ``--transformers`` how often transformers' does on the same positions
+  (transformers runs on the GGUF weights dequantized to f32, built by
+  ``tests/golden/make_real_golden.py``). llama.cpp quantizes activations for its
+  quantized dot products, so the bar is relative.
+* Prompt processing (``--prompt-tokens`` random ids, one batch) and greedy
+  decode (``--decode-tokens`` steps) tokens/s of both engines with the same
+  thread count in one process, best of ``--runs``; printed with the ratio
+  plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
+  normal generation; plinth does the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "tests" / "golden" / "real" / "peer_corpus.txt"
+MAKER = ROOT / "tests" / "golden" / "make_real_golden.py"
+DEFAULT_MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
 
-def corpus_text() -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for cand in (stdlib / "LICENSE.txt", stdlib.parent / "LICENSE.txt"):
-        if cand.exists():
-            return cand.read_text()
-    import this  # noqa: F401  (fallback: the Zen of Python)
 
-    return "".join(chr(ord(c)) for c in "Beautiful is better than ugly. " * 100)
+def _golden():
+    spec = importlib.util.spec_from_file_location("plinth_make_real_golden_bench", MAKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _top2_margin(a):
+    import numpy as np
+
+    part = np.partition(a, -2, axis=-1)
+    return part[..., -1] - part[..., -2]
+
+
+def _last_logits(llm, n_vocab):
+    """llama.cpp's logits of the last evaluated row (llama-cpp-python keeps no copy without logits_all)."""
+    import numpy as np
+
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
+
+def agreement(name, path, args, llama_cpp):
+    import numpy as np
+
+    import plinth
+
+    model = plinth.load_model(path)
+    ids = model.tokenizer.encode(CORPUS.read_text(), add_special=True)[: args.positions]
+    ctx = model.new_context()
+    ours = np.concatenate([np.asarray(model.backend.to_numpy(ctx.decode(ids[s:s + 128], output="all").logits)).argmax(-1)
+                           for s in range(0, len(ids), 128)])
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + 8, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm.eval(ids)
+    scores = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    peer_top, margin = scores.argmax(-1), _top2_margin(scores)
+    del llm, scores
+    dis = ours != peer_top
+    print(f"{name}: {len(ids)} teacher-forced positions of {CORPUS.name}")
+    print(f"  top-1 agreement plinth vs llama.cpp:       {(~dis).mean() * 100:.1f}% ({int(dis.sum())} disagree; "
+          f"llama.cpp top-2 margin there: max {margin[dis].max() if dis.any() else 0:.3f})")
+    if args.transformers:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        golden = _golden()
+        key = next(k for k, v in golden.MODELS.items() if v["name"] == name or golden.gguf_path(k) == path)
+        net, _ = golden.hf_model(key)
+        hf_top = golden.hf_logits(net, ids).argmax(-1)
+        del net
+        print(f"  top-1 agreement transformers vs llama.cpp: {(hf_top == peer_top).mean() * 100:.1f}%")
+        print(f"  top-1 agreement plinth vs transformers:    {(hf_top == ours).mean() * 100:.1f}%")
+
+
+def speed(name, path, args, llama_cpp):
+    import numpy as np
+
+    import plinth
+    from plinth.generate import time_prefill_decode
+
+    model = plinth.load_model(path)
+    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
+    n_vocab = model.n_vocab
+    prompt = np.random.default_rng(0).integers(0, n_vocab, args.prompt_tokens).tolist()  # as time_prefill_decode
+    del model
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 16, n_batch=512,
+                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    best_pp = best_tg = float("inf")
+    for _ in range(args.runs):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(_last_logits(llm, n_vocab)))
+        best_pp = min(best_pp, time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            llm.eval([token])
+            token = int(np.argmax(_last_logits(llm, n_vocab)))
+        best_tg = min(best_tg, time.perf_counter() - t)
+    del llm
+    ppp, ptg = args.prompt_tokens / best_pp, args.decode_tokens / best_tg
+    print(f"{name}: {args.threads} threads, best of {args.runs}")
+    print(f"  prompt ({args.prompt_tokens} tokens) tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, "
+          f"ratio {pp / ppp:.2f}")
+    print(f"  decode ({args.decode_tokens} tokens) tok/s: plinth {tg:.1f}, llama.cpp {ptg:.1f}, "
+          f"ratio {tg / ptg:.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model", default="smollm2-135m-instruct")
+    parser.add_argument("-m", "--model", action="append", default=None, help="model name or .gguf (repeatable)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--positions", type=int, default=512)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--transformers", action="store_true")
+    parser.add_argument("--runs", type=int, default=3, help="repetitions of the speed runs; the best is reported")
+    parser.add_argument("--transformers", action="store_true", help="also transformers vs llama.cpp agreement")
+    parser.add_argument("--no-agreement", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy is imported
 
-    import numpy as np
-
-    import plinth
     from plinth import hub
-    from plinth.generate import time_prefill_decode
 
     try:
         import llama_cpp
     except ImportError:
         sys.exit("llama-cpp-python is not installed: pip install 'plinth[peer]'")
 
-    path = hub.resolve_model(args.model)
-    model = plinth.load_model(path)
-    tok = model.tokenizer
-    ids = tok.encode(corpus_text(), add_special=True)[: args.positions + 1]
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(1024, len(ids) + 8), n_threads=args.threads,
-                          n_threads_batch=args.threads, logits_all=True, verbose=False, n_batch=512)
-    llm.reset()
-    llm.eval(ids[:-1])
-    peer_logits = np.array(llm.scores[: len(ids) - 1], dtype=np.float32)
-    ours = model.logits(ids[:-1])
-    peer_top = peer_logits.argmax(-1)
-    our_top = ours.argmax(-1)
-    agree = float((peer_top == our_top).mean())
-    srt = np.sort(peer_logits, axis=-1)
-    margin = srt[:, -1] - srt[:, -2]
-    dis = peer_top != our_top
-    print(f"model: {path.name}, {len(ids) - 1} teacher-forced positions")
-    print(f"top-1 agreement plinth vs llama.cpp: {agree * 100:.1f}% "
-          f"({int(dis.sum())} disagreements; llama.cpp top-2 margin there: max "
-          f"{margin[dis].max() if dis.any() else 0:.3f})")
-    print(f"max |logit| difference plinth vs llama.cpp: {np.abs(ours - peer_logits).max():.3f}")
-
-    if args.transformers:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
-        hf.eval()
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids[:-1]])).logits[0].numpy()
-        hf_top = ref.argmax(-1)
-        print(f"top-1 agreement transformers vs llama.cpp: {(hf_top == peer_top).mean() * 100:.1f}%")
-        print(f"top-1 agreement plinth vs transformers:    {(hf_top == our_top).mean() * 100:.1f}%; "
-              f"max |logit| diff {np.abs(ref - ours).max():.2e}")
-
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, model.n_vocab, args.prompt_tokens).tolist()
-    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=2)
-    # llama.cpp (logits for the last row only, as a normal generation would)
-    peer = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_threads=args.threads, n_threads_batch=args.threads,
-                           verbose=False, n_batch=512)
-    peer_pp = peer_tg = float("inf")
-    for _ in range(2):
-        peer.reset()
-        t = time.perf_counter()
-        peer.eval(prompt)
-        peer_pp = min(peer_pp, time.perf_counter() - t)
-        token = int(np.argmax(peer.scores[peer.n_tokens - 1]))
-        t = time.perf_counter()
-        for _ in range(args.decode_tokens):
-            peer.eval([token])
-            token = int(np.argmax(peer.scores[peer.n_tokens - 1]))
-        peer_tg = min(peer_tg, time.perf_counter() - t)
-    ppp, ptg = args.prompt_tokens / peer_pp, args.decode_tokens / peer_tg
-    print(f"prompt tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, ratio {pp / ppp:.2f}")
-    print(f"decode tok/s: plinth {tg:.1f}, llama.cpp {ptg:.1f}, ratio {tg / ptg:.2f}")
+    print(f"llama-cpp-python {llama_cpp.__version__}; cores: {os.cpu_count()}; "
+          f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    for name in args.model or DEFAULT_MODELS:
+        path = hub.resolve_model(name)
+        if not args.no_agreement:
+            agreement(name, path, args, llama_cpp)
+        if not args.no_speed:
+            speed(name, path, args, llama_cpp)
+    print(f"load average at end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
