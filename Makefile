@@ -28,7 +28,7 @@ test-ref: install
 	$(BIN)/python -m pytest -q -m ref
 
 test-peer: install
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
 	$(BIN)/python -m pytest -q -m peer
 
 test-gpu: install
