@@ -37,7 +37,7 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-verify", default="auto",
                    help="verification rule: auto (greedy at temperature 0, else rejection), greedy, rejection")
     g.add_argument("--spec-ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
-    g.add_argument("--spec-ngram-min", type=int, default=1, help="ngram: shortest suffix to look up (default 1)")
+    g.add_argument("--spec-ngram-min", type=int, default=2, help="ngram: shortest suffix to look up (default 2)")
     g.add_argument("--spec-synthetic", type=float, default=None, metavar="RATE",
                    help="benchmark only: accept each drafted position with this probability instead of "
                    "verifying (the text is then NOT the model's output)")

@@ -11,6 +11,16 @@ from typing import Any
 from ._xp import F32, array_module, as_f32
 from .activations import gelu, get_activation, relu2, silu
 
+# With OpenBLAS a GEMM of 2-4 rows costs 3-4x one matrix-vector product (it packs the
+# whole weight); that many GEMVs read the weight from cache after the first and cost
+# less. Speculative verify batches (a few rows) hit exactly this case, and running each
+# row as plain decoding does also gives those rows plain decoding's rounding.
+SMALL_BATCH_ROWS = 5
+
+
+def _rowwise(xp: Any, m: int) -> bool:
+    return 1 < m <= SMALL_BATCH_ROWS and xp.__name__ == "numpy"
+
 
 def linear(x: Any, w: Any, bias: Any = None) -> Any:
     """y = x @ w.T (+ bias).
@@ -28,8 +38,13 @@ def linear(x: Any, w: Any, bias: Any = None) -> Any:
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.flags.c_contiguous:
         x2 = xp.ascontiguousarray(x2)
-    # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
-    y = x2 @ w.T
+    if _rowwise(xp, x2.shape[0]):
+        y = xp.empty((x2.shape[0], w.shape[0]), dtype=F32)
+        for r in range(x2.shape[0]):
+            xp.matmul(w, x2[r], out=y[r])
+    else:
+        # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
+        y = x2 @ w.T
     if bias is not None:
         y += as_f32(bias, xp)
     return y.reshape(*lead, w.shape[0])
@@ -48,7 +63,12 @@ def linear_t(x: Any, w_t: Any, bias: Any = None) -> Any:
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.flags.c_contiguous:
         x2 = xp.ascontiguousarray(x2)
-    y = x2 @ w_t
+    if _rowwise(xp, x2.shape[0]):
+        y = xp.empty((x2.shape[0], w_t.shape[1]), dtype=F32)
+        for r in range(x2.shape[0]):
+            xp.matmul(x2[r], w_t, out=y[r])
+    else:
+        y = x2 @ w_t
     if bias is not None:
         y += as_f32(bias, xp)
     return y.reshape(*lead, w_t.shape[1])

@@ -1,7 +1,8 @@
 """``ngram``: prompt-lookup drafting, no draft model.
 
 At each step the last ``n`` tokens of the history (prompt + generated, ``n``
-from ``n_match_max`` down to ``n_match_min``) are looked up among earlier
+from ``n_match_max`` (3) down to ``n_match_min`` (2: a one-token match is weak
+evidence, and a rejected draft costs a verify batch)) are looked up among earlier
 positions; the tokens that followed the most recent earlier occurrence are the
 draft. Text that repeats or edits its input (code edits, "fix this text",
 summaries quoting the source) drafts well; free prose rarely matches, and then
@@ -21,7 +22,7 @@ from .base import BaseDrafter, Draft, DrafterRequirements
 class NgramDrafter(BaseDrafter):
     name = "ngram"
 
-    def __init__(self, n_match_max: int = 3, n_match_min: int = 1, n_draft: int = 16,
+    def __init__(self, n_match_max: int = 3, n_match_min: int = 2, n_draft: int = 16,
                  search: str = "last") -> None:
         if not 1 <= n_match_min <= n_match_max:
             raise ValueError(f"need 1 <= n_match_min <= n_match_max, got {n_match_min}, {n_match_max}")
@@ -63,5 +64,5 @@ def lookup(history: Sequence[int], n_max: int, n_match_max: int = 3, n_match_min
 
 
 def make_ngram(target: Any, options: Mapping[str, Any]) -> NgramDrafter:
-    return NgramDrafter(n_match_max=int(options.get("ngram_max", 3)), n_match_min=int(options.get("ngram_min", 1)),
+    return NgramDrafter(n_match_max=int(options.get("ngram_max", 3)), n_match_min=int(options.get("ngram_min", 2)),
                         n_draft=int(options.get("n_max", 16)), search=str(options.get("ngram_search", "last")))
