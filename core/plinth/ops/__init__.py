@@ -23,6 +23,7 @@ from .ffn import geglu, glu_ffn, linear, linear_t, relu2_mlp, swiglu
 from .misc import TopK, gather_rows, pad, top_k
 from .moe import MoeRoute, moe_ffn, moe_route
 from .norm import head_layer_norm, head_rms_norm, layer_norm, rms_norm
+from .ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
 from .rope import (
     RopeCache,
     RopeFreqs,
@@ -45,6 +46,8 @@ __all__ = [
     "attention",
     "attention_bias",
     "attention_mask",
+    "causal_conv1d",
+    "gated_group_rms_norm",
     "gather_rows",
     "geglu",
     "gelu",
@@ -69,6 +72,8 @@ __all__ = [
     "silu",
     "softmax",
     "softplus",
+    "ssm_scan",
+    "ssm_step",
     "swiglu",
     "top_k",
     "yarn_corr_dim",
