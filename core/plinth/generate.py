@@ -25,6 +25,7 @@ class GenerationStats:
     decode_s: float = 0.0
     sample_s: float = 0.0
     stop_reason: str = ""
+    wall_s: float = 0.0  # prompt to last token, everything included (sampling, detokenising, streaming)
 
     @property
     def prompt_tps(self) -> float:
@@ -36,9 +37,17 @@ class GenerationStats:
         steps = max(self.n_generated - 1, 0)
         return steps / self.decode_s if self.decode_s else 0.0
 
+    @property
+    def wall_decode_tps(self) -> float:
+        """Generated tokens per second after the prompt, by the wall clock (the user's view)."""
+        steps = max(self.n_generated - 1, 0)
+        t = self.wall_s - self.prompt_s
+        return steps / t if t > 0 else 0.0
+
     def summary(self) -> str:
         return (f"prompt: {self.n_prompt} tokens in {self.prompt_s:.2f} s ({self.prompt_tps:.1f} tok/s); "
-                f"decode: {self.n_generated} tokens in {self.decode_s:.2f} s ({self.decode_tps:.1f} tok/s); "
+                f"decode: {self.n_generated} tokens in {self.decode_s:.2f} s ({self.decode_tps:.1f} tok/s; "
+                f"{self.wall_decode_tps:.1f} tok/s wall, with sampling and streaming); "
                 f"sampling {self.sample_s * 1000:.1f} ms; stop: {self.stop_reason}")
 
 
@@ -97,6 +106,14 @@ class Generator:
         history = list(prompt_ids)
         self.tokens_out = []
         t0 = time.perf_counter()
+        try:
+            yield from self._plain_loop(ctx, prompt_ids, history, max_tokens, t0)
+        finally:
+            stats.wall_s = time.perf_counter() - t0
+
+    def _plain_loop(self, ctx: Any, prompt_ids: list[int], history: list[int], max_tokens: int,
+                    t0: float) -> Iterator[int]:
+        model, tok, stats = self.model, self.tokenizer, self.stats
         out = ctx.decode(prompt_ids)
         stats.prompt_s = time.perf_counter() - t0
         while True:

@@ -247,6 +247,7 @@ class SpeculativeGenerator(Generator):
         greedy_rule = isinstance(self.verifier, GreedyVerifier)
         for d in self.drafters:
             d.begin(seq, list(prompt_ids))
+        t_start = time.perf_counter()
         try:
             t0 = time.perf_counter()
             batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")
@@ -323,6 +324,7 @@ class SpeculativeGenerator(Generator):
                 pending = [*draft.tokens[:a], nxt]
         finally:
             stats.decode_s = stats.draft_s + stats.verify_s + stats.rollback_s
+            stats.wall_s = time.perf_counter() - t_start
             for d in self.drafters:
                 end = getattr(d, "end", None)
                 if end is not None:

@@ -47,6 +47,7 @@ class DecoderHParams:
     embd_scale: float = 1.0
     final_softcap: float = 0.0
     attn_softcap: float = 0.0
+    rope_scaled: PerLayer | None = None  # layers the rope.scaling.* keys apply to (None = every layer)
 
 
 def read_common(md: Mapping[str, Any], source: str, arch: str) -> dict[str, Any]:
@@ -195,14 +196,17 @@ class DecoderGraph:
         self.output_weight = self.lm_head.w.T if self.lm_head.transposed else self.lm_head.w
         if isinstance(weights, dict):
             weights[head] = self.output_weight
-        self.rope = [
-            ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base[il], scaling=hp.rope_scaling,
-                                         factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig, xp=self.xp))
-            for il in range(hp.n_layer)
-        ]
-        # layers sharing a frequency base share one cos/sin cache
-        by_base: dict[float, Any] = {}
-        self.rope = [by_base.setdefault(hp.rope_base[il], self.rope[il]) for il in range(hp.n_layer)]
+        # layers sharing a frequency base and scaling share one cos/sin cache
+        by_key: dict[tuple[float, str], Any] = {}
+        self.rope = []
+        for il in range(hp.n_layer):
+            scaling = hp.rope_scaling if hp.rope_scaled is None or hp.rope_scaled[il] else "none"
+            key = (hp.rope_base[il], scaling)
+            if key not in by_key:
+                by_key[key] = ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base[il], scaling=scaling,
+                                                           factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig,
+                                                           xp=self.xp))
+            self.rope.append(by_key[key])
         self.qkv, self.attn_out, self.gate_up, self.down = [], [], [], []
         for il in range(hp.n_layer):
             b = f"blk.{il}."

@@ -8,6 +8,9 @@
   local RoPE base (``rope.freq_base_swa``, 10000 when absent); every sixth layer is
   global with ``rope.freq_base``.
 * Optional soft-capping of attention scores and final logits when the file sets it.
+* ``rope.scaling.*`` applies to the global layers only (the local ones keep plain RoPE).
+* Attention scale 1/sqrt(head_dim), except the 62-layer (27B) model, which was trained
+  with 1/sqrt(n_embd / n_head) (its query_pre_attn_scalar; GGUF has no key for it).
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ class Gemma3:
             rope_base=PerLayer([base_local if s else base_global for s in is_swa], f"{self.name}.rope.freq_base"),
             final_softcap=r.get("final_logit_softcapping", float, required=False, default=0.0),
             attn_softcap=r.get("attn_logit_softcapping", float, required=False, default=0.0),
+            rope_scaled=PerLayer([not s for s in is_swa], f"{self.name}.rope.scaling.type"),
         )
+        if n_layer == 62:  # Gemma-3 27B
+            kw["attn_scale"] = 1.0 / (kw["n_embd"] / kw["n_head"][0]) ** 0.5
         return DecoderHParams(**kw)
 
     def tensor_specs(self, hparams: DecoderHParams) -> list[TensorSpec]:

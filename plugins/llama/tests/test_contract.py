@@ -127,3 +127,20 @@ def test_missing_required_key_is_named(registry):
     del md["qwen3.block_count"]
     with pytest.raises(KeyError, match="x.gguf: missing required key 'qwen3.block_count'"):
         registry.arch_hparams("qwen3", md, "x.gguf")
+
+
+def test_gemma3_rope_scaling_on_global_layers_only_and_27b_scale(registry):
+    md = tiny_metadata("gemma3", n_layer=7, attention__sliding_window=5, rope__scaling__type="linear",
+                       rope__scaling__factor=8.0)
+    hp = registry.arch_hparams("gemma3", md, "tiny-gemma3.gguf")
+    assert [hp.rope_scaled[il] for il in range(7)] == [False] * 5 + [True, False]
+    specs = registry.arch_tensors("gemma3", hp)
+    graph = registry.arch_build("gemma3", hp, random_tensors(specs), registry.make_backend("numpy"))
+    pos = np.arange(4)
+    local, glob = graph.rope[0](pos), graph.rope[5](pos)
+    assert graph.rope[0] is graph.rope[1] and graph.rope[0] is not graph.rope[5]
+    assert not np.allclose(np.asarray(local[0]), np.asarray(glob[0]))
+    assert hp.attn_scale == pytest.approx(1 / np.sqrt(hp.head_dim))
+    md = tiny_metadata("gemma3", n_layer=62, n_embd=64, n_head=2, attention__key_length=16)
+    big = registry.arch_hparams("gemma3", md, "27b.gguf")  # 27B: head_dim 128, n_embd / n_head 168
+    assert big.head_dim == 16 and big.attn_scale == pytest.approx(1 / np.sqrt(32))
