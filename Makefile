@@ -1,7 +1,8 @@
 # Two entry points for a fresh machine:
 #   make demo   installs plinth and its bundled plugins into .venv and generates text with the default model
 #   make test   installs the same plus the test tools and runs the whole default test suite
-# Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python), make test-gpu.
+# Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python, plus torch +
+# transformers for the agreement bar), make test-gpu.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -18,7 +19,7 @@ install: $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]" $(foreach p,$(PLUGINS),-e $(p))
 
 demo: install
-	$(BIN)/plinth generate --stats "$(PROMPT)"
+	$(BIN)/plinth generate --chat --stats "$(PROMPT)"
 
 test: install
 	$(BIN)/python -m pytest -q
