@@ -10,25 +10,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from plinth.testing import load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
-def _load_maker():
-    spec = importlib.util.spec_from_file_location("plinth_make_real_golden_cli", GOLDEN / "make_real_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-golden = _load_maker()
+golden = load_module(GOLDEN / "make_real_golden.py")
 
 pytestmark = [pytest.mark.real, pytest.mark.network]
 

@@ -18,12 +18,12 @@ Speed is measured by ``benchmarks/bench_peer.py``, never asserted here.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from plinth.testing import load_module
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -34,14 +34,7 @@ NEAR_TIE = 1.0
 THREADS = int(os.environ.get("PLINTH_PEER_THREADS", "2"))
 
 
-def _load_maker():
-    spec = importlib.util.spec_from_file_location("plinth_make_real_golden_peer", GOLDEN / "make_real_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-golden = _load_maker()
+golden = load_module(GOLDEN / "make_real_golden.py")
 MODELS = sorted(golden.MODELS)
 
 pytestmark = [pytest.mark.peer, pytest.mark.real, pytest.mark.slow]

@@ -11,11 +11,11 @@ tokens. The ``ref``-marked test rebuilds the reference live (opt-in, minutes).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from plinth.testing import load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -24,14 +24,7 @@ LOGIT_ATOL = 1e-4
 ATOL = {"smollm2": LOGIT_ATOL, "gemma3": 2.5e-4}
 
 
-def _load_maker():
-    spec = importlib.util.spec_from_file_location("plinth_make_real_golden", GOLDEN / "make_real_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-golden = _load_maker()
+golden = load_module(GOLDEN / "make_real_golden.py")
 MODELS = sorted(golden.MODELS)
 
 pytestmark = [pytest.mark.real, pytest.mark.network]

@@ -13,6 +13,8 @@ Outside pytest, :func:`make_registry` does the same.
 from __future__ import annotations
 
 from importlib import metadata as importlib_metadata
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..manifest import Manifest, ManifestPlugin
@@ -21,6 +23,7 @@ from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
 __all__ = [
+    "load_module",
     "make_registry",
     "plugin_from_manifest",
     "byte_vocab",
@@ -29,6 +32,32 @@ __all__ = [
     "write_gguf",
     "write_synthetic_gguf",
 ]
+
+
+def load_module(path: str | Path, name: str | None = None) -> ModuleType:
+    """Import a helper script by file path (a golden-file maker, a tiny-model builder beside the tests).
+
+    Tests run with ``--import-mode=importlib`` have no package to import siblings from;
+    ``name`` defaults to one derived from the path, so two test files loading the same
+    script get the same module object.
+    """
+    import importlib.util
+    import sys
+
+    path = Path(path).resolve()
+    if name is None:  # unique per file: two plugins may both have tests/golden/make_golden.py
+        import hashlib
+
+        name = f"plinth_testing_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def plugin_from_manifest(manifest: Manifest) -> ManifestPlugin:

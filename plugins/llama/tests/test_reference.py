@@ -10,7 +10,6 @@ recomputes the reference live to show the files are reproducible.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,19 +17,13 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
+from plinth.testing import load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
 
 
-def _load_maker():
-    spec = importlib.util.spec_from_file_location("plinth_llama_make_golden", GOLDEN / "make_golden.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-golden = _load_maker()
+golden = load_module(GOLDEN / "make_golden.py")
 CASES = sorted(golden.CASES)
 
 

@@ -7,7 +7,6 @@ cache on the backend, snapshot / restore exact; named errors for missing keys an
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -16,16 +15,10 @@ import pytest
 from plinth.context import Batch, KVCache
 from plinth.errors import UserError
 from plinth.testing.drafters import assert_caches_equal
+from plinth.testing import load_module
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"plinth_nemotron_tests_{name}", Path(__file__).parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tiny = _load("tiny")
+tiny = load_module(Path(__file__).parent / "tiny.py")
 
 PATTERNS = {
     "mamba": dict(pattern="MM"),

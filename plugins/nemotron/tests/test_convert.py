@@ -8,7 +8,6 @@ same GGUF tensors; MTP tensors are dropped with a note and leave no trace in the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,16 +16,10 @@ import pytest
 
 from plinth.errors import UserError
 from plinth.gguf import GGUFFile
+from plinth.testing import load_module
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-golden = _load(Path(__file__).parent / "golden" / "make_golden.py", "plinth_nemotron_make_golden")
+golden = load_module(Path(__file__).parent / "golden" / "make_golden.py")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ target's cache (KV rows, conv and SSM states) afterwards equals plain decoding's
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +19,10 @@ from plinth.speculative.base import BaseDrafter, Draft
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
 from plinth.speculative.ngram import NgramDrafter
 from plinth.testing.drafters import OracleDrafter, RandomDrafter, check_drafter_contract
+from plinth.testing import load_module
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"plinth_nemotron_tests_{name}", Path(__file__).parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tiny = _load("tiny")
+tiny = load_module(Path(__file__).parent / "tiny.py")
 N_MAX = 5
 MAX_TOKENS = 28
 
