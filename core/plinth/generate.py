@@ -99,9 +99,8 @@ class Generator:
 
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
         """Generated token ids, one at a time (end-of-generation tokens are not yielded)."""
-        model, tok = self.model, self.tokenizer
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
-        ctx = model.new_context()
+        ctx = self.model.new_context()
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
         self.tokens_out = []
@@ -113,7 +112,7 @@ class Generator:
 
     def _plain_loop(self, ctx: Any, prompt_ids: list[int], history: list[int], max_tokens: int,
                     t0: float) -> Iterator[int]:
-        model, tok, stats = self.model, self.tokenizer, self.stats
+        model, stats = self.model, self.stats
         out = ctx.decode(prompt_ids)
         stats.prompt_s = time.perf_counter() - t0
         while True:
@@ -121,20 +120,31 @@ class Generator:
             logits = np.asarray(model.backend.to_numpy(out.logits[-1]))
             token = self.sampler.sample(logits, history).token
             stats.sample_s += time.perf_counter() - t1
-            if tok.is_eog(token):
-                stats.stop_reason = "end of generation token"
+            done = self._record(token, history, max_tokens)
+            if done is None:
                 return
-            self.tokens_out.append(token)
-            history.append(token)
-            stats.n_generated += 1
             yield token
-            if stats.n_generated >= max_tokens:
-                stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < model.n_ctx \
-                    else "context full"
+            if done:
                 return
             t2 = time.perf_counter()
             out = ctx.decode([token])
             stats.decode_s += time.perf_counter() - t2
+
+    def _record(self, token: int, history: list[int], max_tokens: int) -> bool | None:
+        """Take a decided token: None for an end-of-generation token (not recorded: stop now);
+        True once the budget or the context is full (stop after yielding it); False otherwise."""
+        stats = self.stats
+        if self.tokenizer.is_eog(token):
+            stats.stop_reason = "end of generation token"
+            return None
+        self.tokens_out.append(token)
+        history.append(token)
+        stats.n_generated += 1
+        if stats.n_generated >= max_tokens:
+            stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < self.model.n_ctx \
+                else "context full"
+            return True
+        return False
 
     def generate(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> list[int]:
         """All generated token ids."""

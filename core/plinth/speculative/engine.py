@@ -236,7 +236,7 @@ class SpeculativeGenerator(Generator):
     # ------------------------------------------------------------------ loop
 
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
-        model, tok, cfg = self.model, self.tokenizer, self.config
+        model, cfg = self.model, self.config
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
         seq = self.seq
         ctx = self.context = model.new_context(taps=self.taps)
@@ -262,17 +262,12 @@ class SpeculativeGenerator(Generator):
             while True:
                 # emit what the last step decided, stopping at end of generation or the budget
                 for t in pending:
-                    if tok.is_eog(t):
-                        stats.stop_reason = "end of generation token"
+                    done = self._record(t, history, max_tokens)
+                    if done is None:
                         self._drop_after_eog(ctx, history, step)
                         return
-                    self.tokens_out.append(t)
-                    history.append(t)
-                    stats.n_generated += 1
                     yield t
-                    if stats.n_generated >= max_tokens:
-                        stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < model.n_ctx \
-                            else "context full"
+                    if done:
                         return
                 last = history[-1]
                 pos = ctx.cache.next_position(seq)
