@@ -8,7 +8,7 @@ to it and read it back through :meth:`KVCache.update`.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -350,6 +350,30 @@ class KVCache:
                 table.clear()
             else:
                 table.pop(seq, None)
+
+
+def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: KVCache,
+               taps: Sequence[int] = ()) -> tuple[Any, dict[int, Any]]:
+    """``x = layer(il, x)`` for every layer, as one unit of work on ``cache``.
+
+    The rows and states the layers write become part of the cache at the end
+    (:meth:`KVCache.commit`), or are dropped if a layer raises. Returns the final
+    residual and the feature taps asked for: the input of layer k for each tap k,
+    and for tap ``n_layer`` the residual before the final norm.
+    """
+    features: dict[int, Any] = {}
+    try:
+        for il in range(n_layer):
+            if il in taps:
+                features[il] = x
+            x = layer(il, x)
+    except BaseException:
+        cache.rollback_pending()
+        raise
+    cache.commit()
+    if n_layer in taps:
+        features[n_layer] = x
+    return x, features
 
 
 def pool(hidden: Any, batch: Batch, pooling: str, xp: Any = np) -> tuple[Any, np.ndarray]:

@@ -30,24 +30,7 @@ def linear(x: Any, w: Any, bias: Any = None) -> Any:
     bias: [n_out] or None
     Returns [..., n_out] float32.
     """
-    xp = array_module(x, w)
-    x = as_f32(x, xp)
-    if w.dtype != F32:
-        w = w.astype(F32)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if not x2.flags.c_contiguous:
-        x2 = xp.ascontiguousarray(x2)
-    if _rowwise(xp, x2.shape[0]):
-        y = xp.empty((x2.shape[0], w.shape[0]), dtype=F32)
-        for r in range(x2.shape[0]):
-            xp.matmul(w, x2[r], out=y[r])
-    else:
-        # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
-        y = x2 @ w.T
-    if bias is not None:
-        y += as_f32(bias, xp)
-    return y.reshape(*lead, w.shape[0])
+    return _product(x, w, bias, transposed=False)
 
 
 def linear_t(x: Any, w_t: Any, bias: Any = None) -> Any:
@@ -57,21 +40,33 @@ def linear_t(x: Any, w_t: Any, bias: Any = None) -> Any:
     Returns [..., n_out] float32. Same product as ``linear(x, w_t.T)``; OpenBLAS runs its
     matrix-vector product faster in this layout when n_out >= n_in.
     """
-    xp = array_module(x, w_t)
+    return _product(x, w_t, bias, transposed=True)
+
+
+def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
+    """x @ w (transposed: w is [n_in, n_out]) or x @ w.T (w is [n_out, n_in]), plus bias."""
+    xp = array_module(x, w)
     x = as_f32(x, xp)
+    if w.dtype != F32:
+        w = w.astype(F32)
+    n_out = w.shape[1] if transposed else w.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.flags.c_contiguous:
         x2 = xp.ascontiguousarray(x2)
     if _rowwise(xp, x2.shape[0]):
-        y = xp.empty((x2.shape[0], w_t.shape[1]), dtype=F32)
+        y = xp.empty((x2.shape[0], n_out), dtype=F32)
         for r in range(x2.shape[0]):
-            xp.matmul(x2[r], w_t, out=y[r])
+            if transposed:
+                xp.matmul(x2[r], w, out=y[r])
+            else:
+                xp.matmul(w, x2[r], out=y[r])
     else:
-        y = x2 @ w_t
+        # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
+        y = x2 @ w if transposed else x2 @ w.T
     if bias is not None:
         y += as_f32(bias, xp)
-    return y.reshape(*lead, w_t.shape[1])
+    return y.reshape(*lead, n_out)
 
 
 def glu_ffn(x: Any, w_gate: Any, w_up: Any, w_down: Any, act: str | Any = "silu") -> Any:

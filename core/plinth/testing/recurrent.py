@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from .. import ops
-from ..context import Batch, ForwardOutput, KVCache
+from ..context import Batch, ForwardOutput, KVCache, run_layers
 from ..hparams import KeyReader
 from ..manifest import Manifest, ManifestPlugin
 from ..tensors import TensorSpec
@@ -119,20 +119,12 @@ class ToyRecurrentGraph:
         x = w["token_embd.weight"][xp.asarray(batch.tokens)]
         if batch.is_embd is not None and batch.is_embd.any():
             x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
-        features: dict[int, Any] = {}
-        try:
-            for il in range(hp.n_layer):
-                if il in taps:
-                    features[il] = x
-                h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
-                mix = self._recurrence if hp.is_recurrent(il) else self._attention
-                x = x + mix(il, h, batch, cache)
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
-        if hp.n_layer in taps:
-            features[hp.n_layer] = x
+
+        def layer(il: int, x: Any) -> Any:
+            mix = self._recurrence if hp.is_recurrent(il) else self._attention
+            return x + mix(il, ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps), batch, cache)
+
+        x, features = run_layers(x, hp.n_layer, layer, cache, taps)
         rows = np.nonzero(batch.output)[0]
         h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
         return ForwardOutput(rows=rows, logits=ops.linear(h, w["output.weight"]), features=features)

@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, pool
+from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
 from plinth.hparams import KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
@@ -311,21 +311,10 @@ class DecoderGraph:
                 embeddings: bool = False) -> ForwardOutput:
         """Run the batch; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
         hp = self.hp
-        features: dict[int, Any] = {}
         x = self.embed(batch)
         tables = {id(r): r for r in self.rope}
         step = _Step(groups=_groups(batch.seq_ids), cos_sin={k: r(batch.positions) for k, r in tables.items()})
-        try:
-            for il in range(hp.n_layer):
-                if il in taps:
-                    features[il] = x
-                x = self.block(il, x, batch, cache, step)
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
-        if hp.n_layer in taps:
-            features[hp.n_layer] = x
+        x, features = run_layers(x, hp.n_layer, lambda il, h: self.block(il, h, batch, cache, step), cache, taps)
         rows = np.nonzero(batch.output)[0]
         if pooling != "none":
             # pooled embeddings: no LM head is built and no logits buffer is kept

@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, pool
+from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
 from plinth.errors import UserError
 from plinth.hparams import HParamsError, KeyReader, PerLayer
 from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
@@ -409,32 +409,24 @@ class NemotronHGraph:
                 embeddings: bool = False) -> ForwardOutput:
         """Run the batch; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
         hp, w = self.hp, self.w
-        features: dict[int, Any] = {}
         seq_rows = self._seq_rows(batch, cache)
-        x = self.embed(batch)
-        try:
-            for il in range(hp.n_layer):
-                if il in taps:
-                    features[il] = x
-                h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
-                kind = hp.kind(il)
-                if kind == MAMBA:
-                    h = self.mamba(il, h, batch, cache, seq_rows)
-                elif kind == ATTENTION:
-                    h = self.attention(il, h, batch, cache, seq_rows)
-                elif kind == MLP:
-                    h = self.mlp(il, h)
-                else:
-                    h = self.moe(il, h)
-                x = x + h
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
+
+        def layer(il: int, x: Any) -> Any:
+            h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
+            kind = hp.kind(il)
+            if kind == MAMBA:
+                h = self.mamba(il, h, batch, cache, seq_rows)
+            elif kind == ATTENTION:
+                h = self.attention(il, h, batch, cache, seq_rows)
+            elif kind == MLP:
+                h = self.mlp(il, h)
+            else:
+                h = self.moe(il, h)
+            return x + h
+
+        x, features = run_layers(self.embed(batch), hp.n_layer, layer, cache, taps)
         for seq, sel in seq_rows:  # where each sequence's state now stands (plinth.model.Context does the same)
             cache.observe(seq, int(batch.positions[sel].max()) + 1)
-        if hp.n_layer in taps:
-            features[hp.n_layer] = x
         rows = np.nonzero(batch.output)[0]
         if pooling != "none":
             normed = ops.rms_norm(x, w["output_norm.weight"], hp.norm_eps)
