@@ -23,6 +23,7 @@ from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
 __all__ = [
+    "check_prefill_then_decode",
     "load_module",
     "make_registry",
     "plugin_from_manifest",
@@ -32,6 +33,23 @@ __all__ = [
     "write_gguf",
     "write_synthetic_gguf",
 ]
+
+
+def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_prefill: int,
+                              atol: float = 1e-5) -> None:
+    """Contract: prefilling ``tokens[:n_prefill]`` then decoding the rest one token at a time
+    gives the logits of one full forward (within ``atol``), and those logits are finite."""
+    import numpy as np
+
+    from ..context import Batch, KVCache
+
+    full = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(n_layer)).logits
+    assert np.isfinite(np.asarray(full)).all(), "the full forward gives non-finite logits"
+    cache = KVCache(n_layer)
+    parts = [graph.forward(Batch.from_tokens(tokens[:n_prefill], output="all"), cache).logits]
+    for i in range(n_prefill, len(tokens)):
+        parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=atol, rtol=0)
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

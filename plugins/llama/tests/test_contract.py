@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import random_tensors, tiny_metadata
+from plinth.testing import check_prefill_then_decode, random_tensors, tiny_metadata
 
 ARCHS = {
     "llama": {},
@@ -42,13 +42,7 @@ def run(graph, hp, batch):
 def test_prefill_then_decode_equals_full_forward(registry, arch):
     hp, graph = build(registry, arch)
     tokens = np.random.default_rng(1).integers(0, hp.n_vocab, 12).tolist()
-    full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
-    assert np.isfinite(full).all()
-    cache = KVCache(hp.n_layer)
-    parts = [graph.forward(Batch.from_tokens(tokens[:5], output="all"), cache).logits]
-    for i in range(5, 12):
-        parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
-    np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-5, rtol=0)
+    check_prefill_then_decode(graph, hp.n_layer, tokens, 5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

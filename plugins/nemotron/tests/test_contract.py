@@ -15,7 +15,7 @@ import pytest
 from plinth.context import Batch, KVCache
 from plinth.errors import UserError
 from plinth.testing.drafters import assert_caches_equal
-from plinth.testing import load_module
+from plinth.testing import check_prefill_then_decode, load_module
 
 
 tiny = load_module(Path(__file__).parent / "tiny.py")
@@ -54,13 +54,7 @@ def test_pattern_read_from_the_per_layer_arrays(registry, name):
 def test_prefill_then_decode_equals_full_forward(registry, name):
     hp, graph, _ = build(registry, name)
     tokens = np.random.default_rng(1).integers(0, hp.n_vocab, 80).tolist()
-    full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
-    assert np.isfinite(full).all()
-    cache = KVCache(hp.n_layer)
-    parts = [graph.forward(Batch.from_tokens(tokens[:70], output="all"), cache).logits]
-    for i in range(70, 80):
-        parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
-    np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-4, rtol=0)
+    check_prefill_then_decode(graph, hp.n_layer, tokens, 70, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["mamba", "latent"])
