@@ -1,4 +1,4 @@
-"""Test kit for plugin authors: isolated plugin registries (and, later, synthetic GGUFs).
+"""Test kit for plugin authors: isolated registries, synthetic GGUFs and HF folders, contract checks.
 
 Installed as a pytest plugin (entry point group ``pytest11``), so a plugin's own
 test suite gets the fixtures without any conftest:
@@ -20,10 +20,17 @@ from typing import Any
 from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
+from .arch import check_architecture
+from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
 __all__ = [
+    "byte_bpe_tokenizer",
+    "check_architecture",
     "check_prefill_then_decode",
+    "new_cache",
+    "write_hf_folder",
+    "write_safetensors",
     "load_module",
     "make_registry",
     "plugin_from_manifest",
@@ -41,15 +48,26 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
     gives the logits of one full forward (within ``atol``), and those logits are finite."""
     import numpy as np
 
-    from ..context import Batch, KVCache
+    from ..context import Batch
 
-    full = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(n_layer)).logits
+    full = graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, n_layer)).logits
     assert np.isfinite(np.asarray(full)).all(), "the full forward gives non-finite logits"
-    cache = KVCache(n_layer)
+    cache = new_cache(graph, n_layer)
     parts = [graph.forward(Batch.from_tokens(tokens[:n_prefill], output="all"), cache).logits]
     for i in range(n_prefill, len(tokens)):
         parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
     np.testing.assert_allclose(np.concatenate(parts), full, atol=atol, rtol=0)
+
+
+def new_cache(graph: Any, n_layer: int) -> Any:
+    """An empty :class:`plinth.graph.Cache` with ``graph``'s cache layout (if it declares one)."""
+    from ..cache import Cache
+
+    layout = getattr(graph, "cache_layout", None)
+    xp = getattr(graph, "xp", None)
+    import numpy as np
+
+    return Cache(n_layer, xp if xp is not None else np, layout() if layout is not None else None)
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

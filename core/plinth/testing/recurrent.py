@@ -132,7 +132,7 @@ class ToyRecurrentGraph:
 
 def recurrent_plugin() -> ManifestPlugin:
     """A plugin providing ``toy-recurrent``, for ``make_registry`` / the ``plinth_registry`` fixture."""
-    return ManifestPlugin(Manifest(name="toy-recurrent", api_version="1.0",
+    return ManifestPlugin(Manifest(name="toy-recurrent", api_version="2.0",
                                    architectures={ARCH: "plinth.testing.recurrent:ToyRecurrent"},
                                    description="test kit: tiny hybrid recurrent/attention model"))
 
