@@ -293,7 +293,8 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
         # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
         kc, vc, kpos = kv.get(seq) if shared is not None else kv.update(seq, pos, k[sel], v[sel])
         bias = step.once(("attn_bias", seq, window, len(kpos)),
-                         lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None))
+                         lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
+                                                         xp=xp))
         out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
 
