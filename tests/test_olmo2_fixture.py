@@ -62,10 +62,11 @@ def test_matches_live_transformers(registry, tmp_path):
         np.testing.assert_allclose(model.logits(prompt), want, atol=TOL, rtol=0)
 
 
-def test_architecture_contract(registry, tmp_path):
+@pytest.mark.parametrize("backend", ["numpy", "strict"])
+def test_architecture_contract(registry, tmp_path, backend):
     from plinth.testing import check_architecture, tiny_metadata
 
-    check_architecture(registry, "olmo2", tiny_metadata("olmo2", n_vocab=257), tmp_path)
+    check_architecture(registry, "olmo2", tiny_metadata("olmo2", n_vocab=257), tmp_path, backend=backend)
 
 
 def test_model_code_is_small_and_uses_only_public_names():

@@ -10,7 +10,7 @@ import numpy as np
 
 def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], folder: str | Path, *,
                        seed: int = 0, scale: float = 0.2, prompts: Sequence[Sequence[int]] | None = None,
-                       max_tokens: int = 16, atol: float = 1e-4) -> Any:
+                       max_tokens: int = 16, atol: float = 1e-4, backend: str = "numpy") -> Any:
     """Write a random ``arch`` model from ``metadata`` into ``folder`` and check, through the public API:
 
     * ``plinth.load_model`` loads it; the hparams have the :class:`plinth.graph.HParams` fields and
@@ -24,7 +24,9 @@ def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], fo
       plain decoding's.
 
     ``metadata`` must give a 257-token vocabulary (``tiny_metadata(arch, n_vocab=257)``): the byte
-    tokenizer of :func:`plinth.testing.byte_vocab` is added. Returns the loaded model.
+    tokenizer of :func:`plinth.testing.byte_vocab` is added. ``backend``: "numpy", or "strict" (the
+    strict device stand-in: host arrays refused in device ops, and a decode forward may read
+    nothing back from the device). Returns the loaded model.
     """
     from ..graph import Batch, Graph, HParams
     from ..model import load_model
@@ -35,7 +37,8 @@ def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], fo
 
     md = {**dict(metadata), **byte_vocab()}
     path = write_synthetic_gguf(Path(folder) / f"{arch}.gguf", arch, md, registry, seed=seed, scale=scale)
-    model = load_model(path, registry=registry)
+    model = load_model(path, registry=registry, backend=backend)
+    be = model.backend
     hp, graph = model.hparams, model.graph
     assert isinstance(hp, HParams), f"{arch}: hparams lack a field of plinth.graph.HParams (n_layer, n_vocab, ...)"
     assert isinstance(graph, Graph), f"{arch}: the graph lacks cache_layout() or forward()"
@@ -45,16 +48,16 @@ def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], fo
     tokens = rng.integers(0, 256, 12).tolist()
 
     # forward contracts
-    check_prefill_then_decode(graph, hp.n_layer, tokens, 5, atol=atol)
+    check_prefill_then_decode(graph, hp.n_layer, tokens, 5, atol=atol, backend=be)
     a, b = tokens[:9], rng.integers(0, 256, 6).tolist()
-    la = graph.forward(Batch.from_tokens(a, output="all"), new_cache(graph, hp.n_layer)).logits
-    lb = graph.forward(Batch.from_tokens(b, output="all"), new_cache(graph, hp.n_layer)).logits
+    la = be.to_numpy(graph.forward(Batch.from_tokens(a, output="all"), new_cache(graph, hp.n_layer)).logits)
+    lb = be.to_numpy(graph.forward(Batch.from_tokens(b, output="all"), new_cache(graph, hp.n_layer)).logits)
     both = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
-    lab = graph.forward(both, new_cache(graph, hp.n_layer)).logits
-    np.testing.assert_allclose(np.asarray(lab), np.concatenate([np.asarray(la), np.asarray(lb)]), atol=atol, rtol=0)
+    lab = be.to_numpy(graph.forward(both, new_cache(graph, hp.n_layer)).logits)
+    np.testing.assert_allclose(lab, np.concatenate([la, lb]), atol=atol, rtol=0)
     mask = [i % 3 == 0 for i in range(len(tokens))]
     part = graph.forward(Batch.from_tokens(tokens, output=mask), new_cache(graph, hp.n_layer))
-    assert np.asarray(part.logits).shape == (sum(mask), hp.n_vocab) and list(part.rows) == [0, 3, 6, 9]
+    assert tuple(part.logits.shape) == (sum(mask), hp.n_vocab) and list(part.rows) == [0, 3, 6, 9]
 
     # rollback: run 8 tokens, then 4 more that are undone as the cache says
     ctx, ref = model.new_context(), model.new_context()
@@ -70,8 +73,8 @@ def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], fo
         ctx.cache.seq_rm(0, 9)
     ref.decode(tokens[8:9])
     assert_caches_equal(ctx.cache, ref.cache, atol=atol, rtol=atol)
-    np.testing.assert_allclose(np.asarray(ctx.decode(tokens[9:10]).logits), np.asarray(ref.decode(tokens[9:10]).logits),
-                               atol=atol, rtol=0)
+    np.testing.assert_allclose(be.to_numpy(ctx.decode(tokens[9:10]).logits),
+                               be.to_numpy(ref.decode(tokens[9:10]).logits), atol=atol, rtol=0)
 
     # generation, plain and speculative
     prompts = prompts or [tokens[:6] * 2, rng.integers(0, 256, 5).tolist()]

@@ -107,8 +107,8 @@ def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5, rtol: 
             if len(xs) != len(ys):
                 raise AssertionError(f"layer {layer} {name}: {len(xs)} vs {len(ys)} arrays")
             for i, (x, y) in enumerate(zip(xs, ys)):
-                if np.shape(x) != np.shape(y):
-                    raise AssertionError(f"layer {layer} {name} part {i}: shapes {np.shape(x)} vs {np.shape(y)}")
+                if tuple(x.shape) != tuple(y.shape):
+                    raise AssertionError(f"layer {layer} {name} part {i}: shapes {tuple(x.shape)} vs {tuple(y.shape)}")
                 _close(f"layer {layer} {name} part {i}", x, y, atol, rtol)
 
 

@@ -16,8 +16,10 @@ def registry(plinth_registry):
     return plinth_registry(plugin)
 
 
-def test_architecture_contract(registry, tmp_path):
-    model = check_architecture(registry, "minidense", tiny_metadata("minidense", n_vocab=257), tmp_path)
+@pytest.mark.parametrize("backend", ["numpy", "strict"])
+def test_architecture_contract(registry, tmp_path, backend):
+    model = check_architecture(registry, "minidense", tiny_metadata("minidense", n_vocab=257), tmp_path,
+                               backend=backend)
     assert model.new_context().cache.nbytes_by_kind() == {"kv": 0}  # one KV per layer, empty
 
 

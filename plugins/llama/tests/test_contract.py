@@ -153,11 +153,13 @@ def test_gemma3_rope_scaling_on_global_layers_only_and_27b_scale(registry):
     assert big.head_dim == 16 and big.attn_scale == pytest.approx(1 / np.sqrt(32))
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_check_architecture(registry, arch, tmp_path):
+def test_check_architecture(registry, arch, tmp_path, backend):
     """The test kit's whole-architecture contract: load, forward, rollback, plain and speculative generation."""
     from plinth.testing import check_architecture
 
     extra = dict(ARCHS[arch])
     n_layer = extra.pop("n_layer", 2)
-    check_architecture(registry, arch, tiny_metadata(arch, n_vocab=257, n_layer=n_layer, **extra), tmp_path)
+    check_architecture(registry, arch, tiny_metadata(arch, n_vocab=257, n_layer=n_layer, **extra), tmp_path,
+                       backend=backend)

@@ -210,11 +210,12 @@ def test_loaded_file_generates_and_names_missing_tensors(registry, tmp_path):
         load_model(bad, registry=registry)
 
 
-def test_check_architecture(registry, tmp_path):
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_check_architecture(registry, tmp_path, backend):
     """The test kit's whole-architecture contract on a hybrid with every layer kind."""
     from plinth.testing import check_architecture
 
     md = tiny.metadata("M*EM-E", n_vocab=257, n_embd=48, top_k=[0, 0, 2, 0, 0, 3], n_ff_exp=[0, 0, 16, 0, 0, 24],
                        latent=[0, 0, 0, 0, 0, 16])
-    model = check_architecture(registry, "nemotron_h_moe", md, tmp_path, scale=0.1)
+    model = check_architecture(registry, "nemotron_h_moe", md, tmp_path, scale=0.1, backend=backend)
     assert model.new_context().rollback_plan(0, 0, 4) == "snapshot"  # Mamba state: snapshot + replay
