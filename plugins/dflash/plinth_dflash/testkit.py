@@ -170,29 +170,10 @@ def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_
 
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Path:
-    """A minimal safetensors writer (F32 / I64), so tests need neither torch nor safetensors."""
-    import json
-    import struct
+    """A safetensors file without torch (the test kit's writer)."""
+    from plinth.testing import write_safetensors as write
 
-    header: dict[str, Any] = {}
-    blobs = []
-    off = 0
-    for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr)
-        dt = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[a.dtype]
-        b = a.tobytes()
-        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    path = Path(path)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
-    return path
+    return write(path, tensors)
 
 
 def hf_draft_config(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2, n_head: int = 4,
