@@ -152,7 +152,7 @@ def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, o
 
 
 def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_embd: int = 64, n_layer: int = 3,
-                seed: int = 0, scale: float = 0.2, registry: Any = None) -> Any:
+                seed: int = 0, scale: float = 0.2, registry: Any = None, backend: str = "numpy") -> Any:
     """Write and load a tiny random target of ``arch`` (needs plinth-llama installed); with the default
     257-token vocabulary it carries plinth's byte-level test tokenizer, so the generation loop can run it."""
     import plinth
@@ -163,7 +163,7 @@ def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_
     if n_vocab == 257:
         md |= byte_vocab()
     p = write_synthetic_gguf(path, arch, md, reg, seed=seed, scale=scale, drop=("output.weight",))
-    return plinth.load_model(p, registry=reg)
+    return plinth.load_model(p, registry=reg, backend=backend)
 
 
 # ---------------------------------------------------------------------- HF-layout drafts (converter input)

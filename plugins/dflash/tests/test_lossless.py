@@ -23,6 +23,20 @@ def test_drafter_contract_on_tiny_targets(targets, draft_file, target, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_drafter_contract_on_the_strict_device_stand_in(tmp_path, draft_file, kind):
+    """The drafter and its target on the strict backend: no host array in a device op anywhere."""
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import tiny_target
+
+    model = tiny_target(tmp_path / "t.gguf", "qwen3", n_layer=3, seed=5, backend="strict")
+    path = str(draft_file(kind, taps=(1, 2, 3), block_size=6))
+    stats = check_drafter_contract(model, lambda: make_dflash(model, {"draft": path}), PROMPTS, max_tokens=12,
+                                   n_max=5)
+    assert all(s.n_drafts > 0 for s in stats)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_lossless_with_p_min_n_min_and_swa(targets, draft_file, kind):
     from plinth.generate import Generator
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
