@@ -32,7 +32,8 @@ import pluggy
 
 from . import hookspecs
 from ._version import PLUGIN_API_VERSION, __version__
-from .manifest import KINDS, Manifest
+from .errors import UserError
+from .manifest import KINDS, Manifest, import_object
 
 ENTRY_POINT_GROUP = "plinth.plugins"
 BUILTIN_NAME = "plinth"
@@ -46,8 +47,31 @@ class PluginConflictError(PluginError):
     """Two plugins declare the same name and none is preferred."""
 
 
-class PluginAPIVersionWarning(UserWarning):
+class PluginHookError(PluginError, UserError):
+    """A plugin's hook raised: the message names the plugin, its distribution and version, and the hook."""
+
+
+class UnknownNameError(PluginError, UserError):
+    """A file asks for an architecture (or other name) that no loaded plugin provides."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped or renamed (one line, naming it); the rest of plinth works."""
+
+
+class PluginAPIVersionWarning(PluginWarning):
     """A plugin was built for a newer minor version of the plugin API."""
+
+
+def _label(name: str, dist: str | None, version: str | None) -> str:
+    """``'name' (distribution version)`` for messages."""
+    where = " ".join(x for x in (dist, version) if x)
+    return f"'{name}' ({where})" if where else f"'{name}'"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return " ".join(text.split())
 
 
 @attrs.define
@@ -152,6 +176,7 @@ class PluginRegistry:
         self.records: list[PluginRecord] = []
         self.unknown_selected: list[str] = []
         self.prefer = list(prefer)
+        self.strict = False
         self._owners: dict[tuple[str, str], list[str]] = {}
 
     # ------------------------------------------------------------------ registration
@@ -189,7 +214,7 @@ class PluginRegistry:
                 raise PluginError(record.error) from exc
             return record
         if record.warning:
-            warnings.warn(record.warning, PluginAPIVersionWarning, stacklevel=2)
+            _warn(record.warning, PluginAPIVersionWarning)
         for kind in KINDS:
             for item in getattr(manifest, kind):
                 self._owners.setdefault((kind, item), []).append(name)
@@ -224,16 +249,21 @@ class PluginRegistry:
         """All names of one kind (``"architectures"``, ``"drafters"``...) that loaded plugins provide."""
         return sorted(n for (k, n) in self._owners if k == kind)
 
-    def owner(self, kind: str, name: str) -> str:
-        """The plugin that serves ``name`` of ``kind``; raises if none or ambiguous."""
+    def owner(self, kind: str, name: str, source: str | None = None) -> str:
+        """The plugin that serves ``name`` of ``kind``; raises if none or ambiguous.
+
+        ``source`` (the file that asked for ``name``) starts the message; the error is then
+        also a :class:`~plinth.errors.UserError`.
+        """
         owners = self._owners.get((kind, name), [])
         if not owners:
             available = ", ".join(self.names(kind)) or "none"
             singular = kind[:-1]
-            raise PluginError(
-                f"no loaded plugin provides the {singular} '{name}' (available: {available}); "
-                f"`plinth plugins` lists what is installed and why a plugin did not load"
-            )
+            text = (f"no loaded plugin provides the {singular} '{name}' (available: {available}); "
+                    f"`plinth plugins` lists what is installed and why a plugin did not load")
+            if source is not None:
+                raise UnknownNameError(f"{source}: {text}")
+            raise PluginError(text)
         if len(owners) == 1:
             return owners[0]
         for preferred in self.prefer:
@@ -244,11 +274,26 @@ class PluginRegistry:
             f"choose one with PLINTH_PREFER={owners[0]} (or --prefer / prefer=), or disable the other"
         )
 
+    def describe(self, name: str) -> str:
+        """``'name' (distribution version)`` for messages."""
+        try:
+            rec = self.record(name)
+        except KeyError:
+            return f"'{name}'"
+        return _label(name, rec.distribution, rec.version)
+
     def _call(self, kind: str, key: str, hook: str, **kwargs: Any) -> Any:
         owner = self.owner(kind, key)
         others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
         caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
-        result = caller(**kwargs)
+        try:
+            result = caller(**kwargs)
+        except (UserError, PluginError):
+            raise
+        except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
+            where = f"{kwargs['source']}: " if isinstance(kwargs.get("source"), str) else ""
+            raise PluginHookError(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
+                                  f"{kind[:-1]} '{key}': {_one_line(exc)}") from exc
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
@@ -260,7 +305,11 @@ class PluginRegistry:
         return self._call("architectures", name, "plinth_get_architecture", name=name)
 
     def arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any:
-        return self._call("architectures", arch, "plinth_arch_hparams", arch=arch, metadata=metadata, source=source)
+        """The plugin's hparams for ``arch``, checked by :func:`plinth.validation.check_hparams`."""
+        from .validation import check_hparams
+
+        hp = self._call("architectures", arch, "plinth_arch_hparams", arch=arch, metadata=metadata, source=source)
+        return check_hparams(hp, source)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
         result: Sequence[Any] = self._call("architectures", arch, "plinth_arch_tensors", arch=arch, hparams=hparams)
@@ -282,8 +331,43 @@ class PluginRegistry:
     def converter(self, hf_arch: str) -> Any:
         return self._call("converters", hf_arch, "plinth_get_converter", hf_arch=hf_arch)
 
-    def add_commands(self, subparsers: Any) -> None:
-        self.pm.hook.plinth_add_commands(subparsers=subparsers)
+    def add_commands(self, subparsers: Any, strict: bool = False) -> None:
+        """Each plugin's ``plinth_add_commands``, one at a time: a failing one is recorded and skipped."""
+        for impl in self.pm.hook.plinth_add_commands.get_hookimpls():
+            try:
+                impl.function(subparsers=subparsers)
+            except Exception as exc:
+                msg = (f"plugin {self.describe(impl.plugin_name)} failed in plinth_add_commands: {_one_line(exc)}; "
+                       "its commands are skipped")
+                if strict:
+                    raise PluginError(msg) from exc
+                try:
+                    rec = self.record(impl.plugin_name)
+                    rec.error = msg
+                    rec.hint = _hint_for(exc, rec.distribution)
+                except KeyError:
+                    pass
+                _warn(msg)
+
+    def check_manifests(self) -> list[tuple[str, str, str, str]]:
+        """Import every path of every loaded manifest; ``(plugin, kind, name, error)`` for each that fails."""
+        problems = []
+        for rec in self.loaded:
+            if rec.manifest is None:
+                continue
+            for kind in KINDS:
+                for item, path in sorted(getattr(rec.manifest, kind).items()):
+                    try:
+                        import_object(path)
+                    except BaseException as exc:  # noqa: BLE001 - SystemExit at import is a plugin bug too
+                        if isinstance(exc, KeyboardInterrupt):
+                            raise
+                        problems.append((rec.name, kind[:-1], item, f"'{path}': {_one_line(exc)}"))
+        return problems
+
+
+def _warn(message: str, category: type[Warning] = PluginWarning) -> None:
+    warnings.warn(message, category, stacklevel=3)
 
 
 def _builtin_plugin() -> Any:
@@ -321,6 +405,7 @@ def discover(
         strict = _env_flag("PLINTH_STRICT_PLUGINS")
 
     registry = PluginRegistry(prefer=preferred)
+    registry.strict = bool(strict)
     if builtin:
         registry.add(_builtin_plugin(), BUILTIN_NAME, distribution="plinth", version=__version__,
                      value="plinth.builtin:plugin", status="builtin", strict=True)
@@ -328,31 +413,57 @@ def discover(
     if entry_points is None:
         entry_points = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
     seen: set[str] = set()
-    for ep in sorted(entry_points, key=lambda e: e.name):
-        if ep.name in seen:  # the same distribution visible twice on sys.path
-            continue
-        seen.add(ep.name)
+    first_dist: dict[str, tuple[str | None, str | None, str]] = {}
+    for ep in sorted(entry_points, key=lambda e: (e.name, str(_distribution_of(e)[0]), e.value)):
         dist, version = _distribution_of(ep)
-        if (allow is not None and ep.name not in allow) or ep.name in blocked:
-            registry.records.append(PluginRecord(ep.name, dist, version, ep.value, "disabled"))
+        name = ep.name
+        if name in first_dist:
+            other_dist, other_version, other_value = first_dist[name]
+            if (other_dist, other_value) == (dist, ep.value):  # the same distribution visible twice on sys.path
+                continue
+            # two distributions claim one entry-point name: neither silently replaces the other
+            name = f"{ep.name}@{dist or ep.value}"
+            msg = (f"the plugin entry-point name '{ep.name}' is registered by two distributions: "
+                   f"{other_dist or '?'} {other_version or ''} ({other_value}) and {dist or '?'} {version or ''} "
+                   f"({ep.value}); the second is loaded as '{name}' (uninstall one, or choose with --prefer)")
+            if strict:
+                raise PluginConflictError(msg)
+            _warn(msg)
+        else:
+            first_dist[name] = (dist, version, ep.value)
+        seen.add(ep.name)
+        if (allow is not None and ep.name not in allow and name not in allow) or ep.name in blocked \
+                or name in blocked:
+            registry.records.append(PluginRecord(name, dist, version, ep.value, "disabled"))
             continue
         try:
             obj = ep.load()
         except BaseException as exc:  # noqa: BLE001 - a plugin must never take plinth down
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, KeyboardInterrupt):
                 raise
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            rec = PluginRecord(ep.name, dist, version, ep.value, "failed", error=detail, hint=_hint_for(exc, dist))
+            if isinstance(exc, SystemExit):
+                detail = f"the plugin module called sys.exit({exc.code!r}) while being imported"
+            else:
+                detail = _one_line(exc)
+            rec = PluginRecord(name, dist, version, ep.value, "failed", error=detail, hint=_hint_for(exc, dist))
             registry.records.append(rec)
+            msg = f"plugin {_label(name, dist, version)} failed to load: {detail}"
             if strict:
-                raise PluginError(f"plugin '{ep.name}' ({dist or '?'} {version or ''}) failed to load: {detail}") from exc
+                raise PluginError(msg) from (None if isinstance(exc, SystemExit) else exc)
+            _warn(f"{msg}; skipped (`plinth plugins` shows it)")
             continue
-        registry.add(obj, ep.name, distribution=dist, version=version, value=ep.value, strict=strict)
+        rec = registry.add(obj, name, distribution=dist, version=version, value=ep.value, strict=strict)
+        if rec.status in ("failed", "refused"):
+            _warn(f"plugin {_label(name, dist, version)} {rec.status}: {rec.error}; skipped")
 
     if allow is not None:
         registry.unknown_selected = sorted(set(allow) - seen)
-        if registry.unknown_selected and strict:
-            raise PluginError(f"PLINTH_PLUGINS names unknown plugins: {', '.join(registry.unknown_selected)}")
+        if registry.unknown_selected:
+            msg = (f"unknown plugin(s) selected: {', '.join(registry.unknown_selected)} (installed: "
+                   f"{', '.join(sorted(seen)) or 'none'}; `plinth plugins` lists them)")
+            if strict:
+                raise PluginError(msg)
+            _warn(msg)
     if strict and registry.conflicts():
         (kind, name), owners = next(iter(registry.conflicts().items()))
         registry.owner(kind, name)  # raises PluginConflictError naming both
