@@ -7,7 +7,6 @@ The heavier parts of the public API are imported on first attribute access.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from ._version import PLUGIN_API_VERSION, __version__
 

@@ -8,11 +8,11 @@ the function that runs it, so ``plinth --help`` and ``plinth plugins`` stay fast
 
 from __future__ import annotations
 
-import argparse
-import importlib
+# Only modules the interpreter has already loaded are imported at the top, so that a
+# Ctrl-C lands inside main()'s handler from its first instruction (argparse, typing and
+# the rest are imported inside it).
 import os
 import sys
-from typing import Any, Sequence
 
 from ._version import PLUGIN_API_VERSION, __version__
 
@@ -20,7 +20,9 @@ from ._version import PLUGIN_API_VERSION, __version__
 CORE_COMMANDS = ["plugins", "models", "generate", "convert"]
 
 
-def _global_parser(add_help: bool) -> argparse.ArgumentParser:
+def _global_parser(add_help: bool) -> argparse.ArgumentParser:  # noqa: F821
+    import argparse
+
     parser = argparse.ArgumentParser(
         prog="plinth",
         add_help=add_help,
@@ -43,8 +45,10 @@ def _global_parser(add_help: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(registry: object | None = None, strict: bool = False) -> argparse.ArgumentParser:
+def build_parser(registry: object | None = None, strict: bool = False) -> argparse.ArgumentParser:  # noqa: F821
     """The full parser: global options, core commands and plugin commands (a failing plugin's are skipped)."""
+    import importlib
+
     parser = _global_parser(add_help=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in CORE_COMMANDS:
@@ -55,7 +59,7 @@ def build_parser(registry: object | None = None, strict: bool = False) -> argpar
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                      file: Any = None, line: str | None = None) -> None:
+                      file: object = None, line: str | None = None) -> None:
     """Warnings from plinth and its plugins print as one line, without a source path."""
     text = " ".join(str(message).split())
     try:
@@ -64,7 +68,7 @@ def _one_line_warning(message: Warning | str, category: type[Warning], filename:
         pass
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
     """Run the CLI; Ctrl-C anywhere exits 130 with one blank line, a closed pipe exits quietly."""
     try:
         try:
@@ -84,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
+def _main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
     argv = list(sys.argv[1:] if argv is None else argv)
     import warnings
 
@@ -95,7 +99,6 @@ def _main(argv: Sequence[str] | None = None) -> int:
     from .plugins import PluginError, discover
 
     with warnings.catch_warnings():
-        warnings.simplefilter("default")
         warnings.showwarning = _one_line_warning
         try:
             registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
