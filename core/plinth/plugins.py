@@ -413,24 +413,27 @@ def discover(
     if entry_points is None:
         entry_points = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
     seen: set[str] = set()
-    first_dist: dict[str, tuple[str | None, str | None, str]] = {}
-    for ep in sorted(entry_points, key=lambda e: (e.name, str(_distribution_of(e)[0]), e.value)):
-        dist, version = _distribution_of(ep)
-        name = ep.name
-        if name in first_dist:
-            other_dist, other_version, other_value = first_dist[name]
-            if (other_dist, other_value) == (dist, ep.value):  # the same distribution visible twice on sys.path
-                continue
-            # two distributions claim one entry-point name: neither silently replaces the other
-            name = f"{ep.name}@{dist or ep.value}"
-            msg = (f"the plugin entry-point name '{ep.name}' is registered by two distributions: "
-                   f"{other_dist or '?'} {other_version or ''} ({other_value}) and {dist or '?'} {version or ''} "
-                   f"({ep.value}); the second is loaded as '{name}' (uninstall one, or choose with --prefer)")
+    unique: dict[tuple[str, str | None, str], importlib_metadata.EntryPoint] = {}
+    for ep in entry_points:  # the same distribution visible twice on sys.path counts once
+        unique.setdefault((ep.name, _distribution_of(ep)[0], ep.value), ep)
+    by_name: dict[str, list[importlib_metadata.EntryPoint]] = {}
+    for key in sorted(unique, key=lambda k: (k[0], str(k[1]), k[2])):
+        by_name.setdefault(key[0], []).append(unique[key])
+    for ep_name, group in sorted(by_name.items()):
+        if len(group) > 1:
+            # two distributions claim one entry-point name: neither silently replaces the other,
+            # each is loaded under "name@distribution" and any name they both provide is a conflict
+            labels = [_label(f"{ep.name}@{_distribution_of(ep)[0] or ep.value}", *_distribution_of(ep))
+                      for ep in group]
+            msg = (f"the plugin entry-point name '{ep_name}' is registered by {len(group)} distributions; "
+                   f"they are loaded as {' and '.join(labels)} (uninstall one, or pick one with "
+                   "--disable-plugins / --prefer)")
             if strict:
                 raise PluginConflictError(msg)
             _warn(msg)
-        else:
-            first_dist[name] = (dist, version, ep.value)
+    for ep in [ep for _, group in sorted(by_name.items()) for ep in group]:
+        dist, version = _distribution_of(ep)
+        name = ep.name if len(by_name[ep.name]) == 1 else f"{ep.name}@{dist or ep.value}"
         seen.add(ep.name)
         if (allow is not None and ep.name not in allow and name not in allow) or ep.name in blocked \
                 or name in blocked:
