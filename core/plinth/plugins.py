@@ -55,6 +55,26 @@ class UnknownNameError(PluginError, UserError):
     """A file asks for an architecture (or other name) that no loaded plugin provides."""
 
 
+_HOOK_ERRORS: dict[type, type] = {}
+
+
+def _hook_error(message: str, exc: Exception) -> PluginHookError:
+    """A PluginHookError that is also an instance of ``exc``'s type where Python allows it.
+
+    So a caller (or a plugin author's test) catching ``KeyError`` from a hook still catches it.
+    """
+    base = type(exc)
+    try:
+        cls = _HOOK_ERRORS.get(base)
+        if cls is None:
+            cls = type(f"PluginHookError_{base.__name__}", (PluginHookError, base),
+                       {"__str__": lambda self: str(self.args[0]) if self.args else ""})
+            _HOOK_ERRORS[base] = cls
+        return cls(message)  # type: ignore[no-any-return]
+    except TypeError:  # an incompatible layout or constructor (OSError, UnicodeError...)
+        return PluginHookError(message)
+
+
 class PluginWarning(UserWarning):
     """A plugin was skipped or renamed (one line, naming it); the rest of plinth works."""
 
@@ -292,8 +312,8 @@ class PluginRegistry:
             raise
         except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
             where = f"{kwargs['source']}: " if isinstance(kwargs.get("source"), str) else ""
-            raise PluginHookError(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
-                                  f"{kind[:-1]} '{key}': {_one_line(exc)}") from exc
+            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
+                              f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
