@@ -57,19 +57,14 @@ MAX_LAYERS = 1 << 16
 
 @attrs.frozen
 class Range:
-    """A declared range for a numeric key: ``lo <= v`` (``lo < v`` when ``lo_open``), ``v <= hi``.
-
-    ``per_layer_lo``: the lower bound for the entries of a per-layer array, which may be
-    lower than a scalar's (hybrid models give recurrent layers 0 attention heads).
-    """
+    """A declared range for a numeric key: ``lo <= v`` (``lo < v`` when ``lo_open``), ``v <= hi``."""
 
     lo: float | None = None
     hi: float | None = None
     lo_open: bool = False
-    per_layer_lo: float | None = None
 
-    def problem(self, value: Any, per_layer: bool = False) -> str | None:
-        lo = self.per_layer_lo if per_layer and self.per_layer_lo is not None else self.lo
+    def problem(self, value: Any) -> str | None:
+        lo = self.lo
         if lo is not None:
             if self.lo_open and not value > lo:
                 return f"must be > {lo:g}"
@@ -81,7 +76,7 @@ class Range:
 
 
 _COUNT = Range(lo=1)
-_LAYER_COUNT = Range(lo=1, per_layer_lo=0)  # per-layer arrays may hold 0 (a layer without heads / FFN)
+_LAYER_COUNT = Range(lo=0)  # hybrid models give recurrent layers (or all layers) 0 heads / no FFN
 _POSITIVE = Range(lo=0.0, lo_open=True)
 
 #: Declared ranges, by key name after the architecture prefix; every KeyReader checks them.
@@ -115,6 +110,15 @@ RANGES: dict[str, Range] = {
 }
 
 
+#: Stricter ranges for an architecture whose every layer is an attention + FFN block
+#: (``KeyReader(md, source, arch, ranges=DENSE_RANGES)``): a 0 there would divide by zero.
+DENSE_RANGES: dict[str, Range] = {
+    "attention.head_count": _COUNT,
+    "attention.head_count_kv": _COUNT,
+    "feed_forward_length": _COUNT,
+}
+
+
 def _show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -143,7 +147,7 @@ class KeyReader:
     def _bad(self, key: str, value: Any, why: str) -> HParamsError:
         return HParamsError(f"{self.source}: key '{key}' = {_show(value)}: {why}")
 
-    def _cast(self, key: str, name: str, value: Any, cast: Callable[[Any], T], per_layer: bool = False) -> T:
+    def _cast(self, key: str, name: str, value: Any, cast: Callable[[Any], T]) -> T:
         """``cast(value)`` with the type rules and the declared range of ``name``."""
         if cast is int:
             if isinstance(value, bool) or not isinstance(value, int):
@@ -161,7 +165,7 @@ class KeyReader:
             raise self._bad(key, value, f"not a {getattr(cast, '__name__', 'valid value')}") from exc
         bounds = self.ranges.get(name[len(self.arch) + 1:] if name.startswith(self.arch + ".") else name)
         if bounds is not None and isinstance(out, (int, float)) and not isinstance(out, bool):
-            why = bounds.problem(out, per_layer)
+            why = bounds.problem(out)
             if why:
                 raise self._bad(key, value, why)
         return out
@@ -204,7 +208,7 @@ class KeyReader:
                 raise HParamsError(
                     f"{self.source}: key '{key}' has {len(value)} entries, expected n_layer = {n_layer}"
                 )
-            return PerLayer([self._cast(f"{key}[{il}]", name, v, cast, per_layer=True)
+            return PerLayer([self._cast(f"{key}[{il}]", name, v, cast)
                              for il, v in enumerate(value)], key)
         return PerLayer([self._cast(key, name, value, cast)] * n_layer, key)
 
@@ -218,4 +222,4 @@ class KeyReader:
             return default  # type: ignore[no-any-return]
         value = _to_python(self.metadata[key])
         values = value if isinstance(value, list) else [value]
-        return tuple(self._cast(f"{key}[{i}]", name, v, cast, per_layer=True) for i, v in enumerate(values))
+        return tuple(self._cast(f"{key}[{i}]", name, v, cast) for i, v in enumerate(values))

@@ -49,8 +49,13 @@ _TOKENIZER_TYPES: dict[str, tuple[str, Any]] = {
 }
 
 
-def check_model_file(metadata: Mapping[str, Any], n_tensors: int, source: str) -> str:
-    """Check what every model file needs before its plugin reads it; return its architecture."""
+def check_model_file(metadata: Mapping[str, Any], n_tensors: int | None, source: str) -> str:
+    """Check what every model file needs before its plugin reads it; return its architecture.
+
+    ``n_tensors``: the file's tensor count, when the file is to be loaded (``plinth info`` also
+    describes header-only files, so it passes None; the block count is then bounded only by
+    :data:`plinth.hparams.MAX_LAYERS`).
+    """
     arch = metadata.get("general.architecture")
     if arch is None:
         raise ModelFileError(f"{source}: no 'general.architecture' key; is this a model file?")
@@ -61,7 +66,8 @@ def check_model_file(metadata: Mapping[str, Any], n_tensors: int, source: str) -
             raise ModelFileError(f"{source}: key '{key}' = {_show(metadata[key])}: expected {what}")
     key = f"{arch}.block_count"
     n_layer = metadata.get(key)
-    if isinstance(n_layer, int) and not isinstance(n_layer, bool) and n_layer > max(n_tensors, 1):
+    if n_tensors is not None and isinstance(n_layer, int) and not isinstance(n_layer, bool) \
+            and n_layer > max(n_tensors, 1):
         raise ModelFileError(f"{source}: key '{key}' = {n_layer}: more layers than the file has tensors "
                              f"({n_tensors})")
     return arch

@@ -56,7 +56,7 @@ def run_info(args: argparse.Namespace) -> int:
     path = hub.resolve_model(args.model or args.model_path or hub.DEFAULT_MODEL, progress=True)
     gf = GGUFFile(path)
     md = gf.metadata
-    arch = check_model_file(md, len(gf.tensors), str(path))
+    arch = check_model_file(md, None, str(path))
     registry = args.registry
     plugin = registry.owner("architectures", arch, source=str(path))
     hp = registry.arch_hparams(arch, md, str(path))

@@ -15,7 +15,7 @@ import numpy as np
 
 from plinth import ops
 from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
-from plinth.hparams import KeyReader, PerLayer
+from plinth.hparams import DENSE_RANGES, KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
 
@@ -52,7 +52,7 @@ class DecoderHParams:
 
 def read_common(md: Mapping[str, Any], source: str, arch: str) -> dict[str, Any]:
     """The keys every dense decoder has, as keyword arguments of :class:`DecoderHParams`."""
-    r = KeyReader(md, source, arch)
+    r = KeyReader(md, source, arch, ranges=DENSE_RANGES)
     n_embd = r.get("embedding_length")
     n_layer = r.get("block_count")
     n_head = r.get_key_or_arr("attention.head_count", n_layer)
