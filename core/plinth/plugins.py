@@ -329,7 +329,7 @@ class PluginRegistry:
         from .validation import check_hparams
 
         hp = self._call("architectures", arch, "plinth_arch_hparams", arch=arch, metadata=metadata, source=source)
-        return check_hparams(hp, source)
+        return check_hparams(hp, source, arch)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
         result: Sequence[Any] = self._call("architectures", arch, "plinth_arch_tensors", arch=arch, hparams=hparams)

@@ -81,9 +81,9 @@ def _layers(value: Any) -> list[Any]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def check_hparams(hp: Any, source: str) -> Any:
+def check_hparams(hp: Any, source: str, arch: str | None = None) -> Any:
     """Cross-field checks on an architecture's hparams (fields it does not have are skipped)."""
-    arch = getattr(hp, "arch", None) or "?"
+    arch = arch or getattr(hp, "arch", None) or "?"
     get = lambda name: getattr(hp, name, None)  # noqa: E731
     n_layer = get("n_layer")
     if isinstance(n_layer, int) and n_layer < 1:
