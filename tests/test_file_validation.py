@@ -211,6 +211,26 @@ def test_block_count_is_bounded_by_the_tensors_present(files, registry, tmp_path
     assert time.perf_counter() - t0 < 2
 
 
+def test_a_flipped_byte_in_a_vocabulary_string_is_named(registry, tmp_path):
+    """One byte of a BPE vocabulary string changed in the file: the merge that needs it names it."""
+    from plinth.testing import byte_vocab
+    from plinth.tokenizer.core import _BYTE_TO_CHAR
+
+    vocab = byte_vocab()
+    a, b = _BYTE_TO_CHAR[ord("q")], _BYTE_TO_CHAR[ord("z")]
+    tokens = vocab["tokenizer.ggml.tokens"] + [a + b]
+    path = fuzz.write_model(tmp_path / "vocab.gguf", **{
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 1],
+        "tokenizer.ggml.merges": [f"{a} {b}"], "llama.vocab_size": 258})
+    data = path.read_bytes()
+    needle = struct.pack("<Q", 2) + (a + b).encode()
+    assert data.count(needle) == 1
+    path.write_bytes(data.replace(needle, struct.pack("<Q", 2) + (a + "y").encode()))
+    with pytest.raises(UserError, match=rf"^{path}: key 'tokenizer.ggml.merges' entry 0 \('q z'\) uses 'qz', which "
+                                        r"is not in 'tokenizer.ggml.tokens'"):
+        load_model(path, registry=registry, tokenizer=True)
+
+
 def test_special_files_are_named_not_opened(tmp_path):
     import os
 
