@@ -2,7 +2,7 @@
 #   make demo   installs plinth and its bundled plugins into .venv and generates text with the default model
 #   make test   installs the same plus the test tools and runs the whole default test suite
 # Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python, plus torch +
-# transformers for the agreement bar), make test-gpu.
+# transformers for the agreement bar), make test-gpu, make test-fuzz (600 mutated GGUF files).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-peer test-gpu bench clean
+.PHONY: install demo test test-ref test-peer test-gpu test-fuzz bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test-peer: install
 test-gpu: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[cuda]"
 	$(BIN)/python -m pytest -q -m gpu
+
+test-fuzz: install
+	$(BIN)/python -m pytest -q -s -m fuzz tests/test_fuzz.py
 
 bench: install
 	$(BIN)/python benchmarks/bench_plugins.py

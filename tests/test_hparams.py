@@ -33,7 +33,7 @@ def test_missing_required_key_names_key_and_file():
 
 
 def test_type_errors_are_named():
-    with pytest.raises(HParamsError, match="'llama.block_count' has value 'x'"):
+    with pytest.raises(HParamsError, match="key 'llama.block_count' = 'x': expected an integer"):
         reader(block_count="x").get("block_count")
     with pytest.raises(HParamsError, match="array of 2 values, expected a scalar"):
         reader(block_count=[1, 2]).get("block_count")

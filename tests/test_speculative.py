@@ -426,7 +426,9 @@ def test_cli_generate_with_spec_prints_the_same_text_and_metrics(tmp_path, regis
     out = capsys.readouterr()
     assert out.out == plain
     assert "tau" in out.err and "drafted tokens accepted" in out.err
-    assert main(["generate", "-m", str(path), "x", "--spec", "nope"]) == 1
+    with pytest.raises(SystemExit) as exc:  # refused at parse time, before the model loads
+        main(["generate", "-m", str(path), "x", "--spec", "nope"])
+    assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "drafter 'nope'" in err and "draft, " in err and "ngram" in err
 

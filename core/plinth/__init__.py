@@ -9,7 +9,6 @@ graph API) and :mod:`plinth.ops`.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from ._version import PLUGIN_API_VERSION, __version__
 

@@ -8,10 +8,11 @@ the function that runs it, so ``plinth --help`` and ``plinth plugins`` stay fast
 
 from __future__ import annotations
 
-import argparse
-import importlib
+# Only modules the interpreter has already loaded are imported at the top, so that a
+# Ctrl-C lands inside main()'s handler from its first instruction (argparse, typing and
+# the rest are imported inside it).
+import os
 import sys
-from typing import Sequence
 
 from ._version import PLUGIN_API_VERSION, __version__
 
@@ -19,7 +20,9 @@ from ._version import PLUGIN_API_VERSION, __version__
 CORE_COMMANDS = ["plugins", "models", "generate", "convert"]
 
 
-def _global_parser(add_help: bool) -> argparse.ArgumentParser:
+def _global_parser(add_help: bool) -> argparse.ArgumentParser:  # noqa: F821
+    import argparse
+
     parser = argparse.ArgumentParser(
         prog="plinth",
         add_help=add_help,
@@ -42,51 +45,87 @@ def _global_parser(add_help: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser(registry: object | None = None) -> argparse.ArgumentParser:
-    """The full parser: global options, core commands and plugin commands."""
+def build_parser(registry: object | None = None, strict: bool = False) -> argparse.ArgumentParser:  # noqa: F821
+    """The full parser: global options, core commands and plugin commands (a failing plugin's are skipped)."""
+    import importlib
+
     parser = _global_parser(add_help=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in CORE_COMMANDS:
         importlib.import_module(f"plinth.commands.{name}").register(sub)
     if registry is not None:
-        registry.add_commands(sub)  # type: ignore[attr-defined]
+        registry.add_commands(sub, strict=strict)  # type: ignore[attr-defined]
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _one_line_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                      file: object = None, line: str | None = None) -> None:
+    """Warnings from plinth and its plugins print as one line, without a source path."""
+    text = " ".join(str(message).split())
+    try:
+        print(f"plinth: warning: {text}", file=file or sys.stderr)
+    except OSError:  # stderr closed
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
+    """Run the CLI; Ctrl-C anywhere exits 130 with one blank line, a closed pipe exits quietly."""
+    try:
+        try:
+            code = _main(argv)
+            sys.stdout.flush()  # a closed pipe shows here, inside the handler
+            return code
+        except BrokenPipeError:
+            # the Python docs' recipe: point stdout at devnull so the interpreter's final flush is quiet
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 1
+    except KeyboardInterrupt:
+        try:
+            print("", file=sys.stderr)
+        except OSError:
+            pass
+        return 130
+
+
+def _main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
     argv = list(sys.argv[1:] if argv is None else argv)
+    import warnings
+
     # global options may stand anywhere; read them first, since they decide which
     # plugins (and so which subcommands) exist
     pre, rest = _global_parser(add_help=False).parse_known_args(argv)
 
     from .plugins import PluginError, discover
 
-    try:
-        registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
-                            strict=pre.strict_plugins, prefer=pre.prefer)
-    except PluginError as exc:
-        print(f"plinth: error: {exc}", file=sys.stderr)
-        return 2
-    parser = build_parser(registry)
-    args = parser.parse_args(rest)
-    for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):
-        setattr(args, key, getattr(pre, key))
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
-    args.registry = registry
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        from .errors import UserError
-
-        if isinstance(exc, (UserError, PluginError)):
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
+                                strict=pre.strict_plugins, prefer=pre.prefer)
+            parser = build_parser(registry, strict=bool(registry.strict))
+        except PluginError as exc:
             print(f"plinth: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+            return 2
+        args = parser.parse_args(rest)
+        for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):
+            setattr(args, key, getattr(pre, key))
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        args.registry = registry
+        check = getattr(args, "check_args", None)
+        if check is not None:  # cross-option rules, still before any model loads
+            check(parser, args)
+        try:
+            return int(args.func(args) or 0)
+        except Exception as exc:
+            from .errors import UserError
+
+            if isinstance(exc, (UserError, PluginError)):
+                print(f"plinth: error: {exc}", file=sys.stderr)
+                return 1
+            raise
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -54,20 +54,31 @@ class GenerationStats:
 def render_chat(template: str | None, messages: Sequence[dict[str, str]], tokenizer: Any,
                 add_generation_prompt: bool = True) -> str:
     """Render ``messages`` with the model's GGUF chat template (Jinja2)."""
+    source = getattr(tokenizer, "source", None) or "the model"
+    where = f"{source}: key 'tokenizer.chat_template'"
     if not template:
-        raise UserError("this model has no 'tokenizer.chat_template'; run without --chat")
+        raise UserError(f"{source}: this model has no 'tokenizer.chat_template'; run without --chat")
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
-        raise UserError(f"chat template error: {message}")
+        raise UserError(f"{where}: the template refused the messages: {message}")
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
     env.globals["raise_exception"] = raise_exception
     bos = tokenizer.tokens[tokenizer.bos_id] if getattr(tokenizer, "bos_id", None) is not None else ""
     eos = tokenizer.tokens[tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else ""
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                            bos_token=bos, eos_token=eos)
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise UserError(f"{where}: template syntax error at line {exc.lineno}: {exc.message}") from None
+    try:
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token=eos)
+    except UserError:
+        raise
+    except Exception as exc:  # jinja2.TemplateError, or a template calling a method wrongly
+        raise UserError(f"{where}: the template failed while rendering: {type(exc).__name__}: {exc}") from None
 
 
 class Generator:

@@ -473,6 +473,8 @@ class Architecture:
 
     name: ClassVar[str] = ""
     graph: ClassVar[Any] = None
+    #: extra declared key ranges for this architecture's KeyReader (e.g. ``plinth.hparams.DENSE_RANGES``)
+    ranges: ClassVar[Mapping[str, Any] | None] = None
 
     def hparams(self, r: KeyReader) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must define hparams(r)")
@@ -483,7 +485,7 @@ class Architecture:
     # -------------------------------------------------------------- the engine's three steps
 
     def load_hparams(self, metadata: Mapping[str, Any], source: str) -> Any:
-        return self.hparams(KeyReader(metadata, source, self.name))
+        return self.hparams(KeyReader(metadata, source, self.name, ranges=self.ranges))
 
     def tensor_specs(self, hparams: Any) -> list[TensorSpec]:
         return self.tensors(hparams)

@@ -3,11 +3,20 @@
 Every architecture builds its frozen hparams object with a :class:`KeyReader`,
 so errors read the same everywhere: a missing required key names the key and
 the file; a per-layer array of the wrong length names the key and both lengths.
+
+Values are checked as they are read: an ``int`` key must hold an integer (not a
+bool, not a float), a ``float`` key a finite number, a ``str`` key a string; and
+the keys of :data:`RANGES` (block count, head counts, epsilons, rope bases...)
+must lie in their declared range, whichever architecture reads them. A bad value
+reads ``FILE: key 'K' = V: why``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import attrs
 
 from .errors import UserError
 
@@ -42,6 +51,79 @@ class PerLayer(tuple):  # type: ignore[type-arg]
         return len(set(self)) <= 1
 
 
+#: Most layers a file may declare (the largest released models have a few hundred).
+MAX_LAYERS = 1 << 16
+
+
+@attrs.frozen
+class Range:
+    """A declared range for a numeric key: ``lo <= v`` (``lo < v`` when ``lo_open``), ``v <= hi``."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+    def problem(self, value: Any) -> str | None:
+        lo = self.lo
+        if lo is not None:
+            if self.lo_open and not value > lo:
+                return f"must be > {lo:g}"
+            if not self.lo_open and not value >= lo:
+                return f"must be >= {lo:g}"
+        if self.hi is not None and not value <= self.hi:
+            return f"must be <= {self.hi:g}"
+        return None
+
+
+_COUNT = Range(lo=1)
+_LAYER_COUNT = Range(lo=0)  # hybrid models give recurrent layers (or all layers) 0 heads / no FFN
+_POSITIVE = Range(lo=0.0, lo_open=True)
+
+#: Declared ranges, by key name after the architecture prefix; every KeyReader checks them.
+RANGES: dict[str, Range] = {
+    "block_count": Range(lo=1, hi=MAX_LAYERS),
+    "embedding_length": _COUNT,
+    "context_length": _COUNT,
+    "vocab_size": _COUNT,
+    "attention.head_count": _LAYER_COUNT,
+    "attention.head_count_kv": _LAYER_COUNT,
+    "feed_forward_length": _LAYER_COUNT,
+    "attention.key_length": _COUNT,
+    "attention.value_length": _COUNT,
+    "rope.dimension_count": Range(lo=0),
+    "attention.layer_norm_rms_epsilon": _POSITIVE,
+    "attention.layer_norm_epsilon": _POSITIVE,
+    "rope.freq_base": _POSITIVE,
+    "rope.freq_base_swa": _POSITIVE,
+    "rope.scaling.factor": _POSITIVE,
+    "rope.scaling.original_context_length": Range(lo=0),
+    "attention.sliding_window": Range(lo=0),
+    "expert_count": Range(lo=0),
+    "expert_used_count": Range(lo=0),
+    "ssm.conv_kernel": _COUNT,
+    "ssm.inner_size": _COUNT,
+    "ssm.state_size": _COUNT,
+    "ssm.time_step_rank": _COUNT,
+    "ssm.group_count": _COUNT,
+    "final_logit_softcapping": Range(lo=0.0),
+    "attn_logit_softcapping": Range(lo=0.0),
+}
+
+
+#: Stricter ranges for an architecture whose every layer is an attention + FFN block
+#: (``KeyReader(md, source, arch, ranges=DENSE_RANGES)``): a 0 there would divide by zero.
+DENSE_RANGES: dict[str, Range] = {
+    "attention.head_count": _COUNT,
+    "attention.head_count_kv": _COUNT,
+    "feed_forward_length": _COUNT,
+}
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _to_python(value: Any) -> Any:
     tolist = getattr(value, "tolist", None)
     return tolist() if tolist is not None else value
@@ -55,10 +137,38 @@ class KeyReader:
     read as is.
     """
 
-    def __init__(self, metadata: Mapping[str, Any], source: str, arch: str) -> None:
+    def __init__(self, metadata: Mapping[str, Any], source: str, arch: str,
+                 ranges: Mapping[str, Range] | None = None) -> None:
         self.metadata = metadata
         self.source = source
         self.arch = arch
+        self.ranges = dict(RANGES) if ranges is None else {**RANGES, **ranges}
+
+    def _bad(self, key: str, value: Any, why: str) -> HParamsError:
+        return HParamsError(f"{self.source}: key '{key}' = {_show(value)}: {why}")
+
+    def _cast(self, key: str, name: str, value: Any, cast: Callable[[Any], T]) -> T:
+        """``cast(value)`` with the type rules and the declared range of ``name``."""
+        if cast is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise self._bad(key, value, "expected an integer")
+        elif cast is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise self._bad(key, value, "expected a number")
+            if not math.isfinite(value):
+                raise self._bad(key, value, "expected a finite number")
+        elif cast is str and not isinstance(value, str):
+            raise self._bad(key, value, "expected a string")
+        try:
+            out = cast(value)
+        except (TypeError, ValueError) as exc:
+            raise self._bad(key, value, f"not a {getattr(cast, '__name__', 'valid value')}") from exc
+        bounds = self.ranges.get(name[len(self.arch) + 1:] if name.startswith(self.arch + ".") else name)
+        if bounds is not None and isinstance(out, (int, float)) and not isinstance(out, bool):
+            why = bounds.problem(out)
+            if why:
+                raise self._bad(key, value, why)
+        return out
 
     def key(self, name: str) -> str:
         if name.startswith(("general.", "tokenizer.")) or name.startswith(self.arch + "."):
@@ -82,10 +192,7 @@ class KeyReader:
         value = _to_python(self.metadata[key])
         if isinstance(value, list):
             raise HParamsError(f"{self.source}: key '{key}' is an array of {len(value)} values, expected a scalar")
-        try:
-            return cast(value)
-        except (TypeError, ValueError) as exc:
-            raise HParamsError(f"{self.source}: key '{key}' has value {value!r}, not a {cast.__name__}") from exc
+        return self._cast(key, name, value, cast)
 
     def get_key_or_arr(self, name: str, n_layer: int, cast: Callable[[Any], T] = int, *,  # type: ignore[assignment]
                        required: bool = True, default: Any = None) -> PerLayer:
@@ -101,8 +208,9 @@ class KeyReader:
                 raise HParamsError(
                     f"{self.source}: key '{key}' has {len(value)} entries, expected n_layer = {n_layer}"
                 )
-            return PerLayer([cast(v) for v in value], key)
-        return PerLayer([cast(value)] * n_layer, key)
+            return PerLayer([self._cast(f"{key}[{il}]", name, v, cast)
+                             for il, v in enumerate(value)], key)
+        return PerLayer([self._cast(key, name, value, cast)] * n_layer, key)
 
     def get_array(self, name: str, cast: Callable[[Any], T] = int, *, required: bool = True,  # type: ignore[assignment]
                   default: Any = None) -> tuple[T, ...] | None:
@@ -114,4 +222,4 @@ class KeyReader:
             return default  # type: ignore[no-any-return]
         value = _to_python(self.metadata[key])
         values = value if isinstance(value, list) else [value]
-        return tuple(cast(v) for v in values)
+        return tuple(self._cast(f"{key}[{i}]", name, v, cast) for i, v in enumerate(values))

@@ -205,6 +205,9 @@ def resolve_model(name_or_path: str | os.PathLike, download: bool = True, progre
     if p.is_file():
         return p
     text = os.fspath(name_or_path)
+    if p.exists():
+        kind = "a directory" if p.is_dir() else "not a regular file (a FIFO, socket or device)"
+        raise HubError(f"{text}: is {kind}; pass a .gguf model file or a known model name")
     key = text.strip().lower()
     if key not in REGISTRY:
         if p.suffix.lower() == ".gguf" or os.sep in text or "/" in text:

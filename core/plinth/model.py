@@ -22,6 +22,7 @@ from .cache import Cache
 from .context import Batch, ForwardOutput
 from .errors import UserError
 from .tensors import TensorSpec, check_tensors, scale_name, unused_tensors
+from .validation import check_model_file, check_tensor_types, check_vocab
 
 
 @attrs.define
@@ -109,7 +110,9 @@ class Model:
         if self._tokenizer is None:
             from .tokenizer import Tokenizer
 
-            self._tokenizer = Tokenizer.from_metadata(self.metadata)
+            tok = Tokenizer.from_metadata(self.metadata, source=str(self.path))
+            check_vocab(tok, self.n_vocab, str(self.path))
+            self._tokenizer = tok
         return self._tokenizer
 
     def target_view(self) -> Any:
@@ -171,8 +174,13 @@ def _dequantized(gf: Any, name: str, info: Any, pool: Any = None) -> np.ndarray:
 
 
 def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
-               n_ctx: int | None = None, progress: bool = False) -> Model:
-    """Load a GGUF file (or a known model name, fetched on first use) with its architecture plugin."""
+               n_ctx: int | None = None, progress: bool = False, tokenizer: bool = False) -> Model:
+    """Load a GGUF file (or a known model name, fetched on first use) with its architecture plugin.
+
+    Every problem with the file is a :class:`~plinth.errors.UserError` naming it, raised before
+    the weights load. With ``tokenizer=True`` the tokenizer is built (and checked against the
+    vocabulary size) before the weights too, so a file without one fails at once.
+    """
     from . import hub
     from .gguf import GGUFFile
     from .plugins import default_registry
@@ -183,10 +191,13 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     metadata = dict(gf.metadata)
-    arch = metadata.get("general.architecture")
-    if not arch:
-        raise UserError(f"{path}: no 'general.architecture' key; is this a model file?")
-    plugin = registry.owner("architectures", arch)
+    arch = check_model_file(metadata, len(gf.tensors), str(path))
+    plugin = registry.owner("architectures", arch, source=str(path))
+    tok = None
+    if tokenizer:
+        from .tokenizer import Tokenizer
+
+        tok = Tokenizer.from_metadata(metadata, source=str(path))
     hparams = registry.arch_hparams(arch, metadata, str(path))
     missing = [f for f in HPARAMS_FIELDS if not hasattr(hparams, f)]
     if missing:
@@ -194,9 +205,12 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
                         "hparams must have the fields of plinth.graph.HParams")
     if hparams.n_vocab == -1 and "token_embd.weight" in gf.tensors:
         hparams = attrs.evolve(hparams, n_vocab=gf.tensors["token_embd.weight"].shape[0])
+    if tok is not None:
+        check_vocab(tok, int(getattr(hparams, "n_vocab", -1) or -1), str(path))
     specs = registry.arch_tensors(arch, hparams)
     present = {name: (tuple(info.shape), info.type_name) for name, info in gf.tensors.items()}
     found = check_tensors(specs, present, str(path))
+    check_tensor_types([n for spec in found for n in (spec.name, scale_name(spec.name))], gf.tensors, str(path))
     stats.unused = unused_tensors(specs, gf.tensors)
     stats.open_s = time.perf_counter() - t0
 
@@ -218,7 +232,9 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     graph = registry.arch_build(arch, hparams, weights, be)
     stats.build_s = time.perf_counter() - t0
     types = {name: info.type_name for name, info in gf.tensors.items()}
-    return Model(path, arch, plugin, hparams, specs, weights, graph, be, metadata, types, stats, n_ctx=n_ctx)
+    model = Model(path, arch, plugin, hparams, specs, weights, graph, be, metadata, types, stats, n_ctx=n_ctx)
+    model._tokenizer = tok
+    return model
 
 
 def _progress(items: Sequence[Any], desc: str) -> Iterable[Any]:

@@ -32,7 +32,8 @@ import pluggy
 
 from . import hookspecs
 from ._version import PLUGIN_API_VERSION, __version__
-from .manifest import KINDS, Manifest
+from .errors import UserError
+from .manifest import KINDS, Manifest, import_object
 
 ENTRY_POINT_GROUP = "plinth.plugins"
 BUILTIN_NAME = "plinth"
@@ -46,8 +47,51 @@ class PluginConflictError(PluginError):
     """Two plugins declare the same name and none is preferred."""
 
 
-class PluginAPIVersionWarning(UserWarning):
+class PluginHookError(PluginError, UserError):
+    """A plugin's hook raised: the message names the plugin, its distribution and version, and the hook."""
+
+
+class UnknownNameError(PluginError, UserError):
+    """A file asks for an architecture (or other name) that no loaded plugin provides."""
+
+
+_HOOK_ERRORS: dict[type, type] = {}
+
+
+def _hook_error(message: str, exc: Exception) -> PluginHookError:
+    """A PluginHookError that is also an instance of ``exc``'s type where Python allows it.
+
+    So a caller (or a plugin author's test) catching ``KeyError`` from a hook still catches it.
+    """
+    base = type(exc)
+    try:
+        cls = _HOOK_ERRORS.get(base)
+        if cls is None:
+            cls = type(f"PluginHookError_{base.__name__}", (PluginHookError, base),
+                       {"__str__": lambda self: str(self.args[0]) if self.args else ""})
+            _HOOK_ERRORS[base] = cls
+        return cls(message)  # type: ignore[no-any-return]
+    except TypeError:  # an incompatible layout or constructor (OSError, UnicodeError...)
+        return PluginHookError(message)
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped or renamed (one line, naming it); the rest of plinth works."""
+
+
+class PluginAPIVersionWarning(PluginWarning):
     """A plugin was built for a newer minor version of the plugin API."""
+
+
+def _label(name: str, dist: str | None, version: str | None) -> str:
+    """``'name' (distribution version)`` for messages."""
+    where = " ".join(x for x in (dist, version) if x)
+    return f"'{name}' ({where})" if where else f"'{name}'"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return " ".join(text.split())
 
 
 @attrs.define
@@ -157,6 +201,7 @@ class PluginRegistry:
         self.records: list[PluginRecord] = []
         self.unknown_selected: list[str] = []
         self.prefer = list(prefer)
+        self.strict = False
         self._owners: dict[tuple[str, str], list[str]] = {}
 
     # ------------------------------------------------------------------ registration
@@ -194,7 +239,7 @@ class PluginRegistry:
                 raise PluginError(record.error) from exc
             return record
         if record.warning:
-            warnings.warn(record.warning, PluginAPIVersionWarning, stacklevel=2)
+            _warn(record.warning, PluginAPIVersionWarning)
         for kind in KINDS:
             for item in getattr(manifest, kind):
                 self._owners.setdefault((kind, item), []).append(name)
@@ -229,16 +274,21 @@ class PluginRegistry:
         """All names of one kind (``"architectures"``, ``"drafters"``...) that loaded plugins provide."""
         return sorted(n for (k, n) in self._owners if k == kind)
 
-    def owner(self, kind: str, name: str) -> str:
-        """The plugin that serves ``name`` of ``kind``; raises if none or ambiguous."""
+    def owner(self, kind: str, name: str, source: str | None = None) -> str:
+        """The plugin that serves ``name`` of ``kind``; raises if none or ambiguous.
+
+        ``source`` (the file that asked for ``name``) starts the message; the error is then
+        also a :class:`~plinth.errors.UserError`.
+        """
         owners = self._owners.get((kind, name), [])
         if not owners:
             available = ", ".join(self.names(kind)) or "none"
             singular = kind[:-1]
-            raise PluginError(
-                f"no loaded plugin provides the {singular} '{name}' (available: {available}); "
-                f"`plinth plugins` lists what is installed and why a plugin did not load"
-            )
+            text = (f"no loaded plugin provides the {singular} '{name}' (available: {available}); "
+                    f"`plinth plugins` lists what is installed and why a plugin did not load")
+            if source is not None:
+                raise UnknownNameError(f"{source}: {text}")
+            raise PluginError(text)
         if len(owners) == 1:
             return owners[0]
         for preferred in self.prefer:
@@ -249,11 +299,26 @@ class PluginRegistry:
             f"choose one with PLINTH_PREFER={owners[0]} (or --prefer / prefer=), or disable the other"
         )
 
+    def describe(self, name: str) -> str:
+        """``'name' (distribution version)`` for messages."""
+        try:
+            rec = self.record(name)
+        except KeyError:
+            return f"'{name}'"
+        return _label(name, rec.distribution, rec.version)
+
     def _call(self, kind: str, key: str, hook: str, **kwargs: Any) -> Any:
         owner = self.owner(kind, key)
         others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
         caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
-        result = caller(**kwargs)
+        try:
+            result = caller(**kwargs)
+        except (UserError, PluginError):
+            raise
+        except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
+            where = f"{kwargs['source']}: " if isinstance(kwargs.get("source"), str) else ""
+            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
+                              f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
@@ -265,15 +330,38 @@ class PluginRegistry:
         return self._call("architectures", name, "plinth_get_architecture", name=name)
 
     # the three architecture steps, called on the object plinth_get_architecture returned
+    def _arch_step(self, arch: str, step: str, *args: Any, source: str | None = None) -> Any:
+        """``architecture(arch).<step>(*args)``, a failure named with the plugin as a hook's is."""
+        try:
+            obj = self.architecture(arch)
+        except PluginHookError as exc:
+            if not source:
+                raise
+            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            raise _hook_error(f"{source}: {exc}", cause) from cause
+        try:
+            return getattr(obj, step)(*args)
+        except (UserError, PluginError):
+            raise
+        except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
+            where = f"{source}: " if source else ""
+            owner = self.owner("architectures", arch)
+            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {step} for the "
+                              f"architecture '{arch}': {_one_line(exc)}", exc) from exc
+
     def arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any:
-        return self.architecture(arch).load_hparams(metadata, source)
+        """The plugin's hparams for ``arch``, checked by :func:`plinth.validation.check_hparams`."""
+        from .validation import check_hparams
+
+        hp = self._arch_step(arch, "load_hparams", metadata, source, source=source)
+        return check_hparams(hp, source, arch)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
-        result: Sequence[Any] = self.architecture(arch).tensor_specs(hparams)
+        result: Sequence[Any] = self._arch_step(arch, "tensor_specs", hparams)
         return result
 
     def arch_build(self, arch: str, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
-        return self.architecture(arch).build(hparams, weights, backend)
+        return self._arch_step(arch, "build", hparams, weights, backend)
 
     def make_drafter(self, name: str, target: Any, options: Mapping[str, Any] | None = None) -> Any:
         return self._call("drafters", name, "plinth_make_drafter", name=name, target=target, options=dict(options or {}))
@@ -287,8 +375,43 @@ class PluginRegistry:
     def converter(self, hf_arch: str) -> Any:
         return self._call("converters", hf_arch, "plinth_get_converter", hf_arch=hf_arch)
 
-    def add_commands(self, subparsers: Any) -> None:
-        self.pm.hook.plinth_add_commands(subparsers=subparsers)
+    def add_commands(self, subparsers: Any, strict: bool = False) -> None:
+        """Each plugin's ``plinth_add_commands``, one at a time: a failing one is recorded and skipped."""
+        for impl in self.pm.hook.plinth_add_commands.get_hookimpls():
+            try:
+                impl.function(subparsers=subparsers)
+            except Exception as exc:
+                msg = (f"plugin {self.describe(impl.plugin_name)} failed in plinth_add_commands: {_one_line(exc)}; "
+                       "its commands are skipped")
+                if strict:
+                    raise PluginError(msg) from exc
+                try:
+                    rec = self.record(impl.plugin_name)
+                    rec.error = msg
+                    rec.hint = _hint_for(exc, rec.distribution)
+                except KeyError:
+                    pass
+                _warn(msg)
+
+    def check_manifests(self) -> list[tuple[str, str, str, str]]:
+        """Import every path of every loaded manifest; ``(plugin, kind, name, error)`` for each that fails."""
+        problems = []
+        for rec in self.loaded:
+            if rec.manifest is None:
+                continue
+            for kind in KINDS:
+                for item, path in sorted(getattr(rec.manifest, kind).items()):
+                    try:
+                        import_object(path)
+                    except BaseException as exc:  # noqa: BLE001 - SystemExit at import is a plugin bug too
+                        if isinstance(exc, KeyboardInterrupt):
+                            raise
+                        problems.append((rec.name, kind[:-1], item, f"'{path}': {_one_line(exc)}"))
+        return problems
+
+
+def _warn(message: str, category: type[Warning] = PluginWarning) -> None:
+    warnings.warn(message, category, stacklevel=3)
 
 
 def _builtin_plugin() -> Any:
@@ -326,6 +449,7 @@ def discover(
         strict = _env_flag("PLINTH_STRICT_PLUGINS")
 
     registry = PluginRegistry(prefer=preferred)
+    registry.strict = bool(strict)
     if builtin:
         registry.add(_builtin_plugin(), BUILTIN_NAME, distribution="plinth", version=__version__,
                      value="plinth.builtin:plugin", status="builtin", strict=True)
@@ -333,31 +457,60 @@ def discover(
     if entry_points is None:
         entry_points = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
     seen: set[str] = set()
-    for ep in sorted(entry_points, key=lambda e: e.name):
-        if ep.name in seen:  # the same distribution visible twice on sys.path
-            continue
-        seen.add(ep.name)
+    unique: dict[tuple[str, str | None, str], importlib_metadata.EntryPoint] = {}
+    for ep in entry_points:  # the same distribution visible twice on sys.path counts once
+        unique.setdefault((ep.name, _distribution_of(ep)[0], ep.value), ep)
+    by_name: dict[str, list[importlib_metadata.EntryPoint]] = {}
+    for key in sorted(unique, key=lambda k: (k[0], str(k[1]), k[2])):
+        by_name.setdefault(key[0], []).append(unique[key])
+    for ep_name, group in sorted(by_name.items()):
+        if len(group) > 1:
+            # two distributions claim one entry-point name: neither silently replaces the other,
+            # each is loaded under "name@distribution" and any name they both provide is a conflict
+            labels = [_label(f"{ep.name}@{_distribution_of(ep)[0] or ep.value}", *_distribution_of(ep))
+                      for ep in group]
+            msg = (f"the plugin entry-point name '{ep_name}' is registered by {len(group)} distributions; "
+                   f"they are loaded as {' and '.join(labels)} (uninstall one, or pick one with "
+                   "--disable-plugins / --prefer)")
+            if strict:
+                raise PluginConflictError(msg)
+            _warn(msg)
+    for ep in [ep for _, group in sorted(by_name.items()) for ep in group]:
         dist, version = _distribution_of(ep)
-        if (allow is not None and ep.name not in allow) or ep.name in blocked:
-            registry.records.append(PluginRecord(ep.name, dist, version, ep.value, "disabled"))
+        name = ep.name if len(by_name[ep.name]) == 1 else f"{ep.name}@{dist or ep.value}"
+        seen.add(ep.name)
+        if (allow is not None and ep.name not in allow and name not in allow) or ep.name in blocked \
+                or name in blocked:
+            registry.records.append(PluginRecord(name, dist, version, ep.value, "disabled"))
             continue
         try:
             obj = ep.load()
         except BaseException as exc:  # noqa: BLE001 - a plugin must never take plinth down
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, KeyboardInterrupt):
                 raise
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            rec = PluginRecord(ep.name, dist, version, ep.value, "failed", error=detail, hint=_hint_for(exc, dist))
+            if isinstance(exc, SystemExit):
+                detail = f"the plugin module called sys.exit({exc.code!r}) while being imported"
+            else:
+                detail = _one_line(exc)
+            rec = PluginRecord(name, dist, version, ep.value, "failed", error=detail, hint=_hint_for(exc, dist))
             registry.records.append(rec)
+            msg = f"plugin {_label(name, dist, version)} failed to load: {detail}"
             if strict:
-                raise PluginError(f"plugin '{ep.name}' ({dist or '?'} {version or ''}) failed to load: {detail}") from exc
+                raise PluginError(msg) from (None if isinstance(exc, SystemExit) else exc)
+            _warn(f"{msg}; skipped (`plinth plugins` shows it)")
             continue
-        registry.add(obj, ep.name, distribution=dist, version=version, value=ep.value, strict=strict)
+        rec = registry.add(obj, name, distribution=dist, version=version, value=ep.value, strict=strict)
+        if rec.status in ("failed", "refused"):
+            _warn(f"plugin {_label(name, dist, version)} {rec.status}: {rec.error}; skipped")
 
     if allow is not None:
         registry.unknown_selected = sorted(set(allow) - seen)
-        if registry.unknown_selected and strict:
-            raise PluginError(f"PLINTH_PLUGINS names unknown plugins: {', '.join(registry.unknown_selected)}")
+        if registry.unknown_selected:
+            msg = (f"unknown plugin(s) selected: {', '.join(registry.unknown_selected)} (installed: "
+                   f"{', '.join(sorted(seen)) or 'none'}; `plinth plugins` lists them)")
+            if strict:
+                raise PluginError(msg)
+            _warn(msg)
     if strict and registry.conflicts():
         (kind, name), owners = next(iter(registry.conflicts().items()))
         registry.owner(kind, name)  # raises PluginConflictError naming both

@@ -9,6 +9,10 @@ import attrs
 from .errors import UserError
 
 
+#: Problems named in a TensorCheckError's one line (the count says how many there are).
+MAX_LISTED = 8
+
+
 class TensorCheckError(UserError):
     """The file's tensors do not match the architecture's declaration (every problem listed)."""
 
@@ -41,7 +45,7 @@ def check_tensors(specs: Sequence[TensorSpec], present: Mapping[str, tuple[tuple
     """Check ``present`` (name -> (numpy shape, GGML type name)) against ``specs``.
 
     Returns the specs whose tensors are present. Raises :class:`TensorCheckError`
-    listing every missing required tensor, every shape mismatch and every
+    (one line) listing the first missing required tensor, every shape mismatch and every
     disallowed type at once.
     """
     problems: list[str] = []
@@ -59,8 +63,10 @@ def check_tensors(specs: Sequence[TensorSpec], present: Mapping[str, tuple[tuple
             problems.append(f"tensor '{spec.name}' has type {dtype}, allowed: {', '.join(spec.dtypes)}")
         found.append(spec)
     if problems:
-        head = f"{source}: {len(problems)} tensor problem(s) for this architecture:"
-        raise TensorCheckError("\n  ".join([head, *problems]))
+        shown = problems[:MAX_LISTED]
+        more = f"; and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise TensorCheckError(f"{source}: {len(problems)} tensor problem(s) for this architecture: "
+                               f"{'; '.join(shown)}{more}")
     return found
 
 

@@ -8,17 +8,23 @@ import sys
 import time
 from typing import Any
 
+from .argtypes import float_range, int_range, nonempty, require, subparser_of
 from .models import MODEL_HELP
+
+SEED_MAX = 2**64 - 1
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty on recent tokens (1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--temperature", type=float_range(0.0), default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int_range(0), default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float_range(0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass, in (0, 1] (1.0 = off)")
+    g.add_argument("--min-p", type=float_range(0.0, 1.0), default=0.0,
+                   help="drop tokens below min_p x the top probability, in [0, 1]")
+    g.add_argument("--repeat-penalty", type=float_range(0.0, lo_open=True), default=1.0,
+                   help="penalty on recent tokens, > 0 (1.0 = off)")
+    g.add_argument("--seed", type=int_range(0, SEED_MAX), default=None, help="seed for reproducible sampling")
 
 
 def _spec_args(p: argparse.ArgumentParser) -> None:
@@ -30,17 +36,61 @@ def _spec_args(p: argparse.ArgumentParser) -> None:
                    "in order each step and the first that proposes a draft drafts it")
     g.add_argument("--draft", default=None, metavar="MODEL",
                    help="the draft model / drafter file for --spec draft (or a plugin drafter that needs a file)")
-    g.add_argument("--spec-n-max", type=int, default=8, help="longest draft per step (default 8)")
-    g.add_argument("--spec-n-min", type=int, default=0, help="drop drafts shorter than this (default 0)")
-    g.add_argument("--spec-p-min", type=float, default=0.0,
+    g.add_argument("--spec-n-max", type=int_range(1), default=8, help="longest draft per step (default 8)")
+    g.add_argument("--spec-n-min", type=int_range(0), default=0, help="drop drafts shorter than this (default 0)")
+    g.add_argument("--spec-p-min", type=float_range(0.0, 1.0), default=0.0,
                    help="cut a draft at its first token whose draft probability is below this (default 0)")
     g.add_argument("--spec-verify", default="auto",
                    help="verification rule: auto (greedy at temperature 0, else rejection), greedy, rejection")
-    g.add_argument("--spec-ngram-max", type=int, default=3, help="ngram: longest suffix to look up (default 3)")
-    g.add_argument("--spec-ngram-min", type=int, default=2, help="ngram: shortest suffix to look up (default 2)")
-    g.add_argument("--spec-synthetic", type=float, default=None, metavar="RATE",
+    g.add_argument("--spec-ngram-max", type=int_range(1), default=3,
+                   help="ngram: longest suffix to look up (default 3)")
+    g.add_argument("--spec-ngram-min", type=int_range(1), default=2,
+                   help="ngram: shortest suffix to look up (default 2)")
+    g.add_argument("--spec-synthetic", type=float_range(0.0, 1.0), default=None, metavar="RATE",
                    help="benchmark only: accept each drafted position with this probability instead of "
                    "verifying (the text is then NOT the model's output)")
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules between options and the names plugins provide, checked before any model loads."""
+    from ..plugins import PluginError
+
+    sub = subparser_of(parser, args)
+    if hasattr(args, "spec_n_max"):
+        require(sub, args.spec_n_min <= args.spec_n_max,
+                f"--spec-n-min {args.spec_n_min} is larger than --spec-n-max {args.spec_n_max}")
+        require(sub, args.spec_ngram_min <= args.spec_ngram_max,
+                f"--spec-ngram-min {args.spec_ngram_min} is larger than --spec-ngram-max {args.spec_ngram_max}")
+        verifiers = ["auto", *args.registry.names("verifiers")]
+        require(sub, args.spec_verify in verifiers,
+                f"--spec-verify {args.spec_verify!r} is unknown (choose from {', '.join(verifiers)})")
+        try:
+            _spec_names(args)
+        except PluginError as exc:
+            sub.error(f"--spec: {exc}")
+    if hasattr(args, "backend"):
+        backends = args.registry.names("backends")
+        require(sub, args.backend in backends,
+                f"--backend {args.backend!r} is unknown (choose from {', '.join(backends)})")
+        try:
+            args.registry.make_backend(args.backend)
+        except (PluginError, RuntimeError) as exc:
+            sub.error(f"--backend {args.backend}: {exc}")
+
+
+def clean_text(text: str, what: str) -> str:
+    """``text`` from argv or stdin as valid UTF-8: undecodable bytes (kept by surrogateescape) become U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as exc:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")  # the bytes the user gave
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "replace")
+        print(f"plinth: warning: {what} is not valid UTF-8 (at character {exc.start}); undecodable bytes "
+              "were replaced with U+FFFD", file=sys.stderr)
+        return raw.decode("utf-8", "replace")
 
 
 def _spec_names(args: argparse.Namespace) -> list[str]:
@@ -78,26 +128,27 @@ def register(sub: Any) -> None:
                        "prompt is wrapped in the model's chat template as one user message.")
     p.add_argument("prompt", help="the prompt text")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
-    p.add_argument("-n", "--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("-n", "--max-tokens", type=int_range(1), default=128, help="most tokens to generate (default 128)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=nonempty,
+                   help="stop when this string appears (repeatable)")
     p.add_argument("--stats", action="store_true", help="print load time, tokens/s and timing split to stderr")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     _sampling_args(p)
     _spec_args(p)
-    p.set_defaults(func=run_generate)
+    p.set_defaults(func=run_generate, check_args=check_args)
 
     p = sub.add_parser("chat", help="interactive chat with history",
                        description="Chat with the model in the terminal. Each turn is rendered with the model's "
                        "chat template together with the history. Empty line or Ctrl-D ends.")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens per reply (default 256)")
+    p.add_argument("-n", "--max-tokens", type=int_range(1), default=256, help="most tokens per reply (default 256)")
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     _sampling_args(p)
     _spec_args(p)
-    p.set_defaults(func=run_chat)
+    p.set_defaults(func=run_chat, check_args=check_args)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text",
                        description="Tokenize TEXT with the model's GGUF tokenizer.")
@@ -112,20 +163,21 @@ def register(sub: Any) -> None:
                        description="Time a prefill of --prompt-tokens tokens and --decode-tokens greedy decode "
                        "steps; print tokens/s for both.")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=3, help="repetitions; the best is reported")
+    p.add_argument("--prompt-tokens", type=int_range(1), default=128)
+    p.add_argument("--decode-tokens", type=int_range(1), default=64)
+    p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
-    p.set_defaults(func=run_bench)
+    p.set_defaults(func=run_bench, check_args=check_args)
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
+    """The model; with ``tokenizer`` its tokenizer is built (and any fault in it reported) before the weights load."""
     from .. import hub
     from ..model import load_model
 
     t0 = time.perf_counter()
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
-                       registry=args.registry, progress=True)
+                       registry=args.registry, progress=True, tokenizer=tokenizer)
     if getattr(args, "stats", False):
         print(f"[loaded {model.path.name} ({model.arch}) in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return model
@@ -141,14 +193,15 @@ def _sampler(args: argparse.Namespace) -> Any:
 def run_generate(args: argparse.Namespace) -> int:
     from ..generate import render_chat
 
+    prompt = clean_text(args.prompt, "the prompt")
     _spec_names(args)
     model = _load(args)
     tok = model.tokenizer
     if args.chat:
-        text = render_chat(tok.chat_template, [{"role": "user", "content": args.prompt}], tok)
+        text = render_chat(tok.chat_template, [{"role": "user", "content": prompt}], tok)
         ids = tok.encode(text, add_special=False, parse_special=True)
     else:
-        ids = tok.encode(args.prompt, add_special=True)
+        ids = tok.encode(prompt, add_special=True)
     gen = make_generator(args, model)
     for chunk in gen.stream(ids, max_tokens=args.max_tokens, stop=args.stop):
         sys.stdout.write(chunk)
@@ -176,6 +229,8 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     gen = make_generator(args, model)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         if interactive:
             sys.stdout.write("> ")
@@ -183,7 +238,7 @@ def run_chat(args: argparse.Namespace) -> int:
         line = sys.stdin.readline()
         if not line or not line.strip():
             return 0
-        messages.append({"role": "user", "content": line.strip()})
+        messages.append({"role": "user", "content": clean_text(line.strip(), "the input line")})
         text = render_chat(tok.chat_template, messages, tok)
         ids = tok.encode(text, add_special=False, parse_special=True)
         reply = []
@@ -203,8 +258,9 @@ def run_tokenize(args: argparse.Namespace) -> int:
     from ..tokenizer import Tokenizer
 
     path = hub.resolve_model(args.model or hub.DEFAULT_MODEL, progress=True)
-    tok = Tokenizer.from_metadata(dict(GGUFFile(path).metadata))
-    ids = tok.encode(args.text, add_special=not args.no_bos, parse_special=args.parse_special)
+    with GGUFFile(path) as gf:
+        tok = Tokenizer.from_metadata(dict(gf.metadata), source=str(path))
+    ids = tok.encode(clean_text(args.text, "the text"), add_special=not args.no_bos, parse_special=args.parse_special)
     if args.json:
         pieces = [tok.token_to_piece(i).decode("utf-8", errors="replace") for i in ids]
         print(json.dumps({"ids": ids, "pieces": pieces}, ensure_ascii=False))
@@ -216,7 +272,7 @@ def run_tokenize(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from ..generate import time_prefill_decode
 
-    model = _load(args)
+    model = _load(args, tokenizer=False)
     pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
     print(f"model:  {model.path.name} ({model.arch}, {model.stats.n_params / 1e6:.1f} M params, backend "
           f"{model.backend.name})")

@@ -22,6 +22,7 @@ def register(sub: Any) -> None:
                        description="Open a model and print its architecture, the plugin serving it, its "
                        "hparams and a summary of its tensors by type. Nothing is computed.")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="the model, as with -m")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--cache", action="store_true",
                    help="also load the model and report its cache layout and bytes per token per cache kind")
@@ -49,12 +50,17 @@ def run_info(args: argparse.Namespace) -> int:
     from .. import hub
     from ..gguf import GGUFFile
 
-    path = hub.resolve_model(args.model or hub.DEFAULT_MODEL, progress=True)
+    from ..errors import UserError
+    from ..validation import check_model_file
+
+    if args.model and args.model_path and args.model != args.model_path:
+        raise UserError(f"two models given: -m {args.model} and {args.model_path}; give one")
+    path = hub.resolve_model(args.model or args.model_path or hub.DEFAULT_MODEL, progress=True)
     gf = GGUFFile(path)
     md = gf.metadata
-    arch = md.get("general.architecture", "?")
+    arch = check_model_file(md, None, str(path))
     registry = args.registry
-    plugin = registry.owner("architectures", arch)
+    plugin = registry.owner("architectures", arch, source=str(path))
     hp = registry.arch_hparams(arch, md, str(path))
     print(f"file:         {path}")
     print(f"name:         {md.get('general.name', '?')}")

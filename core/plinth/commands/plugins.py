@@ -16,6 +16,8 @@ def register(sub: Any) -> None:
         "A plugin that failed to load is shown with its error and a hint; the others keep working.",
     )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    p.add_argument("--check", action="store_true",
+                   help="also import every path each loaded plugin's manifest declares; exit 1 if any fails")
     p.set_defaults(func=run)
 
 
@@ -25,10 +27,16 @@ def run(args: argparse.Namespace) -> int:
     conflicts = [
         {"kind": kind[:-1], "name": name, "plugins": owners} for (kind, name), owners in registry.conflicts().items()
     ]
+    problems = registry.check_manifests() if args.check else []
+    for row in rows:
+        row["check"] = [f"{kind} '{item}': {err}" for plugin, kind, item, err in problems if plugin == row["name"]]
+        if args.check and row["check"]:
+            row["status"] = "broken"
+    code = 1 if problems else 0
     if args.json:
         print(json.dumps({"plugins": rows, "unknown_selected": registry.unknown_selected,
                           "conflicts": conflicts}, indent=2))
-        return 0
+        return code
     for row in rows:
         dist = f"{row['distribution'] or '?'} {row['version'] or ''}".strip()
         api = row["api_version"] or "-"
@@ -41,9 +49,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"    hint: {row['hint']}")
         if row["warning"]:
             print(f"    warning: {row['warning']}")
+        for problem in row["check"]:
+            print(f"    check failed: {problem}")
     for name in registry.unknown_selected:
         print(f"unknown plugin selected: {name} (no entry point of that name is installed)")
     for c in conflicts:
         print(f"conflict: the {c['kind']} '{c['name']}' is provided by {' and '.join(c['plugins'])}; "
               f"choose one with --prefer or PLINTH_PREFER")
-    return 0
+    if args.check:
+        print(f"check: {len(problems)} manifest import path(s) failed" if problems else
+              "check: every manifest import path imports")
+    return code

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,20 @@ _PLAIN_DTYPES = {GGMLType.F32: "<f4", GGMLType.F16: "<f2", GGMLType.BF16: "<u2",
 
 class GGUFError(UserError, ValueError):
     """A file that is not valid GGUF (message names the file and the offset)."""
+
+
+#: Deepest nesting of arrays inside arrays a file may use (llama.cpp writes none).
+MAX_ARRAY_DEPTH = 4
+#: Most metadata keys a file may have (models have tens; each costs a Python object and time).
+MAX_KEYS = 1 << 16
+#: Most arrays one array may hold (GGUF models use none; each costs a Python object).
+MAX_NESTED_ITEMS = 1 << 16
+# The fewest bytes one entry can take, so a count is refused before anything is allocated:
+# a key-value pair (key length, value type, a 1-byte value), a tensor-info entry (name length,
+# n_dims, type, offset), an array item that is itself an array (item type, count).
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
+_MIN_ARRAY_BYTES = 4 + 8
 
 
 @attrs.frozen
@@ -71,12 +86,22 @@ class TensorInfo:
         return n
 
 
+def _show(value: Any) -> str:
+    """A metadata value for an error message, cut short."""
+    if isinstance(value, (list, np.ndarray)):
+        return f"an array of {len(value)} values"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class GGUFFile:
     """An open GGUF file: ``metadata`` (key -> Python value), ``tensors`` (name -> TensorInfo)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
+            if not stat.S_ISREG(os.stat(self.path).st_mode):  # a FIFO would block open()
+                raise GGUFError(f"{self.path}: not a regular file (a directory, FIFO or device), not a GGUF model")
             self._fh = open(self.path, "rb")
         except OSError as exc:
             raise GGUFError(f"{self.path}: cannot open: {exc.strerror}") from exc
@@ -123,7 +148,7 @@ class GGUFFile:
         self._pos += n
         return str(self._buf[start:self._pos], "utf-8", errors="replace")
 
-    def _value(self, vtype: int) -> Any:
+    def _value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == ValueType.STRING:
             return self._string()
         if vtype == ValueType.ARRAY:
@@ -132,12 +157,21 @@ class GGUFFile:
             if itype == ValueType.STRING:
                 return self._string_array(count)
             if itype == ValueType.ARRAY:
-                return [self._value(ValueType.ARRAY) for _ in range(count)]
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise self._fail(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
+                if count > (self.size - self._pos) // _MIN_ARRAY_BYTES:
+                    raise self._fail(f"array of {count} arrays cannot fit in the file")
+                if count > MAX_NESTED_ITEMS:
+                    raise self._fail(f"array of {count} arrays: more than {MAX_NESTED_ITEMS} nested arrays "
+                                     "are not supported")
+                return [self._value(ValueType.ARRAY, depth + 1) for _ in range(count)]
             dtype = _NP.get(itype)
             if dtype is None:
                 raise self._fail(f"unknown array item type {itype}")
             nbytes = count * np.dtype(dtype).itemsize
             self._need(nbytes)
+            if count == 0:
+                return np.empty(0, dtype=dtype)
             arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._pos).copy()
             self._pos += nbytes
             return arr
@@ -182,11 +216,17 @@ class GGUFFile:
         self.version = version
         n_tensors = self._scalar("<Q", 8)
         n_kv = self._scalar("<Q", 8)
-        if n_tensors > self.size or n_kv > self.size:
-            raise self._fail(f"implausible counts ({n_tensors} tensors, {n_kv} keys)")
+        room = self.size - self._pos
+        if n_kv > MAX_KEYS:
+            raise self._fail(f"{n_kv} metadata keys: more than {MAX_KEYS} are not supported")
+        if n_kv > room // _MIN_KV_BYTES or n_tensors > (room - n_kv * _MIN_KV_BYTES) // _MIN_TENSOR_INFO_BYTES:
+            raise self._fail(f"implausible counts ({n_tensors} tensors, {n_kv} keys) for a file of "
+                             f"{self.size} bytes")
         for _ in range(n_kv):
             key = self._string()
             vtype = self._scalar("<I", 4)
+            if key in self.metadata:
+                raise self._fail(f"key '{key}' appears twice")
             self.metadata[key] = self._value(vtype)
         infos = []
         for _ in range(n_tensors):
@@ -198,12 +238,27 @@ class GGUFFile:
             ggml_type = self._scalar("<I", 4)
             offset = self._scalar("<Q", 8)
             infos.append((name, ne, ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise self._fail(f"general.alignment {alignment} is not a power of two")
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(alignment) is not int:  # noqa: E721 - bool and arrays are refused too
+            raise GGUFError(f"{self.path}: key 'general.alignment' = {_show(alignment)}: expected an unsigned "
+                            f"integer (a power of two)")
+        if alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 30:
+            raise GGUFError(f"{self.path}: key 'general.alignment' = {alignment}: not a power of two")
         self.alignment = alignment
         self.data_offset = (self._pos + alignment - 1) // alignment * alignment
+        self._tensor_infos(infos)
+
+    def _tensor_infos(self, infos: list[tuple[str, tuple[int, ...], int, int]]) -> None:
+        """Check each tensor's type, size and place; the data regions must tile the data section.
+
+        Each offset is aligned, inside the file, and the tensors, sorted by offset, follow one
+        another with only alignment padding between them: so a shifted, overlapping or
+        re-typed tensor (whose size no longer matches the bytes it spans) is refused.
+        """
+        alignment = self.alignment
         for name, ne, ggml_type, offset in infos:
+            if name in self.tensors:
+                raise GGUFError(f"{self.path}: tensor '{name}' appears twice in the tensor list")
             try:
                 block, type_size = BLOCK_SIZES[GGMLType(ggml_type)]
             except (ValueError, KeyError):
@@ -218,10 +273,25 @@ class GGUFFile:
                                 f"{self.data_offset})")
             n_bytes = n // block * type_size
             start = self.data_offset + offset
+            if offset % alignment:
+                raise GGUFError(f"{self.path}: tensor '{name}' data offset {offset} is not a multiple of the "
+                                f"alignment {alignment}: corrupt tensor info")
             if start + n_bytes > self.size:
                 raise GGUFError(f"{self.path}: tensor '{name}' data at offset {start} ({n_bytes} bytes) runs past "
-                                f"the end of the file ({self.size} bytes): truncated file")
+                                f"the end of the file ({self.size} bytes): truncated file or corrupt tensor info")
             self.tensors[name] = TensorInfo(name, ne, ggml_type, start, n_bytes)
+        expected = self.data_offset
+        for info in sorted(self.tensors.values(), key=lambda t: (t.offset, t.n_bytes)):
+            if info.offset != expected:
+                what = "overlaps the tensor before it" if info.offset < expected else \
+                    f"leaves {info.offset - expected} unexplained bytes before it"
+                raise GGUFError(f"{self.path}: tensor '{info.name}' data at offset {info.offset} {what} "
+                                f"(expected offset {expected} for {info.type_name} {list(info.shape)}): corrupt "
+                                f"tensor info (wrong offset, type or shape)")
+            expected = (info.offset + info.n_bytes + alignment - 1) // alignment * alignment
+        if self.tensors and self.size > expected:
+            raise GGUFError(f"{self.path}: {self.size - expected} bytes after the last tensor's data (ends at "
+                            f"{expected}): corrupt tensor info (a tensor's type or shape is smaller than its data)")
 
     # ------------------------------------------------------------------ access
 

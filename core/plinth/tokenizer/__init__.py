@@ -8,6 +8,7 @@ bigram merging with byte fallback).
 from .core import (
     IncrementalDecoder,
     Tokenizer,
+    TokenizerError,
     UnsupportedTokenizerError,
     SUPPORTED_MODELS,
     SUPPORTED_PRE,
@@ -16,6 +17,7 @@ from .core import (
 __all__ = [
     "IncrementalDecoder",
     "Tokenizer",
+    "TokenizerError",
     "UnsupportedTokenizerError",
     "SUPPORTED_MODELS",
     "SUPPORTED_PRE",

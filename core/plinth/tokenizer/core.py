@@ -2,15 +2,40 @@
 from __future__ import annotations
 
 import heapq
+import warnings
 from typing import Iterable, Sequence
 
+from ..errors import UserError
+
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+TT_UNDEFINED = 0  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED
 
 SUPPORTED_MODELS = ("gpt2", "llama")
 
 
-class UnsupportedTokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
+    """The tokenizer metadata is missing or malformed (names the file, the key and the token index)."""
+
+
+class TokenizerWarning(UserWarning):
+    """A tokenizer key was ignored (a special token id outside the vocabulary)."""
+
+
+class UnsupportedTokenizerError(TokenizerError):
     """Raised when the GGUF metadata names a tokenizer this package cannot build."""
+
+
+def _clean(text: str) -> str:
+    """Text safe to encode as UTF-8: lone surrogates (undecodable input bytes) become U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")  # the bytes surrogateescape kept
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "replace")
+        return raw.decode("utf-8", "replace")
 
 
 # --- pre-tokenizer regex lists for byte-level BPE ---------------------------------
@@ -111,6 +136,14 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
+def _describe(value) -> str:
+    """A metadata value for a message: its type, and the value itself when short."""
+    if isinstance(value, (list, tuple)) or hasattr(value, "shape"):
+        return f"an array of {len(value)} values"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
 def _get(md: dict, key: str, default=None):
     v = md.get(key, default)
     return default if v is None else v
@@ -129,15 +162,23 @@ class Tokenizer:
 
     model = "?"
 
-    def __init__(self, md: dict):
-        self.tokens: list[str] = [str(t) for t in _as_list(md.get("tokenizer.ggml.tokens"))]
+    def __init__(self, md: dict, source: str = "GGUF metadata"):
+        self.source = source
+        raw_tokens = md.get("tokenizer.ggml.tokens")
+        if raw_tokens is None:
+            raise self._error("tokenizer.ggml.tokens", "missing: the file has no vocabulary")
+        if not isinstance(raw_tokens, (list, tuple)) or not all(isinstance(t, str) for t in raw_tokens):
+            raise self._error("tokenizer.ggml.tokens", f"is {_describe(raw_tokens)}, expected an array of strings")
+        self.tokens: list[str] = list(raw_tokens)
         if not self.tokens:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
+            raise self._error("tokenizer.ggml.tokens", "is empty")
         n = len(self.tokens)
-        types = _as_list(md.get("tokenizer.ggml.token_type"))
-        self.token_types: list[int] = [int(t) for t in types] if types else [TT_NORMAL] * n
-        scores = _as_list(md.get("tokenizer.ggml.scores"))
-        self.scores: list[float] = [float(s) for s in scores] if scores else [0.0] * n
+        self.token_types: list[int] = self._per_token(md, "tokenizer.ggml.token_type", int, TT_NORMAL)
+        bad = next((i for i, t in enumerate(self.token_types) if not TT_UNDEFINED <= t <= TT_BYTE), None)
+        if bad is not None:
+            raise self._error("tokenizer.ggml.token_type", f"token {bad} has type {self.token_types[bad]}, "
+                              f"expected {TT_UNDEFINED}..{TT_BYTE}")
+        self.scores: list[float] = self._per_token(md, "tokenizer.ggml.scores", float, 0.0)
         self.token_to_id: dict[str, int] = {}
         for i, t in enumerate(self.tokens):
             self.token_to_id[t] = i
@@ -146,8 +187,13 @@ class Tokenizer:
             v = md.get(key)
             if v is None:
                 return None
-            v = int(v)
-            return v if 0 <= v < n else None
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise self._error(key, f"is {_describe(v)}, expected a token id")
+            if not 0 <= v < n:  # as llama.cpp: a bad special id is reported and ignored
+                warnings.warn(f"{source}: key '{key}' = {v} is outside the vocabulary of {n} tokens; ignored",
+                              TokenizerWarning, stacklevel=2)
+                return None
+            return v
 
         self.bos_id = opt_id("tokenizer.ggml.bos_token_id")
         self.eos_id = opt_id("tokenizer.ggml.eos_token_id")
@@ -157,7 +203,11 @@ class Tokenizer:
         self.unk_id = opt_id("tokenizer.ggml.unknown_token_id")
         self.mask_id = opt_id("tokenizer.ggml.mask_token_id")
         self.chat_template = md.get("tokenizer.chat_template")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise self._error("tokenizer.chat_template", f"is {_describe(self.chat_template)}, expected a string")
         self.pre = md.get("tokenizer.ggml.pre")
+        if self.pre is not None and not isinstance(self.pre, str):
+            raise self._error("tokenizer.ggml.pre", f"is {_describe(self.pre)}, expected a string")
         self._init_flags(md)
 
         # Tokens matched verbatim in input text: control tokens only when
@@ -166,6 +216,24 @@ class Tokenizer:
         self._special_ids.sort(key=lambda i: -len(self.tokens[i]))
         self._eog = self._detect_eog()
 
+    def _error(self, key: str, why: str) -> TokenizerError:
+        return TokenizerError(f"{self.source}: key '{key}' {why}")
+
+    def _per_token(self, md: dict, key: str, cast, default) -> list:
+        """A per-token array (types, scores): one number per token, or absent."""
+        raw = md.get(key)
+        if raw is None:
+            return [default] * len(self.tokens)
+        if not hasattr(raw, "tolist") and not isinstance(raw, (list, tuple)):
+            raise self._error(key, f"is {_describe(raw)}, expected an array of {len(self.tokens)} numbers")
+        values = _as_list(raw)
+        if len(values) != len(self.tokens):
+            raise self._error(key, f"has {len(values)} entries but 'tokenizer.ggml.tokens' has {len(self.tokens)}")
+        try:
+            return [cast(v) for v in values]
+        except (TypeError, ValueError):
+            raise self._error(key, "holds values that are not numbers") from None
+
     def _init_flags(self, md):
         self.add_bos = bool(_get(md, "tokenizer.ggml.add_bos_token", False))
         self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
@@ -173,20 +241,25 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ factory
     @staticmethod
-    def from_metadata(md: dict) -> "Tokenizer":
+    def from_metadata(md: dict, source: str = "GGUF metadata") -> "Tokenizer":
+        """The tokenizer ``tokenizer.ggml.model`` names; ``source`` (the file) starts every error message."""
         model = md.get("tokenizer.ggml.model")
+        if model is None:
+            raise TokenizerError(f"{source}: missing key 'tokenizer.ggml.model': the file has no tokenizer "
+                                 "(a tokenizer-less file can be loaded with plinth.load_model, not used for text)")
         if model == "gpt2":
             pre = md.get("tokenizer.ggml.pre") or "default"
-            if pre not in _PRE:
+            if not isinstance(pre, str) or pre not in _PRE:
                 raise UnsupportedTokenizerError(
-                    f"unsupported tokenizer.ggml.pre {pre!r} for model 'gpt2'; "
+                    f"{source}: key 'tokenizer.ggml.pre' = {_describe(pre)}: unsupported for model 'gpt2'; "
                     f"supported: {', '.join(SUPPORTED_PRE)}"
                 )
-            return BPETokenizer(md)
+            return BPETokenizer(md, source)
         if model == "llama":
-            return SPMTokenizer(md)
+            return SPMTokenizer(md, source)
         raise UnsupportedTokenizerError(
-            f"unsupported tokenizer.ggml.model {model!r}; supported: {', '.join(SUPPORTED_MODELS)}"
+            f"{source}: key 'tokenizer.ggml.model' = {_describe(model)}: unsupported; "
+            f"supported: {', '.join(SUPPORTED_MODELS)}"
         )
 
     # ------------------------------------------------------------------ properties
@@ -247,6 +320,9 @@ class Tokenizer:
         return frags
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer.encode takes a str, got {type(text).__name__}")
+        text = _clean(text)
         ids: list[int] = []
         if add_special and self.add_bos and self.bos_id is not None:
             ids.append(self.bos_id)
@@ -277,19 +353,30 @@ class BPETokenizer(Tokenizer):
 
     model = "gpt2"
 
-    def __init__(self, md: dict):
-        super().__init__(md)
+    def __init__(self, md: dict, source: str = "GGUF metadata"):
+        super().__init__(md, source)
         from tokenizers import Regex, Tokenizer as _HFTok, models, pre_tokenizers
 
         regexes, ignore_merges = _PRE[self.pre or "default"]
         merges = []
-        for m in _as_list(md.get("tokenizer.ggml.merges")):
+        vocab = dict(self.token_to_id)
+        raw_merges = md.get("tokenizer.ggml.merges")
+        if raw_merges is not None and not isinstance(raw_merges, (list, tuple)):
+            raise self._error("tokenizer.ggml.merges", f"is {_describe(raw_merges)}, expected an array of strings")
+        for i, m in enumerate(_as_list(raw_merges)):
             m = str(m)
             k = m.find(" ", 1)
             if k > 0:
-                merges.append((m[:k], m[k + 1:]))
-        vocab = dict(self.token_to_id)
-        bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False)
+                a, b = m[:k], m[k + 1:]
+                for part in (a, b, a + b):
+                    if part not in vocab:
+                        raise self._error("tokenizer.ggml.merges", f"entry {i} ({m!r}) uses {part!r}, which is not "
+                                          "in 'tokenizer.ggml.tokens' (a damaged vocabulary string?)")
+                merges.append((a, b))
+        try:
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False)
+        except Exception as exc:  # the tokenizers library's own checks
+            raise self._error("tokenizer.ggml.merges", f"cannot build the BPE model: {exc}") from None
         tk = _HFTok(bpe)
         pts = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
         pts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
@@ -335,8 +422,8 @@ class SPMTokenizer(Tokenizer):
         self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
         self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", True))
 
-    def __init__(self, md: dict):
-        super().__init__(md)
+    def __init__(self, md: dict, source: str = "GGUF metadata"):
+        super().__init__(md, source)
         if self.unk_id is None:
             self.unk_id = self.token_to_id.get("<unk>")
         self._byte_ids = [self.token_to_id.get("<0x%02X>" % b) for b in range(256)]

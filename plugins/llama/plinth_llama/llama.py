@@ -24,6 +24,7 @@ import attrs
 
 from plinth import ops
 from plinth.graph import Architecture, BaseGraph, KeyReader, Linear, PerLayer, Rope, Step, TensorSpec, attend
+from plinth.hparams import DENSE_RANGES
 
 
 @attrs.frozen
@@ -172,6 +173,7 @@ class Qwen3Graph(LlamaGraph):
 
 class Llama(Architecture):
     name = "llama"
+    ranges = DENSE_RANGES  # every layer is attention + FFN: 0 heads or an empty FFN is refused by name
     graph = LlamaGraph
 
     def hparams(self, r: KeyReader) -> LlamaHParams:
