@@ -111,7 +111,12 @@ class _Formatter:
         self.offset = 0
 
     def _piece(self, token: int) -> str:
-        return self.server.tokenizer.token_to_piece(token, special=False).decode("utf-8", errors="replace")
+        """A token's text; a piece that is not whole UTF-8 is written ``bytes:\\xNN..`` (as OpenAI does)."""
+        raw = self.server.tokenizer.token_to_piece(token, special=False)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def logprob_obj(self, events: list[Event]) -> Any:
         if self.logprobs is None:
@@ -120,7 +125,7 @@ class _Formatter:
         if self.chat:
             def entry(tid: int, lp: float) -> dict[str, Any]:
                 raw = self.server.tokenizer.token_to_piece(tid, special=False)
-                return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+                return {"token": self._piece(tid), "logprob": lp, "bytes": list(raw)}
 
             return {"content": [{**entry(t.token, t.logprob),
                                  "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in infos]}

@@ -149,7 +149,8 @@ class Scheduler:
     drafters: drafter objects shared by all requests (each keeps per-sequence state);
         empty for no speculation.
     max_batch: sequences decoding together (and cache sequences in use) at most.
-    max_queue: requests waiting for a place at most; one more raises :class:`QueueFull`.
+    max_queue: requests waiting for a place at most, beyond those the batch can take now; one
+        more raises :class:`QueueFull`.
     prefill_chunk: prompt tokens run per step over all prefilling requests.
     """
 
@@ -193,8 +194,10 @@ class Scheduler:
         with self._cond:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (the bound is {self.max_queue})")
+            free = max(len(self._free) - len(self._waiting), 0)  # places in the batch nobody waits for yet
+            if free == 0 and len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{self.max_batch} requests are running and {len(self._waiting)} waiting "
+                                f"(the bound is {self.max_queue})")
             self._waiting.append(req)
             self._cond.notify_all()
 
