@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run one level of --clients for this long against plinth, printing RSS")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temp dir)")
     args = ap.parse_args(argv)
+    # a SIGTERM (timeout, Ctrl-C from a wrapper) still runs the `finally` that stops the servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import tempfile
 
