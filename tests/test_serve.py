@@ -325,7 +325,9 @@ def _disconnect_mid_stream(server: str, max_tokens: int) -> None:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
         assert all(g.startswith("data: ") or not g for g in got)
-        assert health(server)["cache_tokens"] > 0  # the request holds cache rows while it runs
+        assert all('"error"' not in g and "[DONE]" not in g for g in got), got
+        h = health(server)
+        assert h["cache_tokens"] > 0, (h, got)  # the request holds cache rows while it runs
     # the connection is closed here, mid-stream
     h = wait_idle(server)
     assert h["cache_tokens"] == 0 and h["cache_sequences"] == 0 and h["active"] == 0

@@ -175,6 +175,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._cache_usage = (0, 0)
 
     # ------------------------------------------------------------------ public
 
@@ -194,10 +195,10 @@ class Scheduler:
         with self._cond:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
-            free = max(len(self._free) - len(self._waiting), 0)  # places in the batch nobody waits for yet
-            if free == 0 and len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{self.max_batch} requests are running and {len(self._waiting)} waiting "
-                                f"(the bound is {self.max_queue})")
+            # the waiting requests fill the free places first; beyond those at most max_queue wait
+            if len(self._waiting) >= len(self._free) + self.max_queue:
+                raise QueueFull(f"{self.max_batch - len(self._free)} requests are running and "
+                                f"{len(self._waiting)} waiting (the bound is {self.max_queue})")
             self._waiting.append(req)
             self._cond.notify_all()
 
@@ -216,12 +217,18 @@ class Scheduler:
         return len(self._active)
 
     def cache_tokens(self) -> int:
-        """Rows held in the KV cache over all sequences (0 when idle)."""
-        cache = self.ctx.cache
-        return int(sum(cache.n_cached(s) for s in cache.seqs()))
+        """Rows held in the KV cache over all sequences (0 when idle), as of the last step or finish."""
+        return self._cache_usage[0]
 
     def cache_seqs(self) -> int:
-        return len(self.ctx.cache.seqs())
+        """Sequences holding cache rows, as of the last step or finish."""
+        return self._cache_usage[1]
+
+    def _note_cache(self) -> None:
+        """Record the cache's size for other threads (only the scheduler thread reads the cache itself)."""
+        cache = self.ctx.cache
+        seqs = cache.seqs()
+        self._cache_usage = (int(sum(cache.n_cached(s) for s in seqs)), len(seqs))
 
     # ------------------------------------------------------------------ loop
 
@@ -304,7 +311,8 @@ class Scheduler:
                 k = len(draft)
                 b = Batch.from_tokens([req.history[-1], *draft.tokens], start=pos, seq=req.seq,
                                       output="all" if k else "last")
-                plan.append((req, "decode", row, (pos, who, draft)))
+                snap = cache.snapshot(req.seq) if (k and self.ctx.recurrent) else None
+                plan.append((req, "decode", row, (pos, who, draft, snap)))
             parts.append(b)
             row += b.n_rows
         if not parts:
@@ -333,6 +341,7 @@ class Scheduler:
                 self._verify(req, batch, out, logits, where, first, *detail)
         now = time.perf_counter()
         self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
+        self._note_cache()
 
     def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int) -> None:
         """Hand ``req``'s rows of this forward to every drafter (``process``)."""
@@ -346,51 +355,52 @@ class Scheduler:
                                          has_embeddings=False, logits=None))
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
-                first: int, pos: int, who: int, draft: Draft) -> None:
-        """Decide ``req``'s next tokens from its rows: one sample, or a verified draft."""
+                first: int, pos: int, who: int, draft: Draft, snap: Any) -> None:
+        """Decide ``req``'s next tokens from its rows: a plain sample, or (speculative) a verified draft.
+
+        A speculative request goes through its verifier even without a draft, as the solo
+        speculative loop does, so a seeded request draws the same random numbers in both.
+        """
         k = len(draft)
-        rows = [where[first + i] for i in range(k + 1)] if k else [where[first]]
-        lg = logits[rows]
-        if not k:
-            token = req.sampler.sample(lg[0], req.history).token
-            self._show(req, "verify", batch, out, first, 1)
-            if req.speculative:
-                for d in self.drafters:
-                    d.accept(req.seq, 0)
-            req.pending = [(token, lg[0])]
+        lg = logits[[where[first + i] for i in range(k + 1)]]
+        if not req.speculative:
+            req.pending = [(req.sampler.sample(lg[0], req.history).token, lg[0])]
+            req.stats.n_steps += 1
+            self._emit_pending(req)
+            return
+        t0 = time.perf_counter()
+        if isinstance(req.verifier, GreedyVerifier) and req.sampling.repetition_penalty == 1.0:
+            res = GreedyVerifier.verify_argmax(draft.tokens, lg.argmax(axis=-1))
         else:
-            t0 = time.perf_counter()
-            if isinstance(req.verifier, GreedyVerifier) and req.sampling.repetition_penalty == 1.0:
-                res = GreedyVerifier.verify_argmax(draft.tokens, lg.argmax(axis=-1))
-            else:
-                probs = np.stack([req.sampler.probs(lg[i], req.history + list(draft.tokens[:i]))
-                                  for i in range(k + 1)])
-                res = req.verifier.verify(list(draft.tokens), draft.probs, probs, req.rng)
-            a, nxt = int(res.n_accepted), int(res.next_token)
-            req.stats.verify_s += time.perf_counter() - t0
-            self._show(req, "verify", batch, out, first, k + 1)
-            if a < k:
-                self._rollback(req, pos, [req.history[-1], *draft.tokens[:a]])
-            for d in self.drafters:
-                d.accept(req.seq, a)
+            probs = np.stack([req.sampler.probs(lg[i], req.history + list(draft.tokens[:i])) for i in range(k + 1)])
+            res = req.verifier.verify(list(draft.tokens), draft.probs, probs, req.rng)
+        a, nxt = int(res.n_accepted), int(res.next_token)
+        req.stats.verify_s += time.perf_counter() - t0
+        self._show(req, "verify", batch, out, first, k + 1)
+        t0 = time.perf_counter()
+        if a < k:
+            self._rollback(req, pos, [req.history[-1], *draft.tokens[:a]], snap)
+        for d in self.drafters:
+            d.accept(req.seq, a)
+        req.stats.rollback_s += time.perf_counter() - t0
+        if k:
             req.stats.record(self.drafter_names[who], k, a)
             row = self.metrics.spec.setdefault(self.drafter_names[who], [0, 0, 0])
             row[0] += 1
             row[1] += k
             row[2] += a
-            req.pending = [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])]
+        req.pending = [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])]
         req.stats.n_steps += 1
         self._emit_pending(req)
 
-    def _rollback(self, req: Request, pos: int, kept: list[int]) -> None:
-        """Drop ``req``'s rows past the kept ones (a crop; recurrent targets replay from a fresh prefill)."""
-        cache = self.ctx.cache
-        if not cache.has_state(req.seq):
-            cache.seq_rm(req.seq, pos + len(kept))
+    def _rollback(self, req: Request, pos: int, kept: list[int], snap: Any) -> None:
+        """Drop ``req``'s rows past the kept ones: a crop, or for a recurrent target a restore of
+        the snapshot taken before the step and a replay of the kept rows."""
+        if snap is None:
+            self.ctx.cache.seq_rm(req.seq, pos + len(kept))
             return
-        # a recurrent state cannot drop positions: rebuild this sequence from its history
-        cache.clear(req.seq)
-        self.ctx.forward(Batch.from_tokens(req.history + kept[1:], start=0, seq=req.seq, output="none"))
+        self.ctx.cache.restore(snap)
+        self.ctx.forward(Batch.from_tokens(kept, start=pos, seq=req.seq, output="none"))
 
     # ------------------------------------------------------------------ output
 
@@ -467,6 +477,7 @@ class Scheduler:
             self._active.remove(req)
         if req.seq >= 0:
             self.ctx.cache.clear(req.seq)
+            self._note_cache()
             if req.speculative:
                 for d in self.drafters:
                     end = getattr(d, "end", None)
