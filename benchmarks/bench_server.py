@@ -10,12 +10,14 @@ Each engine is started as its own server process on 127.0.0.1 (a free port), on 
 same GGUF file: ``plinth serve`` and ``python -m llama_cpp.server`` (``pip install
 'llama-cpp-python[server]'``), both with ``--threads`` threads. For each client count N,
 N clients each send streaming chat completions (greedy, ``--max-tokens``, prompts from a
-fixed list) back to back for ``--duration`` seconds; requests in flight at the deadline
-run to their end and count. Printed per level: aggregate generated tokens/s (streamed
-tokens over the wall time of the level), p50/p99 time to first token and inter-token
-latency, requests completed, lost (a stream that broke or ended without ``[DONE]``: must
-be 0), refused (429/503, expected only above the server's queue bound) and other errors.
-A refused client waits the Retry-After the server sent and tries again.
+fixed list) back to back for ``--duration`` seconds, then every client stops (closing the
+streams still running). Printed per level: aggregate generated tokens/s (tokens streamed
+inside the window over its length), p50/p99 time to first token and inter-token latency,
+requests completed, still running at the deadline, lost (a stream that broke or ended
+without ``[DONE]``: must be 0), refused (429/503, expected only above the server's queue
+bound) and other errors. A refused client waits the Retry-After the server sent and tries
+again. llama-cpp-python's server runs with ``--interrupt_requests False``, so that it
+queues concurrent requests instead of ending the running one early (its default).
 
 ``--soak SECONDS`` runs one level of ``--clients`` for that long against plinth only and
 prints the server's resident memory at the start, every minute, and at the end.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -53,26 +56,29 @@ def _rss_mb(pid: int) -> float:
     return rss_mb(pid)
 
 
-async def _client(http, url: str, model: str, idx: int, deadline: float, max_tokens: int, out: dict) -> None:
+async def _client(http, url: str, model: str, idx: int, max_tokens: int, out: dict) -> None:
+    """Send requests back to back until cancelled (at the level's deadline)."""
     k = idx
-    while time.perf_counter() < deadline:
+    while True:
         body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": True}
         k += 1
         t0 = time.perf_counter()
-        first = last = None
-        n_tok = 0
+        last = None
         done = False
+        out["in_flight"] += 1
         try:
             async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
                 if r.status_code in (429, 503):
                     out["refused"] += 1
                     await r.aread()
+                    out["in_flight"] -= 1
                     await asyncio.sleep(float(r.headers.get("retry-after", "1")))
                     continue
                 if r.status_code != 200:
                     out["errors"] += 1
                     await r.aread()
+                    out["in_flight"] -= 1
                     continue
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
@@ -88,37 +94,68 @@ async def _client(http, url: str, model: str, idx: int, deadline: float, max_tok
                     if ch and ch[0].get("finish_reason") is None and delta.get("content") is not None and \
                             (delta["content"] or "role" not in delta):
                         now = time.perf_counter()
-                        if first is None:
-                            first = now
+                        if last is None:
                             out["ttft"].append(now - t0)
                         else:
                             out["itl"].append(now - last)
                         last = now
-                        n_tok += 1
+                        out["tokens"] += 1
+        except asyncio.CancelledError:
+            out["in_flight"] -= 1
+            out["cut"] += 1  # still running at the deadline: neither lost nor completed
+            raise
         except Exception as exc:  # a broken connection is a lost request
+            out["in_flight"] -= 1
             out["lost"] += 1
             out["why"].append(f"{type(exc).__name__}: {exc}")
             continue
+        out["in_flight"] -= 1
         if done:
             out["completed"] += 1
-            out["tokens"] += n_tok
-            out["t_end"] = max(out["t_end"], time.perf_counter())
         else:
             out["lost"] += 1
             out["why"].append("stream ended without [DONE]")
 
 
 async def _level(url: str, model: str, n: int, duration: float, max_tokens: int) -> dict:
+    """``n`` clients for ``duration`` seconds; tokens are counted as they arrive inside the window."""
     import httpx
 
     out = {"completed": 0, "lost": 0, "refused": 0, "errors": 0, "tokens": 0, "ttft": [], "itl": [], "why": [],
-           "t_end": 0.0}
+           "cut": 0, "in_flight": 0}
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         t0 = time.perf_counter()
-        deadline = t0 + duration
-        await asyncio.gather(*[_client(http, url, model, i, deadline, max_tokens, out) for i in range(n)])
-        out["wall"] = max(out["t_end"], deadline) - t0
+        tasks = [asyncio.create_task(_client(http, url, model, i, max_tokens, out)) for i in range(n)]
+        await asyncio.sleep(duration)
+        n_tokens = out["tokens"]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        out["tokens"] = n_tokens
+        out["wall"] = time.perf_counter() - t0 if duration <= 0 else duration
+    await asyncio.sleep(1.0)  # let the server see the closed streams before the next level
+    return out
+
+
+async def _soak(url: str, pid: int, n: int, duration: float, max_tokens: int) -> dict:
+    """``n`` clients for ``duration`` seconds, printing the server's RSS and the counts every minute."""
+    import httpx
+
+    out = {"completed": 0, "lost": 0, "refused": 0, "errors": 0, "tokens": 0, "ttft": [], "itl": [], "why": [],
+           "cut": 0, "in_flight": 0}
+    print(f"soak: {n} clients for {duration:.0f} s; server RSS at start {_rss_mb(pid):.1f} MiB", flush=True)
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(_client(http, url, "bench", i, max_tokens, out)) for i in range(n)]
+        while (left := duration - (time.perf_counter() - t0)) > 0:
+            await asyncio.sleep(min(60.0, left))
+            print(f"  {time.perf_counter() - t0:.0f} s: {out['completed']} completed, {out['lost']} lost, "
+                  f"{out['errors']} errors, {out['tokens']} tokens; RSS {_rss_mb(pid):.1f} MiB", flush=True)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return out
 
 
@@ -129,7 +166,7 @@ def _pct(xs: list[float], q: float) -> float:
 def _report(engine: str, n: int, r: dict) -> str:
     tps = r["tokens"] / r["wall"]
     return (f"| {engine} | {n} | {tps:.1f} | {_pct(r['ttft'], 50):.0f} | {_pct(r['ttft'], 99):.0f} | "
-            f"{_pct(r['itl'], 50):.1f} | {_pct(r['itl'], 99):.1f} | {r['completed']} | {r['lost']} | "
+            f"{_pct(r['itl'], 50):.1f} | {_pct(r['itl'], 99):.1f} | {r['completed']} | {r['cut']} | {r['lost']} | "
             f"{r['refused']} | {r['errors']} |")
 
 
@@ -145,7 +182,9 @@ def _start(engine: str, path: str, port: int, args: argparse.Namespace, log: Pat
     else:
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", path, "--model_alias", "bench", "--host",
                "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch",
-               str(args.threads), "--n_ctx", str(args.n_ctx), "--verbose", "False"]
+               str(args.threads), "--n_ctx", str(args.n_ctx), "--verbose", "False",
+               # queue concurrent requests instead of cutting the running one short (its default)
+               "--interrupt_requests", "False"]
     return served(cmd, port, timeout=300, log=log, env=env)
 
 
@@ -184,32 +223,28 @@ def main(argv: list[str] | None = None) -> int:
         n = levels[0]
         with _start("plinth", path, free_port(), args, log_dir / "plinth-soak.log") as srv:
             asyncio.run(_level(srv.url, "bench", n, 5.0, args.max_tokens))  # warm up
-            print(f"soak: {n} clients for {args.soak:.0f} s; RSS at start {_rss_mb(srv.pid):.1f} MiB", flush=True)
-            total = {"completed": 0, "lost": 0, "refused": 0, "errors": 0, "tokens": 0}
-            t_end = time.perf_counter() + args.soak
-            while time.perf_counter() < t_end:
-                r = asyncio.run(_level(srv.url, "bench", n, min(60.0, t_end - time.perf_counter()), args.max_tokens))
-                for key in total:
-                    total[key] += r[key]
-                print(f"  +{r['wall']:.0f} s: {r['completed']} completed, {r['lost']} lost, {r['refused']} refused, "
-                      f"{r['errors']} errors, {r['tokens'] / r['wall']:.1f} tok/s; RSS {_rss_mb(srv.pid):.1f} MiB",
-                      flush=True)
-                for why in r["why"][:3]:
-                    print(f"    lost: {why}")
-            print(f"soak done: {total['completed']} completed, {total['lost']} lost, {total['refused']} refused, "
-                  f"{total['errors']} errors; RSS at end {_rss_mb(srv.pid):.1f} MiB")
-        return 0 if total["lost"] == 0 and total["errors"] == 0 else 1
+            r = asyncio.run(_soak(srv.url, srv.pid, n, args.soak, args.max_tokens))
+            print(f"soak done: {r['completed']} completed, {r['cut']} running at the end, {r['lost']} lost, "
+                  f"{r['refused']} refused, {r['errors']} errors, {r['tokens'] / args.soak:.1f} tok/s; "
+                  f"RSS at end {_rss_mb(srv.pid):.1f} MiB")
+            for why in r["why"][:5]:
+                print(f"    lost: {why}")
+        return 0 if r["lost"] == 0 and r["errors"] == 0 else 1
 
-    print("| engine | clients | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | completed | lost | "
-          "refused (429/503) | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| engine | clients | tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | completed | "
+          "running at the end | lost | refused (429/503) | errors | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[tuple[str, int], dict] = {}
-    for engine in engines:
-        with _start(engine, path, free_port(), args, log_dir / f"{engine}.log") as srv:
-            asyncio.run(_level(srv.url, "bench", 2, 3.0, 8))  # warm up
-            for n in levels:
-                r = results[(engine, n)] = asyncio.run(_level(srv.url, "bench", n, args.duration, args.max_tokens))
-                print(_report(engine, n, r), flush=True)
+    with contextlib.ExitStack() as stack:
+        # both servers up at once (an idle one takes no CPU), each level run on one engine then the
+        # other, so that the machine's load changes as little as possible between the two
+        urls = {e: stack.enter_context(_start(e, path, free_port(), args, log_dir / f"{e}.log")).url for e in engines}
+        for e in engines:
+            asyncio.run(_level(urls[e], "bench", 2, 3.0, 8))  # warm up
+        for n in levels:
+            for e in engines:
+                r = results[(e, n)] = asyncio.run(_level(urls[e], "bench", n, args.duration, args.max_tokens))
+                print(_report(e, n, r) + f" {os.getloadavg()[0]:.1f} |", flush=True)
                 for why in r["why"][:3]:
                     print(f"    lost: {why}")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
