@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/bench_server.py [-m smollm2-135m-instruct] [--clients 1,4,16,64] [--duration 30]
-        [--engines plinth,llama-cpp] [--max-tokens 64] [--threads 2] [--max-batch 16] [--max-queue 32]
+        [--engines plinth,llama-cpp] [--max-tokens 128] [--threads 2] [--max-batch 16] [--max-queue 32]
     python benchmarks/bench_server.py --soak 600 --clients 8 --engines plinth     # the 10-minute soak
 
 Each engine is started as its own server process on 127.0.0.1 (a free port), on the
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="1,4,16,64")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per client level (default 30)")
     ap.add_argument("--engines", default="plinth,llama-cpp")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-batch", type=int, default=16, help="plinth's --max-batch (default 16)")
     ap.add_argument("--max-queue", type=int, default=32, help="plinth's --max-queue (default 32)")

@@ -384,3 +384,35 @@ def test_chat_page(server):
     r = httpx.get(server + "/", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "/v1/chat/completions" in r.text
+
+
+# ---------------------------------------------------------------- the real model (opt-in: -m real)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_model_greedy_chat_eight_clients_equal_generate(request, tmp_path, capsys):
+    """SmolLM2 through the server, 8 concurrent chat clients, equals `plinth generate --chat --temperature 0`."""
+    if "real" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("opt-in: run with -m real (SmolLM2 decoding 8 answers twice takes minutes on 2 cores)")
+    from plinth import hub
+
+    path = hub.resolve_model("smollm2-135m-instruct")
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello.",
+                 "What is a plinth?", "Give me a word that rhymes with cat.", "What do bees make?",
+                 "Which planet is the largest?"]
+    want = {q: generate_cli(capsys, path, q, "--chat", "-n", "24", "--temperature", "0") for q in questions}
+    with _serve(path, tmp_path, "--max-batch", "8", "--n-ctx", "1024") as srv:
+        c = client(srv.url)
+        model = c.models.list().data[0].id
+        start = threading.Barrier(len(questions), timeout=TIMEOUT)
+
+        def ask(q: str) -> str:
+            start.wait()
+            stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": q}],
+                                               max_tokens=24, temperature=0, stream=True)
+            return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+        with cf.ThreadPoolExecutor(len(questions)) as pool:
+            got = dict(zip(questions, pool.map(ask, questions, timeout=600)))
+        assert got == want
