@@ -311,7 +311,9 @@ class Scheduler:
                 k = len(draft)
                 b = Batch.from_tokens([req.history[-1], *draft.tokens], start=pos, seq=req.seq,
                                       output="all" if k else "last")
-                snap = cache.snapshot(req.seq) if (k and self.ctx.recurrent) else None
+                # rows that cannot simply be cut again later (recurrent state, ...) need a snapshot
+                snap = cache.snapshot(req.seq) if k and self.ctx.rollback_plan(req.seq, pos, pos + k + 1) == \
+                    "snapshot" else None
                 plan.append((req, "decode", row, (pos, who, draft, snap)))
             parts.append(b)
             row += b.n_rows
