@@ -332,7 +332,7 @@ class Scheduler:
                 continue
             if kind == "prefill":
                 n = detail
-                self._show(req, "prefill", batch, out, first, n)
+                self._show(req, "prefill", batch, out, first, n, where)
                 req.n_prefilled += n
                 if not req.prefilling:
                     lg = logits[where[first + n - 1]]
@@ -345,16 +345,19 @@ class Scheduler:
         self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
         self._note_cache()
 
-    def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int) -> None:
-        """Hand ``req``'s rows of this forward to every drafter (``process``)."""
+    def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int,
+              where: dict[int, int]) -> None:
+        """Hand ``req``'s rows of this forward to every drafter (``process``), with their logits."""
         if not req.speculative:
             return
         rows = slice(first, first + n)
+        mine = [where[r] for r in range(first, first + n) if r in where]
+        logits = out.logits[mine] if mine and out.logits is not None else None
         for drafter, r in zip(self.drafters, self.requirements):
             feats = {t: out.features[t][rows] for t in r.taps if t in out.features}
             drafter.process(TargetOutput(seq=req.seq, kind=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
-                                         has_embeddings=False, logits=None))
+                                         has_embeddings=False, logits=logits))
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
                 first: int, pos: int, who: int, draft: Draft, snap: Any) -> None:
@@ -378,7 +381,7 @@ class Scheduler:
             res = req.verifier.verify(list(draft.tokens), draft.probs, probs, req.rng)
         a, nxt = int(res.n_accepted), int(res.next_token)
         req.stats.verify_s += time.perf_counter() - t0
-        self._show(req, "verify", batch, out, first, k + 1)
+        self._show(req, "verify", batch, out, first, k + 1, where)
         t0 = time.perf_counter()
         if a < k:
             self._rollback(req, pos, [req.history[-1], *draft.tokens[:a]], snap)
