@@ -156,6 +156,13 @@ async def _soak(url: str, pid: int, n: int, duration: float, max_tokens: int) ->
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # the streams cut at the end must leave the server idle with an empty cache
+        for _ in range(300):
+            health = (await http.get(url + "/health")).json()
+            if not health["active"] and not health["cache_tokens"]:
+                break
+            await asyncio.sleep(0.1)
+        print(f"after the clients stopped: {health['active']} active, {health['cache_tokens']} cache rows", flush=True)
     return out
 
 
