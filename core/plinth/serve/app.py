@@ -229,7 +229,10 @@ def build_app(server: Server) -> Starlette:
             queue: asyncio.Queue[Event] = asyncio.Queue()
 
             def emit(ev: Event) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, ev)
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+                except RuntimeError:  # the event loop is closed: the server is stopping
+                    pass
 
             req = Request(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, emit=emit, stop=p.stop,
                           logprobs=p.logprobs, speculative=p.speculative)
