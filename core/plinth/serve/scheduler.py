@@ -417,7 +417,7 @@ class Scheduler:
         hit_stop = False
         for token, lg in req.pending:
             if tok.is_eog(token):
-                finish = "stop"
+                finish, req.stats.stop_reason = "stop", "end of generation token"
                 break
             req.history.append(token)
             req.n_generated += 1
@@ -437,9 +437,11 @@ class Scheduler:
                 if hit >= 0:
                     req.text = req.text[:hit]
                     finish, hit_stop = "stop", True
+                    req.stats.stop_reason = "stop string"
                     break
             if req.n_generated >= req.max_tokens or len(req.history) >= self.model.n_ctx:
                 finish = "length"
+                req.stats.stop_reason = "max tokens" if req.n_generated >= req.max_tokens else "context full"
                 break
         req.pending = []
         if finish is not None:
@@ -492,7 +494,7 @@ class Scheduler:
                 self._free.append(req.seq)
                 self._free.sort()
         self.metrics.requests_finished[reason] += 1
-        req.stats.stop_reason = reason
+        req.stats.stop_reason = req.stats.stop_reason or reason
         stats = req.stats.as_dict()
         if req.t_first is not None:
             stats["ttft_s"] = req.t_first - req.t_submit
