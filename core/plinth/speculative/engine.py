@@ -142,6 +142,37 @@ class SpecStats(GenerationStats):
                 f"verify {self.verify_s:.2f} s, rollback {self.rollback_s:.2f} s")
 
 
+def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecConfig, seq: int,
+            history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
+    """One draft for ``seq``: the first drafter's non-empty draft after ``config``'s controls.
+
+    Returns (index of the drafter, its draft), or (-1, an empty draft) when none drafts. The
+    speculative loop and the server's batched scheduler both draft through it.
+    """
+    for i, (drafter, req) in enumerate(zip(drafters, requirements)):
+        n = min(n_max, req.max_draft) if req.max_draft is not None else n_max
+        if n <= 0:
+            continue
+        d = drafter.draft(seq, n, history=history, pos=pos)
+        if d is None:
+            continue
+        if not isinstance(d, Draft):  # a plain sequence of token ids is accepted too
+            d = Draft(tokens=tuple(int(t) for t in d))
+        if not len(d):
+            continue
+        d = d.truncated(n)
+        if config.p_min > 0.0:
+            conf = d.confidence()
+            if conf is not None:
+                low = np.nonzero(conf < config.p_min)[0]
+                if low.size:
+                    d = d.truncated(int(low[0]))
+        if len(d) == 0 or len(d) < config.n_min:
+            continue
+        return i, d
+    return -1, Draft()
+
+
 class SpeculativeGenerator(Generator):
     """A :class:`Generator` whose decode steps verify drafts in one target forward.
 
@@ -190,29 +221,7 @@ class SpeculativeGenerator(Generator):
 
     def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
         """The first drafter's non-empty draft after the controls; (-1, empty) when none drafts."""
-        cfg = self.config
-        for i, (drafter, req) in enumerate(zip(self.drafters, self.requirements)):
-            n = min(n_max, req.max_draft) if req.max_draft is not None else n_max
-            if n <= 0:
-                continue
-            d = drafter.draft(self.seq, n, history=history, pos=pos)
-            if d is None:
-                continue
-            if not isinstance(d, Draft):  # a plain sequence of token ids is accepted too
-                d = Draft(tokens=tuple(int(t) for t in d))
-            if not len(d):
-                continue
-            d = d.truncated(n)
-            if cfg.p_min > 0.0:
-                conf = d.confidence()
-                if conf is not None:
-                    low = np.nonzero(conf < cfg.p_min)[0]
-                    if low.size:
-                        d = d.truncated(int(low[0]))
-            if len(d) == 0 or len(d) < cfg.n_min:
-                continue
-            return i, d
-        return -1, Draft()
+        return propose(self.drafters, self.requirements, self.config, self.seq, history, pos, n_max)
 
     def _target_probs(self, logits: np.ndarray, history: list[int], draft: Sequence[int]) -> np.ndarray:
         rows = [self.sampler.probs(logits[i], history + list(draft[:i])) for i in range(len(draft) + 1)]

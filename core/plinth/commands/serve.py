@@ -1,0 +1,92 @@
+"""``plinth serve``: the OpenAI-compatible server (see docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .generate import _spec_args, _spec_names
+from .models import MODEL_HELP
+
+
+def _int_in(lo: int, hi: int | None = None) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
+        return v
+
+    return parse
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with a chat page",
+                       description="Serve MODEL at http://HOST:PORT/: /v1/completions, /v1/chat/completions "
+                       "(SSE streaming), /v1/models, /health, /metrics (Prometheus) and a chat page at /. "
+                       "Concurrent requests decode together in one batch. Needs `pip install 'plinth[serve]'`.")
+    p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=_int_in(1, 65535), default=8080, help="port (default 8080)")
+    p.add_argument("--model-alias", default=None,
+                   help="the model id clients name (default: the model file's name without .gguf)")
+    p.add_argument("--n-ctx", type=_int_in(16), default=None,
+                   help="context length per sequence (default: the model's training context)")
+    p.add_argument("--max-batch", type=_int_in(1, 1024), default=16,
+                   help="requests decoding together at most (default 16)")
+    p.add_argument("--max-queue", type=_int_in(0), default=64,
+                   help="requests waiting for a place at most; more get 429 (default 64)")
+    p.add_argument("--prefill-chunk", type=_int_in(1), default=256,
+                   help="prompt tokens run per step over all new requests (default 256)")
+    p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    _spec_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ..errors import UserError
+
+    if args.spec_synthetic is not None:
+        raise UserError("--spec-synthetic is for benchmarks of `plinth generate`; a server must return the "
+                        "model's own text")
+    try:
+        import uvicorn
+
+        from ..serve.app import Server, build_app
+    except ImportError as exc:
+        raise UserError(f"plinth serve needs the 'serve' extra ({exc.name} is missing): "
+                        "pip install 'plinth[serve]'") from None
+    from .. import hub
+    from ..model import load_model
+    from ..serve.scheduler import Scheduler
+    from ..speculative.engine import SpecConfig
+
+    names = _spec_names(args)
+    model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
+                       n_ctx=args.n_ctx, progress=True)
+    drafters = []
+    if names:
+        options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
+                   "backend": args.backend, "ngram_max": args.spec_ngram_max, "ngram_min": args.spec_ngram_min,
+                   "progress": True, "temperature": 0.0}
+        drafters = [args.registry.make_drafter(n, model, options) for n in names]
+    spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
+    sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
+                      prefill_chunk=args.prefill_chunk, registry=args.registry)
+    stem = Path(str(model.path)).name
+    stem = stem[:-5] if stem.endswith(".gguf") else stem
+    aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)
+    server = Server(model, sched, args.model_alias or stem, aliases=aliases, spec_names=tuple(names))
+    app = build_app(server)
+    print(f"plinth serve: {server.model_id} ({model.arch}, n_ctx {model.n_ctx}, batch {args.max_batch}, queue "
+          f"{args.max_queue}{', speculative ' + ','.join(names) if names else ''}) on http://{args.host}:{args.port}/",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0

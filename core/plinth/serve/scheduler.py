@@ -1,0 +1,503 @@
+"""Continuous batching: one thread runs every admitted request through shared forwards.
+
+Each step builds one :class:`~plinth.context.Batch` holding, for every active request,
+
+* a chunk of its prompt while it is prefilling (the chunks of all prefilling requests
+  share a per-step token budget, ``prefill_chunk``), or
+* one row — its last decided token — while it decodes, or ``[last, d_1..d_k]`` when a
+  drafter proposed ``d_1..d_k`` for it (speculative decoding, verified in the same forward),
+
+runs one :meth:`Context.forward` over it, then samples / verifies each request's rows with
+that request's own sampler and random state. A request leaves the batch on an
+end-of-generation token, its token budget, the context limit, a stop string or a
+cancel (client gone), and its cache rows are freed at once. New requests wait in a bounded
+queue and join the running batch at the next step.
+
+Greedy output equals a solo :class:`plinth.generate.Generator` run: a request's rows see
+only its own cache (the sequence id keeps them apart), and verification keeps exactly the
+tokens greedy decoding would have produced.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import attrs
+import numpy as np
+
+from ..context import Batch
+from ..sampling import Sampler, SamplerConfig
+from ..speculative.base import Draft, TargetOutput, check_compatible
+from ..speculative.engine import SpecConfig, SpecStats, propose
+from ..speculative.verify import GreedyVerifier, make_verifier
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the client should retry later."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler is stopping and takes no new requests."""
+
+
+@attrs.frozen
+class TokenInfo:
+    """One emitted token: its id and, when asked for, its log-probability and the top alternatives."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
+class Event:
+    """What the scheduler tells a request's handler: new text and tokens, or the end.
+
+    finish: None while running; "stop" (end-of-generation token or stop string),
+    "length" (max_tokens or the context), "cancelled" or "error" at the end.
+    """
+
+    text: str = ""
+    tokens: tuple[TokenInfo, ...] = ()
+    finish: str | None = None
+    error: str | None = None
+    stats: dict[str, Any] | None = None
+
+
+@attrs.define(eq=False)
+class Request:
+    """One generation request and its running state (owned by the scheduler thread once admitted)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplerConfig
+    emit: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
+    speculative: bool = True
+    id: int = attrs.field(factory=itertools.count().__next__)
+    # running state
+    seq: int = -1
+    n_prefilled: int = 0
+    history: list[int] = attrs.field(factory=list)
+    pending: list[tuple[int, Any]] = attrs.field(factory=list)  # decided tokens with their logits rows
+    n_generated: int = 0
+    cancelled: bool = False
+    done: bool = False
+    sampler: Any = None
+    rng: Any = None
+    verifier: Any = None
+    decoder: Any = None
+    text: str = ""  # decoded text not yet sent (held back while it may start a stop string)
+    stats: SpecStats = attrs.field(factory=SpecStats)
+    t_submit: float = attrs.field(factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.n_prefilled < len(self.prompt_ids)
+
+
+@attrs.define
+class Metrics:
+    """Counters the /metrics endpoint reads (written by the scheduler thread only)."""
+
+    requests_finished: collections.Counter = attrs.field(factory=collections.Counter)  # finish reason -> n
+    tokens_in: int = 0
+    tokens_out: int = 0
+    steps: int = 0
+    forward_s: float = 0.0
+    ttft: list[float] = attrs.field(factory=list)  # recent times to first token (bounded)
+    itl: list[float] = attrs.field(factory=list)  # recent inter-token latencies (bounded)
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    spec: dict[str, list[int]] = attrs.field(factory=dict)  # drafter -> [drafts, drafted, accepted]
+    recent: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))  # (time, n_out)
+
+    def observe_ttft(self, s: float) -> None:
+        self.ttft_sum += s
+        self.ttft_count += 1
+        self.ttft.append(s)
+        del self.ttft[:-1024]
+
+    def observe_itl(self, s: float) -> None:
+        self.itl.append(s)
+        del self.itl[:-4096]
+
+    def decode_tps(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        n = sum(k for t, k in list(self.recent) if now - t <= window)
+        return n / window
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities of one logits row [n_vocab]."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+class Scheduler:
+    """Owns one context (one multi-sequence KV cache) and the thread that steps it.
+
+    model: a loaded :class:`plinth.model.Model`.
+    drafters: drafter objects shared by all requests (each keeps per-sequence state);
+        empty for no speculation.
+    max_batch: sequences decoding together (and cache sequences in use) at most.
+    max_queue: requests waiting for a place at most, beyond those the batch can take now; one
+        more raises :class:`QueueFull`.
+    prefill_chunk: prompt tokens run per step over all prefilling requests.
+    """
+
+    def __init__(self, model: Any, *, drafters: Sequence[Any] = (), spec: SpecConfig | None = None,
+                 max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 256, registry: Any = None) -> None:
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.drafters = list(drafters)
+        self.requirements = [check_compatible(model, d) for d in self.drafters]
+        self.drafter_names = [str(getattr(d, "name", type(d).__name__)) for d in self.drafters]
+        self.spec = spec or SpecConfig()
+        self.registry = registry
+        taps = sorted({int(t) for r in self.requirements for t in r.taps})
+        self.ctx = model.new_context(taps=taps)
+        self.max_batch = int(max_batch)
+        self.max_queue = int(max_queue)
+        self.prefill_chunk = int(prefill_chunk)
+        self.metrics = Metrics()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._active: list[Request] = []
+        self._free = list(range(self.max_batch))
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._cache_usage = (0, 0)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="plinth-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises :class:`QueueFull` past the bound."""
+        with self._cond:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            # the waiting requests fill the free places first; beyond those at most max_queue wait
+            if len(self._waiting) >= len(self._free) + self.max_queue:
+                raise QueueFull(f"{self.max_batch - len(self._free)} requests are running and "
+                                f"{len(self._waiting)} waiting (the bound is {self.max_queue})")
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def cancel(self, req: Request) -> None:
+        """Ask for ``req`` to end (its client went away); its rows are freed at the next step."""
+        req.cancelled = True
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def n_active(self) -> int:
+        return len(self._active)
+
+    def cache_tokens(self) -> int:
+        """Rows held in the KV cache over all sequences (0 when idle), as of the last step or finish."""
+        return self._cache_usage[0]
+
+    def cache_seqs(self) -> int:
+        """Sequences holding cache rows, as of the last step or finish."""
+        return self._cache_usage[1]
+
+    def _note_cache(self) -> None:
+        """Record the cache's size for other threads (only the scheduler thread reads the cache itself)."""
+        cache = self.ctx.cache
+        seqs = cache.seqs()
+        self._cache_usage = (int(sum(cache.n_cached(s) for s in seqs)), len(seqs))
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._active and not self._waiting:
+                    self._cond.wait(1.0)
+                if self._stop:
+                    break
+                self._admit()
+            self._reap()
+            if self._active:
+                try:
+                    self._step()
+                except Exception as exc:  # a failed forward ends the requests it carried
+                    self.ctx.cache.rollback_pending()
+                    for req in list(self._active):
+                        self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+        for req in list(self._active) + list(self._waiting):
+            self._finish(req, "cancelled", error="the server is shutting down")
+
+    def _admit(self) -> None:
+        """Move waiting requests into free sequences (called with the lock held)."""
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            if req.cancelled:
+                req.done = True
+                req.emit(Event(finish="cancelled"))
+                continue
+            req.seq = self._free.pop(0)
+            req.history = list(req.prompt_ids)
+            req.sampler = Sampler(req.sampling)
+            req.rng = np.random.default_rng(req.sampling.seed)
+            req.decoder = self.tokenizer.incremental_decoder(skip_special=True)
+            req.stats = SpecStats(n_prompt=len(req.prompt_ids))
+            use_spec = req.speculative and bool(self.drafters)
+            req.speculative = use_spec
+            if use_spec:
+                name = self.spec.verifier
+                if name == "auto" or (name == "greedy" and not req.sampling.greedy):
+                    name = "greedy" if req.sampling.greedy else "rejection"
+                req.verifier = make_verifier(name, self.registry if name not in ("greedy", "rejection") else None)
+                for d in self.drafters:
+                    d.begin(req.seq, list(req.prompt_ids))
+            self.metrics.tokens_in += len(req.prompt_ids)
+            self._active.append(req)
+
+    def _reap(self) -> None:
+        for req in list(self._active):
+            if req.cancelled:
+                self._finish(req, "cancelled")
+
+    def _step(self) -> None:
+        model, cache = self.model, self.ctx.cache
+        parts: list[Batch] = []
+        plan: list[tuple[Request, str, int, Any]] = []  # (request, kind, first row, detail)
+        row = 0
+        budget = self.prefill_chunk
+        for req in self._active:
+            if req.prefilling:
+                if budget <= 0:
+                    continue
+                n = min(budget, len(req.prompt_ids) - req.n_prefilled)
+                budget -= n
+                start = req.n_prefilled
+                last = start + n == len(req.prompt_ids)
+                b = Batch.from_tokens(req.prompt_ids[start:start + n], start=start, seq=req.seq,
+                                      output="last" if last else "none")
+                plan.append((req, "prefill", row, n))
+            else:
+                pos = cache.next_position(req.seq)
+                n_max = min(self.spec.n_max, req.max_tokens - req.n_generated - 1, model.n_ctx - pos - 1)
+                who, draft = -1, Draft()
+                if req.speculative and n_max > 0:
+                    t0 = time.perf_counter()
+                    who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history, pos,
+                                         n_max)
+                    req.stats.draft_s += time.perf_counter() - t0
+                k = len(draft)
+                b = Batch.from_tokens([req.history[-1], *draft.tokens], start=pos, seq=req.seq,
+                                      output="all" if k else "last")
+                # rows that cannot simply be cut again later (recurrent state, ...) need a snapshot
+                snap = cache.snapshot(req.seq) if k and self.ctx.rollback_plan(req.seq, pos, pos + k + 1) == \
+                    "snapshot" else None
+                plan.append((req, "decode", row, (pos, who, draft, snap)))
+            parts.append(b)
+            row += b.n_rows
+        if not parts:
+            return
+        batch = parts[0] if len(parts) == 1 else Batch.concat(parts)
+        t0 = time.perf_counter()
+        out = self.ctx.forward(batch)
+        logits = np.asarray(model.backend.to_numpy(out.logits)) if out.logits is not None else None
+        self.metrics.forward_s += time.perf_counter() - t0
+        self.metrics.steps += 1
+        where = {int(r): i for i, r in enumerate(np.asarray(out.rows))}
+        n_out_before = self.metrics.tokens_out
+        for req, kind, first, detail in plan:
+            if req.done:
+                continue
+            if kind == "prefill":
+                n = detail
+                self._show(req, "prefill", batch, out, first, n, where)
+                req.n_prefilled += n
+                if not req.prefilling:
+                    lg = logits[where[first + n - 1]]
+                    token = req.sampler.sample(lg, req.history).token
+                    req.pending = [(token, lg)]
+                    self._emit_pending(req)
+            else:
+                self._verify(req, batch, out, logits, where, first, *detail)
+        now = time.perf_counter()
+        self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
+        self._note_cache()
+
+    def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int,
+              where: dict[int, int]) -> None:
+        """Hand ``req``'s rows of this forward to every drafter (``process``), with their logits."""
+        if not req.speculative:
+            return
+        rows = slice(first, first + n)
+        mine = [where[r] for r in range(first, first + n) if r in where]
+        logits = out.logits[mine] if mine and out.logits is not None else None
+        for drafter, r in zip(self.drafters, self.requirements):
+            feats = {t: out.features[t][rows] for t in r.taps if t in out.features}
+            drafter.process(TargetOutput(seq=req.seq, kind=kind, tokens=batch.tokens[rows],
+                                         positions=batch.positions[rows], features=feats,
+                                         has_embeddings=False, logits=logits))
+
+    def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
+                first: int, pos: int, who: int, draft: Draft, snap: Any) -> None:
+        """Decide ``req``'s next tokens from its rows: a plain sample, or (speculative) a verified draft.
+
+        A speculative request goes through its verifier even without a draft, as the solo
+        speculative loop does, so a seeded request draws the same random numbers in both.
+        """
+        k = len(draft)
+        lg = logits[[where[first + i] for i in range(k + 1)]]
+        if not req.speculative:
+            req.pending = [(req.sampler.sample(lg[0], req.history).token, lg[0])]
+            req.stats.n_steps += 1
+            self._emit_pending(req)
+            return
+        t0 = time.perf_counter()
+        if isinstance(req.verifier, GreedyVerifier) and req.sampling.repetition_penalty == 1.0:
+            res = GreedyVerifier.verify_argmax(draft.tokens, lg.argmax(axis=-1))
+        else:
+            probs = np.stack([req.sampler.probs(lg[i], req.history + list(draft.tokens[:i])) for i in range(k + 1)])
+            res = req.verifier.verify(list(draft.tokens), draft.probs, probs, req.rng)
+        a, nxt = int(res.n_accepted), int(res.next_token)
+        req.stats.verify_s += time.perf_counter() - t0
+        self._show(req, "verify", batch, out, first, k + 1, where)
+        t0 = time.perf_counter()
+        if a < k:
+            self._rollback(req, pos, [req.history[-1], *draft.tokens[:a]], snap)
+        for d in self.drafters:
+            d.accept(req.seq, a)
+        req.stats.rollback_s += time.perf_counter() - t0
+        if k:
+            req.stats.record(self.drafter_names[who], k, a)
+            row = self.metrics.spec.setdefault(self.drafter_names[who], [0, 0, 0])
+            row[0] += 1
+            row[1] += k
+            row[2] += a
+        req.pending = [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])]
+        req.stats.n_steps += 1
+        self._emit_pending(req)
+
+    def _rollback(self, req: Request, pos: int, kept: list[int], snap: Any) -> None:
+        """Drop ``req``'s rows past the kept ones: a crop, or for a recurrent target a restore of
+        the snapshot taken before the step and a replay of the kept rows."""
+        if snap is None:
+            self.ctx.cache.seq_rm(req.seq, pos + len(kept))
+            return
+        self.ctx.cache.restore(snap)
+        self.ctx.forward(Batch.from_tokens(kept, start=pos, seq=req.seq, output="none"))
+
+    # ------------------------------------------------------------------ output
+
+    def _emit_pending(self, req: Request) -> None:
+        """Record the decided tokens, send their text, and end the request when it is done."""
+        tok = self.tokenizer
+        infos: list[TokenInfo] = []
+        finish = None
+        hit_stop = False
+        for token, lg in req.pending:
+            if tok.is_eog(token):
+                finish, req.stats.stop_reason = "stop", "end of generation token"
+                break
+            req.history.append(token)
+            req.n_generated += 1
+            req.stats.n_generated += 1
+            self.metrics.tokens_out += 1
+            now = time.perf_counter()
+            if req.t_first is None:
+                req.t_first = now
+                self.metrics.observe_ttft(now - req.t_submit)
+            elif req.t_last is not None:
+                self.metrics.observe_itl(now - req.t_last)
+            req.t_last = now
+            infos.append(self._token_info(req, token, lg))
+            req.text += req.decoder.feed(token)
+            if req.stop:
+                hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    req.text = req.text[:hit]
+                    finish, hit_stop = "stop", True
+                    req.stats.stop_reason = "stop string"
+                    break
+            if req.n_generated >= req.max_tokens or len(req.history) >= self.model.n_ctx:
+                finish = "length"
+                req.stats.stop_reason = "max tokens" if req.n_generated >= req.max_tokens else "context full"
+                break
+        req.pending = []
+        if finish is not None:
+            if not hit_stop:  # the last bytes of an unfinished character, as plain generation prints them
+                req.text += req.decoder.flush()
+            text, req.text = req.text, ""
+            if infos or text:
+                req.emit(Event(text=text, tokens=tuple(infos)))
+            self._finish(req, finish)
+            return
+        # hold back a tail that could be the start of a stop string
+        keep = 0
+        for s in req.stop:
+            for n in range(min(len(s) - 1, len(req.text)), 0, -1):
+                if req.text.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        text = req.text[:len(req.text) - keep]
+        req.text = req.text[len(req.text) - keep:]
+        if infos or text:
+            req.emit(Event(text=text, tokens=tuple(infos)))
+
+    def _token_info(self, req: Request, token: int, lg: Any) -> TokenInfo:
+        if req.logprobs is None:
+            return TokenInfo(token)
+        lp = log_softmax(lg)
+        top: tuple[tuple[int, float], ...] = ()
+        if req.logprobs > 0:
+            ids = np.argpartition(-lp, req.logprobs)[:req.logprobs]
+            ids = ids[np.argsort(-lp[ids], kind="stable")]
+            top = tuple((int(i), float(lp[i])) for i in ids)
+        return TokenInfo(token, float(lp[token]), top)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End ``req``: free its sequence (cache rows, drafter state) and send the last event."""
+        if req.done:
+            return
+        req.done = True
+        if req in self._active:
+            self._active.remove(req)
+        if req.seq >= 0:
+            self.ctx.cache.clear(req.seq)
+            self._note_cache()
+            if req.speculative:
+                for d in self.drafters:
+                    end = getattr(d, "end", None)
+                    if end is not None:
+                        end(req.seq)
+            with self._cond:
+                self._free.append(req.seq)
+                self._free.sort()
+        self.metrics.requests_finished[reason] += 1
+        req.stats.stop_reason = req.stats.stop_reason or reason
+        stats = req.stats.as_dict()
+        if req.t_first is not None:
+            stats["ttft_s"] = req.t_first - req.t_submit
+            if req.t_last is not None and req.n_generated > 1:
+                stats["decode_tps"] = (req.n_generated - 1) / max(req.t_last - req.t_first, 1e-9)
+        req.emit(Event(finish=reason, error=error, stats=stats))

@@ -1,0 +1,216 @@
+"""The continuous-batching scheduler of `plinth serve`, in process (no HTTP).
+
+Several requests run together through one multi-sequence cache and must each produce
+exactly what a solo run produces: plain greedy vs :class:`Generator`, speculative
+(oracle, random and prompt-lookup drafters; a KV target and a recurrent target) vs
+greedy decoding, and seeded sampling with rejection verification vs the solo
+:class:`SpeculativeGenerator` with the same seed. Cancelled and finished requests
+leave the cache empty; the queue bound raises :class:`QueueFull`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import plinth
+import pytest
+from plinth.generate import Generator
+from plinth.sampling import Sampler, SamplerConfig
+from plinth.serve.scheduler import Event, QueueFull, Request, Scheduler
+from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+from plinth.speculative.ngram import NgramDrafter
+from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+from plinth.testing.drafters import OracleDrafter, RandomDrafter
+from plinth.testing.recurrent import recurrent_plugin, write_toy_recurrent
+
+PROMPTS = [b"Hello there", b"abcabcabcabc", b"The sea is the sea is", b"1 2 3 1 2 3 1 2", b"x", b"plinth serves"]
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def registry():
+    from plinth_llama.plugin import plugin
+
+    return make_registry(plugin, recurrent_plugin())
+
+
+@pytest.fixture(scope="module")
+def tiny(registry, tmp_path_factory):
+    md = tiny_metadata("llama", n_vocab=257, n_ctx=512) | byte_vocab()
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("sched") / "tiny.gguf", "llama", md, registry, seed=4)
+    return plinth.load_model(path, registry=registry)
+
+
+@pytest.fixture(scope="module")
+def recurrent(registry, tmp_path_factory):
+    return plinth.load_model(write_toy_recurrent(tmp_path_factory.mktemp("sched") / "rec.gguf", seed=3),
+                             registry=registry)
+
+
+def ids(prompt: bytes) -> list[int]:
+    return list(prompt)  # the byte vocabulary: token id = byte
+
+
+def run(sched: Scheduler, specs: list[tuple[list[int], int, SamplerConfig]]) -> list[list[int]]:
+    """Submit every request at once, run them to the end, return each one's token ids."""
+    out: list[list[int]] = [[] for _ in specs]
+    finished = threading.Semaphore(0)
+    reasons: list[str | None] = [None] * len(specs)
+
+    def emitter(i: int):
+        def emit(ev: Event) -> None:
+            out[i].extend(t.token for t in ev.tokens)
+            if ev.finish is not None:
+                reasons[i] = ev.finish
+                finished.release()
+        return emit
+
+    reqs = [Request(prompt_ids=p, max_tokens=n, sampling=s, emit=emitter(i)) for i, (p, n, s) in enumerate(specs)]
+    with sched._cond:  # hold the loop so that all requests join the first step together
+        for r in reqs:
+            sched.submit(r)
+    for _ in reqs:
+        assert finished.acquire(timeout=TIMEOUT), "a request did not finish in time"
+    assert all(r in ("stop", "length") for r in reasons), reasons
+    return out
+
+
+@pytest.fixture
+def started():
+    scheds: list[Scheduler] = []
+
+    def make(*args, **kw) -> Scheduler:
+        s = Scheduler(*args, **kw)
+        s.start()
+        scheds.append(s)
+        return s
+
+    yield make
+    for s in scheds:
+        s.stop()
+
+
+GREEDY = SamplerConfig(temperature=0.0)
+
+
+def test_batched_greedy_equals_solo(tiny, started):
+    sched = started(tiny, max_batch=4, prefill_chunk=7)  # more requests than places; prompts in chunks
+    specs = [(ids(p), 20 + 3 * i, GREEDY) for i, p in enumerate(PROMPTS)]
+    got = run(sched, specs)
+    for (p, n, _), toks in zip(specs, got):
+        assert toks == Generator(tiny).generate(p, n)
+    assert sched.cache_tokens() == 0 and sched.cache_seqs() == 0
+    assert sched.metrics.steps < sum(n for _, n, _ in specs)  # rows of several requests shared steps
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "recurrent"])
+@pytest.mark.parametrize("drafter_name", ["oracle", "random", "ngram"])
+def test_batched_speculative_greedy_equals_solo(model_name, drafter_name, request, started):
+    model = request.getfixturevalue(model_name)
+    drafter = {"oracle": lambda: OracleDrafter(model, horizon=64, n_draft=5),
+               "random": lambda: RandomDrafter(model.n_vocab, length=3, seed=1),
+               "ngram": lambda: NgramDrafter(n_draft=4)}[drafter_name]()
+    sched = started(model, drafters=[drafter], spec=SpecConfig(n_max=5), max_batch=6)
+    specs = [(ids(p), 24, GREEDY) for p in PROMPTS]
+    got = run(sched, specs)
+    for (p, n, _), toks in zip(specs, got):
+        assert toks == Generator(model).generate(p, n), (drafter_name, p)
+    assert sched.cache_tokens() == 0
+    drafts, drafted, accepted = sched.metrics.spec[drafter.name]
+    assert drafts > 0
+    if drafter_name == "oracle":
+        assert accepted == drafted  # every greedy draft of the oracle is kept
+
+
+def test_seeded_sampling_with_rejection_equals_solo_speculative(tiny, started):
+    cfg = SpecConfig(n_max=4, seed=None)
+    sched = started(tiny, drafters=[NgramDrafter(n_draft=4, n_match_min=1)], spec=cfg, max_batch=6)
+    specs = [(ids(p), 30, SamplerConfig(temperature=0.8, top_p=0.95, seed=10 + i)) for i, p in enumerate(PROMPTS)]
+    got = run(sched, specs)
+    for (p, n, s), toks in zip(specs, got):
+        solo = SpeculativeGenerator(tiny, [NgramDrafter(n_draft=4, n_match_min=1)],
+                                    config=SpecConfig(n_max=4, seed=s.seed), sampler=Sampler(s))
+        assert toks == solo.generate(p, n)
+    assert sched.metrics.spec["ngram"][0] > 0
+
+
+def test_seeded_plain_sampling_equals_generator(tiny, started):
+    sched = started(tiny, max_batch=3)
+    specs = [(ids(p), 25, SamplerConfig(temperature=1.1, top_k=40, seed=i)) for i, p in enumerate(PROMPTS)]
+    got = run(sched, specs)
+    for (p, n, s), toks in zip(specs, got):
+        assert toks == Generator(tiny, Sampler(s)).generate(p, n)
+
+
+def test_cancel_frees_rows_and_queue_bound(tiny):
+    sched = Scheduler(tiny, max_batch=1, max_queue=1)  # not started: steps are driven here
+    events: list[Event] = []
+    a = Request(prompt_ids=ids(b"Hello"), max_tokens=100, sampling=GREEDY, emit=events.append)
+    b = Request(prompt_ids=ids(b"World"), max_tokens=100, sampling=GREEDY, emit=events.append)
+    sched.submit(a)
+    sched.submit(b)  # a takes the free place, b waits
+    with pytest.raises(QueueFull):
+        sched.submit(Request(prompt_ids=[1], max_tokens=1, sampling=GREEDY, emit=events.append))
+    with sched._cond:
+        sched._admit()
+    for _ in range(3):
+        sched._step()
+    assert sched.cache_tokens() == len(b"Hello") + 2 and sched.n_active == 1
+    sched.cancel(a)
+    sched._reap()
+    assert sched.cache_tokens() == 0 and sched.cache_seqs() == 0
+    assert events[-1].finish == "cancelled"
+    with sched._cond:
+        sched._admit()  # b gets the freed place
+    assert sched.n_active == 1 and sched.queue_depth == 0
+    sched.cancel(b)
+    sched._reap()
+    assert sched.cache_tokens() == 0 and sched.metrics.requests_finished["cancelled"] == 2
+
+
+def drive(sched: Scheduler, req: Request, max_steps: int = 100) -> None:
+    """Run ``req`` alone to its end on an unstarted scheduler (steps driven here, bounded)."""
+    sched.submit(req)
+    with sched._cond:
+        sched._admit()
+    for _ in range(max_steps):
+        if not sched.n_active:
+            return
+        sched._step()
+    raise AssertionError("the request did not finish")
+
+
+def test_stop_strings_hold_back_a_partial_match(tiny):
+    sched = Scheduler(tiny, max_batch=2)
+    events: list[Event] = []
+    drive(sched, Request(prompt_ids=ids(b"Hello there"), max_tokens=60, sampling=GREEDY, emit=events.append))
+    full = "".join(e.text for e in events)
+    at = next(i for i in range(3, len(full) - 1) if all(33 <= ord(c) < 127 for c in full[i:i + 2]))
+    stop = full[at:at + 2]
+    want = full[:full.find(stop)]
+    events = []
+    drive(sched, Request(prompt_ids=ids(b"Hello there"), max_tokens=60, sampling=GREEDY, emit=events.append,
+                         stop=("never seen", stop)))
+    sent = ""
+    for e in events:
+        sent += e.text
+        assert want.startswith(sent)  # never a part of the stop string, even for a moment
+    assert sent == want and events[-1].finish == "stop"
+    assert sched.cache_tokens() == 0
+
+
+def test_log_probs_are_those_of_the_logits(tiny):
+    sched = Scheduler(tiny, max_batch=1)
+    events: list[Event] = []
+    prompt = ids(b"Hello")
+    drive(sched, Request(prompt_ids=prompt, max_tokens=3, sampling=GREEDY, emit=events.append, logprobs=2))
+    infos = [t for e in events for t in e.tokens]
+    history = list(prompt)
+    for info in infos:
+        logits = tiny.logits(history)[-1].astype(np.float64)
+        lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        assert info.token == int(np.argmax(lp))
+        assert info.logprob == pytest.approx(lp[info.token], abs=1e-4)
+        assert [i for i, _ in info.top] == list(np.argsort(-lp)[:2])
+        history.append(info.token)
