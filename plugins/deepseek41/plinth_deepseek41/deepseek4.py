@@ -291,7 +291,7 @@ def hc_mixes(X: Any, fn: Any, norm_eps: float) -> Any:
     """fn · RMSNorm_noweight(flatten X), with the norm applied after the product (the fused form:
     one GEMV over the raw stream, then one scale per token). X: [n, hc, E]; fn: [m, hc·E] -> [n, m]."""
     xp = ops.array_module(X)
-    flat = X.reshape(X.shape[0], -1)
+    flat = X.reshape(X.shape[0], X.shape[1] * X.shape[2])
     ms = (flat * flat).mean(axis=-1, keepdims=True) + np.float32(norm_eps)
     return ops.linear(flat, fn) * (np.float32(1.0) / xp.sqrt(ms))
 
@@ -440,23 +440,38 @@ class SparseAttention:
     topk: Any = None
 
 
-def indexer_topk(q_idx: Any, weights: Any, keys: Any, q_pos: np.ndarray, ratio: int, top_k: int) -> Any:
+@attrs.frozen
+class TopKSelection:
+    """indices: [n, k] int — chosen compressed entries per query, best first (-1 = none);
+    ties: queries whose k-th and (k+1)-th visible scores are equal (a tie at the boundary makes
+    the choice depend on the tie-break, so references may differ there)."""
+
+    indices: Any
+    ties: int = 0
+
+
+def indexer_topk(q_idx: Any, weights: Any, keys: Any, q_pos: np.ndarray, ratio: int, top_k: int) -> TopKSelection:
     """Lightning indexer: I(t, s) = Σ_h w_h(t)·ReLU(q_{t,h}·k_s) over visible entries s < (t+1)//r;
-    keep the top min(top_k, #visible) (ties: lower index). Returns [n, k] int, -1 where none.
+    keep the top min(top_k, #visible) (ties: lower index).
 
     q_idx: [n, n_idx, d_idx] (roped); weights: [n, n_idx] (already scaled); keys: [n_e, d_idx]."""
     xp = ops.array_module(q_idx)
     n, n_e = q_idx.shape[0], keys.shape[0]
     k = min(top_k, n_e)
     if k == 0:
-        return xp.full((n, 0), -1, dtype=np.int64)
+        return TopKSelection(xp.full((n, 0), -1, dtype=np.int64))
     dots = xp.maximum(xp.matmul(q_idx, keys.T), np.float32(0.0))  # [n, n_idx, n_e]
     scores = (dots * weights[:, :, None]).sum(axis=1)
     visible = xp.arange(n_e)[None, :] < xp.asarray((q_pos + 1) // ratio)[:, None]
     scores = xp.where(visible, scores, np.float32(-np.inf))
-    order = xp.argsort(-scores, axis=-1, kind="stable")[:, :k]
-    chosen_visible = xp.take_along_axis(visible, order, axis=-1)
-    return xp.where(chosen_visible, order, -1)
+    order = xp.argsort(-scores, axis=-1, kind="stable")
+    ranked = xp.take_along_axis(scores, order, axis=-1)
+    ties = 0
+    if k < n_e:
+        kth, nxt = ranked[:, k - 1], ranked[:, k]
+        ties = int(xp.count_nonzero(xp.isfinite(nxt) & (kth == nxt)))
+    chosen_visible = xp.take_along_axis(visible, order[:, :k], axis=-1)
+    return TopKSelection(xp.where(chosen_visible, order[:, :k], -1), ties)
 
 
 class DeepSeek4Graph:
@@ -482,6 +497,7 @@ class DeepSeek4Graph:
         self.compressors: dict[int, Compressor] = {}
         self.indexers: dict[int, Compressor] = {}
         self.tid2eid: dict[int, Any] = {}
+        self.topk_ties = 0  # indexer top-k boundary ties seen so far (see TopKSelection)
         for il in range(hp.n_layer):
             b, kind = f"blk.{il}.", hp.kind(il)
             if kind != WINDOW:
@@ -537,8 +553,10 @@ class DeepSeek4Graph:
                 if kind == CSA:
                     streams[1] = compress(streams[1], self.indexers[il], x[sel], pos, self.rope_comp, hp.n_rot,
                                           hp.norm_eps)
-                    chosen = indexer_topk(q_idx[sel], idx_w[sel], streams[1].entries, pos, comp.ratio,
-                                          hp.idx_top_k)
+                    selection = indexer_topk(q_idx[sel], idx_w[sel], streams[1].entries, pos, comp.ratio,
+                                             hp.idx_top_k)
+                    self.topk_ties += selection.ties
+                    chosen = selection.indices
                     picked = np.zeros((len(pos), n_e + 1), dtype=bool)
                     ch = np.asarray(self.backend.to_numpy(chosen))
                     np.put_along_axis(picked, np.where(ch >= 0, ch, n_e), True, axis=1)
@@ -669,5 +687,5 @@ class DeepSeek4:
         return DeepSeek4Graph(hparams, weights, backend)
 
 
-__all__ = ["DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream",
+__all__ = ["DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream", "TopKSelection",
            "compress", "hc_mix", "indexer_topk", "load_hparams", "sinkhorn", "tensor_specs"]

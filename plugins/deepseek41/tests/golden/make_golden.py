@@ -16,8 +16,8 @@ attention sinks, compressor ``ape`` (position_bias), hyper-connection ``base`` (
 random permutation per token).
 
 The reference: ``DeepseekV4ForCausalLM.from_pretrained(folder)`` (float32, eager attention;
-loading must report no missing or unexpected tensor). For prompts of 1, 7, 40 and 300 tokens
-(300 crosses many compressed blocks and ends in a partial one) it gives the all-position logits
+loading must report no missing or unexpected tensor). For prompts of 1, 7, 40 and 301 tokens
+(301 crosses many compressed blocks and ends in a partial one at every ratio) it gives the all-position logits
 of one forward and a 32-token greedy continuation (``generate``, with its cache). ``<case>.npz``
 stores those with the config and seeds; the weights are redrawn from the seed.
 """
@@ -34,7 +34,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 
-PROMPT_LENGTHS = (1, 7, 40, 300)
+PROMPT_LENGTHS = (1, 7, 40, 301)
 N_GREEDY = 32
 
 _COMMON: dict[str, Any] = dict(
@@ -170,14 +170,27 @@ def registry() -> Any:
     return make_registry(plugin)
 
 
-def plinth_model(case: str, tmp: Path, reg: Any = None) -> Any:
-    """Write the case's HF folder, convert it with plinth's converter, load it."""
+def plinth_model(case: str, tmp: Path, reg: Any = None, vocab: bool = False) -> Any:
+    """Write the case's HF folder, convert it with plinth's converter, load it.
+
+    ``vocab``: add a byte-level tokenizer of the 256 ids (no end token), which the generation
+    loop needs; the converter itself writes no tokenizer."""
     import plinth
     from plinth.convert import convert
 
     reg = reg or registry()
     folder = write_hf_folder(case, tmp / case)
     out = convert(folder, tmp / f"{case}.gguf", registry=reg)
+    if vocab:
+        from plinth.gguf import GGUFFile
+        from plinth.testing import byte_vocab, write_gguf
+
+        gf = GGUFFile(out)
+        md = dict(gf.metadata, **byte_vocab())
+        md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"][:256]
+        md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"][:256]
+        del md["tokenizer.ggml.eos_token_id"]
+        out = write_gguf(tmp / f"{case}-vocab.gguf", md, {n: np.asarray(gf.raw(n)) for n in gf.tensors})
     return plinth.load_model(out, registry=reg)
 
 
