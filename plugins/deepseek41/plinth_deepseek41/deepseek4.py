@@ -99,9 +99,9 @@ class DeepSeek4Params:
     n_nextn: int
 
     def kind(self, il: int) -> str:
-        """The attention of layer ``il``: "window", "csa" or "hca"."""
-        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer:
-            raise IndexError(f"kind({il}): layer out of range (n_layer = {self.n_layer})")
+        """The attention of layer ``il``: "window", "csa" or "hca" (MTP layers follow the main ones)."""
+        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer + self.n_nextn:
+            raise IndexError(f"kind({il}): layer out of range (n_layer = {self.n_layer}, nextn = {self.n_nextn})")
         r = self.compress_ratios[int(il)]
         return WINDOW if r == 0 else CSA if r == self.csa_ratio else HCA
 
@@ -133,8 +133,8 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
         raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has ratio(s) {bad}; deepseek4 "
                            f"defines 0 (window only), {csa} (CSA) and {hca} (HCA)")
     n_used = r.get("expert_used_count")
-    clamp = r.get_key_or_arr("swiglu_clamp_exp", n_layer, float, required=False, default=0.0)
-    clamp_sh = r.get_key_or_arr("swiglu_clamp_shexp", n_layer, float, required=False, default=None)
+    clamp = _per_layer_with_mtp(r, "swiglu_clamp_exp", n_layer, n_nextn, 0.0)
+    clamp_sh = _per_layer_with_mtp(r, "swiglu_clamp_shexp", n_layer, n_nextn, None)
     if clamp_sh[0] is None:
         clamp_sh = PerLayer(list(clamp), r.key("swiglu_clamp_shexp"))
     scaling = r.get("rope.scaling.type", str, required=False, default="none")
@@ -165,7 +165,8 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
         rope_yarn_orig_ctx=r.get("rope.scaling.original_context_length", required=scaling == "yarn", default=0),
         rope_yarn_beta_fast=r.get("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
         rope_yarn_beta_slow=r.get("rope.scaling.yarn_beta_slow", float, required=False, default=1.0),
-        compress_ratios=PerLayer(list(ratios[:n_layer]), r.key("attention.compress_ratios")),
+        compress_ratios=PerLayer(list(ratios) + [0] * (n_layer + n_nextn - len(ratios)),
+                                 r.key("attention.compress_ratios")),
         csa_ratio=csa,
         hca_ratio=hca,
         n_idx_head=r.get("attention.indexer.head_count", required=csa in ratios, default=0),
@@ -187,6 +188,15 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
     )
 
 
+def _per_layer_with_mtp(r: KeyReader, name: str, n_layer: int, n_nextn: int, default: Any) -> PerLayer:
+    """A scalar-or-array float key over n_layer (or n_layer + nextn) entries, extended to the MTP layers
+    with the last main layer's value."""
+    value = r.metadata.get(r.key(name))
+    n = n_layer + n_nextn if isinstance(value, (list, np.ndarray)) and len(value) == n_layer + n_nextn else n_layer
+    vals = list(r.get_key_or_arr(name, n, float, required=False, default=default))
+    return PerLayer(vals + vals[-1:] * (n_layer + n_nextn - n), r.key(name))
+
+
 # ============================================================================ tensors
 
 def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
@@ -201,10 +211,19 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
         TensorSpec("output_hc_base.weight", (hc,)),
         TensorSpec("output_hc_scale.weight", (1,)),
     ]
-    for il in range(hp.n_layer):
+    for il in range(hp.n_layer + hp.n_nextn):
+        mtp = il >= hp.n_layer  # an MTP block: optional (a file may drop it; the mtp drafter then refuses)
         b = f"blk.{il}."
         hd_all = hp.n_head * d
-        specs += [
+        if mtp:
+            specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e), required=False),
+                      TensorSpec(b + "nextn.enorm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.hnorm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.shared_head_norm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.hc_head_fn.weight", (hc, hc * e), required=False),
+                      TensorSpec(b + "nextn.hc_head_base.weight", (hc,), required=False),
+                      TensorSpec(b + "nextn.hc_head_scale.weight", (1,), required=False)]
+        block = [
             TensorSpec(b + "attn_norm.weight", (e,)),
             TensorSpec(b + "ffn_norm.weight", (e,)),
             TensorSpec(b + "hc_attn_fn.weight", (n_mix, hc * e)),
@@ -225,7 +244,7 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
         kind = hp.kind(il)
         if kind != WINDOW:
             coff = 2 if kind == CSA else 1
-            specs += [
+            block += [
                 TensorSpec(b + "attn_compressor_kv.weight", (coff * d, e)),
                 TensorSpec(b + "attn_compressor_gate.weight", (coff * d, e)),
                 TensorSpec(b + "attn_compressor_ape.weight", (hp.ratio(il), coff * d)),
@@ -233,7 +252,7 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
             ]
         if kind == CSA:
             di = hp.idx_head_dim
-            specs += [
+            block += [
                 TensorSpec(b + "indexer.proj.weight", (hp.n_idx_head, e)),
                 TensorSpec(b + "indexer.attn_q_b.weight", (hp.n_idx_head * di, hp.q_lora_rank)),
                 TensorSpec(b + "indexer_compressor_kv.weight", (2 * di, e)),
@@ -242,21 +261,22 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
                 TensorSpec(b + "indexer_compressor_norm.weight", (di,)),
             ]
         n_exp, ff = hp.n_expert, hp.n_ff_exp
-        specs += [
+        block += [
             TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
             TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
             TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
             TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
         ]
         if hp.is_hash(il):
-            specs.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used)))
+            block.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used)))
         else:
-            specs.append(TensorSpec(b + "exp_probs_b.bias", (n_exp,)))
+            block.append(TensorSpec(b + "exp_probs_b.bias", (n_exp,)))
         if hp.n_expert_shared:
             sh = hp.n_ff_exp * hp.n_expert_shared
-            specs += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
+            block += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
                       TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
                       TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
+        specs += [attrs.evolve(t, required=False) for t in block] if mtp else block
     return specs
 
 
@@ -441,6 +461,14 @@ class SparseAttention:
 
 
 @attrs.frozen
+class MtpOutput:
+    """logits: [n, V] — next-next-token logits per row; hidden: [n, hc·E] — the MTP block's streams."""
+
+    logits: Any
+    hidden: Any
+
+
+@attrs.frozen
 class TopKSelection:
     """indices: [n, k] int — chosen compressed entries per query, best first (-1 = none);
     ties: queries whose k-th and (k+1)-th visible scores are equal (a tie at the boundary makes
@@ -484,6 +512,9 @@ class DeepSeek4Graph:
         self.xp = xp = backend.xp
         # compressed entries and partial blocks are states: rollback is snapshot + replay
         self.recurrent = any(hp.kind(il) != WINDOW for il in range(hp.n_layer))
+        # MTP blocks present in the file (the llama.cpp probe: no eh_proj, no MTP)
+        self.n_mtp = sum(1 for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)
+                         if f"blk.{il}.nextn.eh_proj.weight" in weights)
         self.output_weight = weights["output.weight"]
         main = ops.rope_freqs(hp.n_rot, hp.rope_base, xp=xp)
         if hp.rope_yarn_factor != 1.0:
@@ -498,7 +529,7 @@ class DeepSeek4Graph:
         self.indexers: dict[int, Compressor] = {}
         self.tid2eid: dict[int, Any] = {}
         self.topk_ties = 0  # indexer top-k boundary ties seen so far (see TopKSelection)
-        for il in range(hp.n_layer):
+        for il in range(hp.n_layer + self.n_mtp):
             b, kind = f"blk.{il}.", hp.kind(il)
             if kind != WINDOW:
                 self.compressors[il] = Compressor(weights[b + "attn_compressor_kv.weight"],
@@ -623,7 +654,10 @@ class DeepSeek4Graph:
 
     def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
                 embeddings: bool = False) -> ForwardOutput:
-        """Run the batch; logits for rows with ``batch.output``. Feature taps are the hc-mean stream."""
+        """Run the batch; logits for rows with ``batch.output``.
+
+        Feature taps are the hc streams flattened, [n, hc·E] (their hc-mean, which DFlash-style taps
+        use, is ``reshape(n, hc, E).mean(1)``); tap n_layer is what the MTP blocks read."""
         hp, w, xp = self.hp, self.w, self.xp
         if batch.is_embd is not None and bool(np.any(batch.is_embd)):
             raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
@@ -635,28 +669,62 @@ class DeepSeek4Graph:
         X = xp.ascontiguousarray(xp.broadcast_to(x0[:, None, :], (x0.shape[0], hp.hc, hp.n_embd)))
 
         def layer(il: int, X: Any) -> Any:
-            b = f"blk.{il}."
-            mix = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"],
-                         hp)
-            h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "attn_norm.weight"], hp.norm_eps)
-            X = hc_expand(X, self.attention(il, h, batch, cache, seq_rows).out, mix)
-            mix = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
-            h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
-            return hc_expand(X, self.moe(il, h, tokens), mix)
+            return self.block(il, X, batch, cache, seq_rows, tokens)
 
         X, streams = run_layers(X, hp.n_layer, layer, cache, taps)
-        features = {k: v.mean(axis=1) for k, v in streams.items()}
+        features = {k: v.reshape(v.shape[0], -1) for k, v in streams.items()}
         rows = np.nonzero(batch.output)[0]
         h = ops.rms_norm(self.hc_head(X[rows]), w["output_norm.weight"], hp.norm_eps)
         logits = ops.linear(h, self.output_weight)
         return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
 
-    def hc_head(self, X: Any) -> Any:
+    def block(self, il: int, X: Any, batch: Batch, cache: KVCache, seq_rows: list, tokens: Any) -> Any:
+        """One decoder block on the streams X: [n, hc, E]: mHC around attention, then around the MoE."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        mix = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "attn_norm.weight"], hp.norm_eps)
+        X = hc_expand(X, self.attention(il, h, batch, cache, seq_rows).out, mix)
+        mix = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
+        return hc_expand(X, self.moe(il, h, tokens), mix)
+
+    def hc_head(self, X: Any, prefix: str = "output_hc_") -> Any:
         """The learned collapse before the final norm. X: [n, hc, E] -> [n, E]."""
         w = self.w
-        m = hc_mixes(X, w["output_hc_fn.weight"], self.hp.norm_eps)
-        pre = ops.sigmoid(m * w["output_hc_scale.weight"][0] + w["output_hc_base.weight"]) + np.float32(self.hp.hc_eps)
+        m = hc_mixes(X, w[prefix + "fn.weight"], self.hp.norm_eps)
+        pre = ops.sigmoid(m * w[prefix + "scale.weight"][0] + w[prefix + "base.weight"]) + np.float32(self.hp.hc_eps)
         return hc_collapse(X, pre)
+
+    # -------------------------------------------------------------- MTP
+
+    def mtp(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
+        """The next-token-prediction block ``depth`` (layer n_layer + depth) over its own ``cache``.
+
+        Row i holds the token t_{p+1} and the target's streams h_p at position p (``batch``
+        positions are p): ``X = eh_proj · [enorm(embed(t)); hnorm(h_copy)]`` per copy, one
+        window-attention block, its own hc head and norm, the target's LM head.
+        hidden: [n, hc·E]. Returns logits [n, V] (every row) and the block's streams [n, hc·E].
+        """
+        hp, w, xp = self.hp, self.w, self.xp
+        if depth >= self.n_mtp:
+            raise UserError(f"{ARCH}: this file has {self.n_mtp} MTP block(s) (nextn_predict_layers = "
+                            f"{hp.n_nextn}); block {depth} is missing")
+        il = hp.n_layer + depth
+        b = f"blk.{il}.nextn."
+        n, hc, e = batch.n_rows, hp.hc, hp.n_embd
+        tokens = xp.asarray(batch.tokens)
+        emb = ops.rms_norm(w["token_embd.weight"][tokens], w[b + "enorm.weight"], hp.norm_eps)  # [n, E]
+        hn = ops.rms_norm(hidden.reshape(n, hc, e), w[b + "hnorm.weight"], hp.norm_eps)  # [n, hc, E]
+        both = xp.concatenate([xp.broadcast_to(emb[:, None, :], (n, hc, e)), hn], axis=-1)  # [n, hc, 2E]
+        X = ops.linear(both, w[b + "eh_proj.weight"])
+        try:
+            X = self.block(il, X, batch, cache, self._seq_rows(batch, cache), tokens)
+        except BaseException:
+            cache.rollback_pending()
+            raise
+        cache.commit()
+        h = ops.rms_norm(self.hc_head(X, b + "hc_head_"), w[b + "shared_head_norm.weight"], hp.norm_eps)
+        return MtpOutput(logits=ops.linear(h, self.output_weight), hidden=X.reshape(n, hc * e))
 
 
 def clamped_swiglu(x: Any, w_gate: Any, w_up: Any, w_down: Any, limit: float) -> Any:

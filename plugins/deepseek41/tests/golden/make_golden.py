@@ -57,8 +57,8 @@ CASES: dict[str, dict[str, Any]] = {
     # two streams, CSA-first, YaRN on the compressed RoPE, one hash layer, a wider window
     "yarn_hc2": dict(seed=502, prompt_seed=602, config=dict(
         _COMMON, num_hidden_layers=3, hc_mult=2, layer_types=[C, S, C], sliding_window=16, index_topk=5,
-        compress_rates={C: 4, H: 16}, mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=256,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        compress_rates={C: 4, H: 16}, mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=1024,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
                          "beta_fast": 32.0, "beta_slow": 1.0})),
     # heavily compressed only (no indexer), three streams, four output groups, no hash layer
     "hca_only": dict(seed=503, prompt_seed=603, config=dict(
