@@ -5,8 +5,11 @@ Tensor names: the upstream (original release) names, which transformers 5.24's
 ``head.weight`` ...), with or without the ``model.`` prefix, and the release's top-level
 spellings (``embed.weight``, ``norm.weight``, ``hc_head_fn``). Experts are stacked into
 ``ffn_{gate,up,down}_exps`` ([n_expert, n_ff, E] / [n_expert, E, n_ff]); ``tid2eid`` is written as
-F32 (exact for ids < 2^24; the loader reads every tensor as float32). ``mtp.*`` tensors are
-dropped with a note (this converter exports the main model only).
+F32 (exact for ids < 2^24; the loader reads every tensor as float32). A release checkpoint's MTP
+block ``mtp.D.*`` (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``hc_head_*`` and an ordinary
+block) becomes ``blk.{n_layer + D}.*`` with ``nextn.eh_proj = [e_proj | h_proj]`` (window attention,
+``compress_ratios`` extended with 0); an incomplete block is dropped with a note. transformers
+5.24's ``save_pretrained`` writes no MTP tensors (it builds no MTP module).
 
 Quantised release weights are dequantized to float32 on the way: FP8 e4m3 matrices with a
 ``<name>.scale`` (or ``weight_scale_inv``) per 128×128 block, and FP4 (e2m1, two per int8 byte,
@@ -64,7 +67,11 @@ _LAYER = {
     "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
 }
 _EXPERT = {"w1": "gate", "w2": "down", "w3": "up"}
-_LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
+# an MTP block's own tensors (``mtp.D.<name>``; the rest are ordinary block tensors)
+_MTP = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
+        "norm.weight": "nextn.shared_head_norm.weight", "hc_head_fn": "nextn.hc_head_fn.weight",
+        "hc_head_base": "nextn.hc_head_base.weight", "hc_head_scale": "nextn.hc_head_scale.weight"}
+_LAYER_RE = re.compile(r"(layers|mtp)\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 
@@ -206,7 +213,7 @@ def gguf_metadata(cfg: Mapping[str, Any], source: str, name: str) -> dict[str, A
         f"{a}.expert_gating_func": GATING_SQRT_SOFTPLUS,
         f"{a}.swiglu_clamp_exp": float(cfg.get("swiglu_limit", 0.0) or 0.0),
         f"{a}.hash_layer_count": hash_layer_count(cfg, source),
-        f"{a}.nextn_predict_layers": 0,  # MTP layers are not exported (see the module note)
+        f"{a}.nextn_predict_layers": 0,  # set by the converter when it exports MTP blocks
     }
     if csa != 4:
         md[f"{a}.attention.csa_ratio"] = csa
@@ -237,16 +244,14 @@ def gguf_metadata(cfg: Mapping[str, Any], source: str, name: str) -> dict[str, A
 
 # ============================================================================ tensors
 
-def convert_tensors(st: SafetensorsDir) -> tuple[dict[str, np.ndarray], list[str]]:
-    """GGUF-named float32 tensors of the folder, experts stacked; and notes on what was dropped."""
+def convert_tensors(st: SafetensorsDir, n_layer: int) -> tuple[dict[str, np.ndarray], int, list[str]]:
+    """GGUF-named float32 tensors of the folder, experts stacked; the number of MTP blocks exported
+    (``mtp.D.*`` -> ``blk.{n_layer + D}.*``, ``e_proj``/``h_proj`` joined into ``nextn.eh_proj``); notes."""
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, str]] = {}
-    dropped_mtp = 0
+    eh: dict[int, dict[str, np.ndarray]] = {}
     for hf_name in st.names():
         name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-        if name.startswith("mtp."):
-            dropped_mtp += 1
-            continue
         if name.endswith(_SCALE_SUFFIXES):
             continue  # read with its tensor
         if name in _GLOBAL:
@@ -255,7 +260,15 @@ def convert_tensors(st: SafetensorsDir) -> tuple[dict[str, np.ndarray], list[str
         m = _LAYER_RE.fullmatch(name)
         if m is None:
             raise UserError(f"{st.dir}: tensor {hf_name!r} has no GGUF name in plinth-deepseek41's mapping")
-        il, rest = int(m.group(1)), m.group(2)
+        il, rest = int(m.group(2)), m.group(3)
+        if m.group(1) == "mtp":
+            il += n_layer
+            if rest in ("e_proj.weight", "h_proj.weight"):
+                eh.setdefault(il, {})[rest[0]] = _read(st, hf_name)
+                continue
+            if rest in _MTP:
+                out[f"blk.{il}.{_MTP[rest]}"] = _read(st, hf_name)
+                continue
         e = _EXPERT_RE.fullmatch(rest)
         if e is not None:
             experts.setdefault((il, _EXPERT[e.group(2)]), {})[int(e.group(1))] = hf_name
@@ -270,10 +283,23 @@ def convert_tensors(st: SafetensorsDir) -> tuple[dict[str, np.ndarray], list[str
             missing = sorted(set(range(max(idx) + 1)) - set(idx))
             raise UserError(f"{st.dir}: layer {il} is missing expert(s) {missing} ({which})")
         out[f"blk.{il}.ffn_{which}_exps.weight"] = np.stack([_read(st, by_index[i]) for i in idx])
+    lone = 0
+    for il, parts in eh.items():
+        if set(parts) == {"e", "h"}:  # eh_proj · [e; h] = e_proj · e + h_proj · h
+            out[f"blk.{il}.nextn.eh_proj.weight"] = np.concatenate([parts["e"], parts["h"]], axis=1)
+        else:
+            lone += len(parts)
+    n_mtp = 0
+    while f"blk.{n_layer + n_mtp}.nextn.eh_proj.weight" in out:
+        n_mtp += 1
     notes = []
-    if dropped_mtp:
-        notes.append(f"dropped {dropped_mtp} MTP tensor(s) (mtp.*): the main model only is exported")
-    return out, notes
+    stray = sorted(k for k in out if k.startswith("blk.") and int(k.split(".")[1]) >= n_layer + n_mtp)
+    if stray or lone:  # an incomplete MTP block (no e_proj/h_proj pair): leave the MTP layers out
+        for k in stray:
+            del out[k]
+        notes.append(f"dropped {len(stray) + lone} tensor(s) of incomplete MTP block(s) (no mtp.D.e_proj/h_proj "
+                     "pair)")
+    return out, n_mtp, notes
 
 
 class DeepseekV4Converter:
@@ -288,7 +314,11 @@ class DeepseekV4Converter:
         source = str(Path(model_dir) / "config.json")
         cfg = read_config(model_dir)
         md = gguf_metadata(cfg, source, str(cfg.get("_name_or_path") or Path(model_dir).name))
-        tensors, notes = convert_tensors(SafetensorsDir(model_dir))
+        n_layer = md[f"{ARCH}.block_count"]
+        tensors, n_mtp, notes = convert_tensors(SafetensorsDir(model_dir), n_layer)
+        if n_mtp:
+            md[f"{ARCH}.nextn_predict_layers"] = n_mtp
+            md[f"{ARCH}.attention.compress_ratios"] = md[f"{ARCH}.attention.compress_ratios"] + [0] * n_mtp
         hp = load_hparams(md, source)
         specs = tensor_specs(hp)
         check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")

@@ -94,13 +94,46 @@ def test_metadata_from_config():
                            "config.json", "tiny")
 
 
-def test_mtp_tensors_are_dropped_with_a_note(tmp_path):
+def test_incomplete_mtp_block_is_dropped_with_a_note(tmp_path):
     folder = golden.write_hf_folder("hca_only", tmp_path / "hf")
     state = golden.hf_random_state(golden.CASES["hca_only"]["config"], 1)
     state["mtp.0.e_proj.weight"] = np.zeros((64, 64), np.float32)
     golden.write_safetensors(folder / "model.safetensors", state)
     notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {})
-    assert notes == ["dropped 1 MTP tensor(s) (mtp.*): the main model only is exported"]
+    assert notes == ["dropped 1 tensor(s) of incomplete MTP block(s) (no mtp.D.e_proj/h_proj pair)"]
+
+
+def test_release_mtp_block_is_exported(tmp_path):
+    """``mtp.0.*`` (release names) -> ``blk.{n_layer}.*`` + ``nextn.eh_proj = [e_proj | h_proj]``; the drafter runs it."""
+    import plinth
+    from plinth_deepseek41.mtp import MtpDrafter
+
+    base = golden.CASES["hca_only"]["config"]
+    cfg4 = dict(base, num_hidden_layers=4, layer_types=base["layer_types"] + [golden.S],
+                mlp_layer_types=["moe"] * 4)
+    state = golden.hf_random_state(cfg4, 2)
+    rng = np.random.default_rng(3)
+    e, hc = base["hidden_size"], base["hc_mult"]
+    for k in list(state):
+        if k.startswith("model.layers.3."):
+            state["mtp.0." + k[len("model.layers.3."):]] = state.pop(k)
+    state.update({"mtp.0.enorm.weight": np.ones(e, np.float32), "mtp.0.hnorm.weight": np.ones(e, np.float32),
+                  "mtp.0.e_proj.weight": rng.standard_normal((e, e)).astype(np.float32) / 8,
+                  "mtp.0.h_proj.weight": rng.standard_normal((e, e)).astype(np.float32) / 8,
+                  "mtp.0.norm.weight": np.ones(e, np.float32),
+                  "mtp.0.hc_head_fn": rng.standard_normal((hc, hc * e)).astype(np.float32) / 16,
+                  "mtp.0.hc_head_base": np.zeros(hc, np.float32), "mtp.0.hc_head_scale": np.ones(1, np.float32)})
+    folder = golden.write_hf_folder("hca_only", tmp_path / "hf")
+    golden.write_safetensors(folder / "model.safetensors", state)
+    assert conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {}) == []
+    reg = golden.registry()
+    model = plinth.load_model(tmp_path / "m.gguf", registry=reg)
+    assert model.hparams.n_nextn == 1 and model.graph.n_mtp == 1
+    eh = model.weights["blk.3.nextn.eh_proj.weight"]
+    np.testing.assert_array_equal(eh[:, :e], state["mtp.0.e_proj.weight"])
+    np.testing.assert_array_equal(eh[:, e:], state["mtp.0.h_proj.weight"])
+    np.testing.assert_array_equal(model.weights["blk.3.attn_q_a.weight"], state["mtp.0.attn.wq_a.weight"])
+    assert MtpDrafter(model).requirements().taps == (3,)
 
 
 def test_unknown_tensor_is_refused(tmp_path):
