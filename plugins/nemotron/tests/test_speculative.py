@@ -87,7 +87,7 @@ def target(tmp_path_factory):
                        latent=[0, 0, 0, 0, 0, 16])
     path = tiny.write(tmp_path_factory.mktemp("spec") / "hybrid.gguf", reg, md, seed=11)
     model = load_model(path, registry=reg)
-    assert model.graph.recurrent and set(model.hparams.pattern) == set("M*E-")
+    assert model.new_context().recurrent and set(model.hparams.pattern) == set("M*E-")
     return model
 
 
