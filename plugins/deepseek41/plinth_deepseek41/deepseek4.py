@@ -28,10 +28,10 @@ The model card, top to bottom:
   (``ffn_gate_tid2eid[token]``); weights = chosen scores, normalised, × ``expert_weights_scale``;
   SwiGLU experts with ``min(gate, c)`` and ``clip(up, -c, c)``; plus a clamped shared expert.
 
-Cache: the raw window's keys live in the KV cache (:meth:`KVCache.update`, a K-only cache
-since K = V); the compressed entries, the indexer keys and the rows of blocks not complete
-yet live in the cache's recurrent-state slots (:class:`LayerCache`), so rollback is snapshot +
-replay (``graph.recurrent``). :class:`LayerCache` is the one place that reads and writes them.
+Cache (``cache_layout``): every layer keeps a :class:`KV` of its raw keys (K-only, since K = V);
+a compressed layer also a :class:`Recurrent` holding its compressed entries, indexer keys and
+the rows of blocks not complete yet, so the cache plans rollback as snapshot + replay.
+:class:`LayerCache` is the one place that reads and writes them.
 Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
 """
 
@@ -45,6 +45,7 @@ import numpy as np
 from plinth import ops
 from plinth.context import Batch, ForwardOutput, KVCache, run_layers
 from plinth.errors import UserError
+from plinth.graph import KV, Recurrent
 from plinth.hparams import HParamsError, KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
@@ -363,9 +364,9 @@ class Stream:
 class LayerCache:
     """The one place that reads and writes what a deepseek4 layer keeps of a sequence.
 
-    Raw window keys go through :meth:`KVCache.update` (values are not stored: K = V). The
-    compressed stream (and on CSA layers the indexer-key stream) are kept as the layer's
-    recurrent state: a flat tuple of arrays ``(entries, rows_kv, rows_score)`` per stream.
+    Raw window keys go to the layer's :class:`KV` (values are not stored: K = V). The compressed
+    stream (and on CSA layers the indexer-key stream) live in the layer's :class:`Recurrent`:
+    a flat tuple of arrays ``(entries, rows_kv, rows_score)`` per stream.
     """
 
     def __init__(self, cache: KVCache, il: int, seq: int, xp: Any) -> None:
@@ -374,18 +375,18 @@ class LayerCache:
     def raw(self, positions: np.ndarray, kv: Any) -> tuple[Any, np.ndarray]:
         """Append kv: [n, d] at ``positions``; returns every raw key [n_all, d] and its positions."""
         none = self.xp.zeros((kv.shape[0], 1, 0), dtype=np.float32)
-        k, _, kpos = self.cache.update(self.il, self.seq, positions, kv[:, None, :], none)
+        k, _, kpos = self.cache.kv(self.il).update(self.seq, positions, kv[:, None, :], none)
         return k[:, 0, :], kpos
 
     def streams(self, shapes: list[tuple[int, int]]) -> list[Stream]:
         """The layer's streams (empty ones before the first token); shapes: (width, coff) each."""
-        state = self.cache.get_state(self.il, self.seq)
+        state = self.cache.state(self.il).get(self.seq)
         if state is None:
             return [Stream.empty(w, c, self.xp) for w, c in shapes]
         return [Stream(*state[3 * i:3 * i + 3]) for i in range(len(shapes))]
 
     def store(self, streams: list[Stream]) -> None:
-        self.cache.set_state(self.il, self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
+        self.cache.state(self.il).set(self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
                                                                                      s.rows_score)))
 
 
@@ -510,8 +511,6 @@ class DeepSeek4Graph:
         self.w = weights
         self.backend = backend
         self.xp = xp = backend.xp
-        # compressed entries and partial blocks are states: rollback is snapshot + replay
-        self.recurrent = any(hp.kind(il) != WINDOW for il in range(hp.n_layer))
         # MTP blocks present in the file (the llama.cpp probe: no eh_proj, no MTP)
         self.n_mtp = sum(1 for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)
                          if f"blk.{il}.nextn.eh_proj.weight" in weights)
@@ -544,6 +543,10 @@ class DeepSeek4Graph:
                                                weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
             if hp.is_hash(il):
                 self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""
+        return [(KV(),) if self.hp.kind(il) == WINDOW else (KV(), Recurrent()) for il in range(self.hp.n_layer)]
 
     # -------------------------------------------------------------- attention
 
@@ -663,6 +666,7 @@ class DeepSeek4Graph:
             raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
         if pooling != "none":
             raise UserError(f"{ARCH}: pooled embeddings are not supported by this architecture")
+        cache.begin(batch.positions, batch.seq_ids)
         seq_rows = self._seq_rows(batch, cache)
         tokens = xp.asarray(batch.tokens)
         x0 = w["token_embd.weight"][tokens]
@@ -717,6 +721,7 @@ class DeepSeek4Graph:
         hn = ops.rms_norm(hidden.reshape(n, hc, e), w[b + "hnorm.weight"], hp.norm_eps)  # [n, hc, E]
         both = xp.concatenate([xp.broadcast_to(emb[:, None, :], (n, hc, e)), hn], axis=-1)  # [n, hc, 2E]
         X = ops.linear(both, w[b + "eh_proj.weight"])
+        cache.begin(batch.positions, batch.seq_ids)
         try:
             X = self.block(il, X, batch, cache, self._seq_rows(batch, cache), tokens)
         except BaseException:

@@ -78,7 +78,14 @@ def test_cache_keeps_compressed_streams_and_raw_keys(flash):
         assert rows_kv.shape[0] == held
         if hp.kind(il) == "csa":
             assert state[3].shape == (30 // r, hp.idx_head_dim)  # indexer keys
-    assert g.recurrent
+    layout = g.cache_layout()
+    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [["KV"], ["KV", "Recurrent"]] + \
+        [["KV", "Recurrent"]] * 2
+    ctx = flash.new_context()
+    ctx.forward(Batch.from_tokens(prompt(30)))
+    assert ctx.recurrent and ctx.rollback_plan(0, 30, 33) == "snapshot"
+    by_kind = ctx.cache.nbytes_by_kind()
+    assert by_kind["state"] > 0 and by_kind["kv"] >= 30 * 4 * hp.head_dim * hp.n_layer
 
 
 def test_positions_must_continue_the_cache(flash):
