@@ -625,9 +625,9 @@ class DeepSeek4Graph:
         limit = hp.swiglu_clamp_exp[il]
         gate, up, down = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"], w[b + "ffn_down_exps.weight"]
         y = xp.zeros_like(x)
-        flat = np.asarray(self.backend.to_numpy(ids)).reshape(-1)
-        for e in np.unique(flat):
-            tok, slot = np.nonzero(np.asarray(self.backend.to_numpy(ids)) == e)
+        ids_host = np.asarray(self.backend.to_numpy(ids))
+        for e in np.unique(ids_host):
+            tok, slot = np.nonzero(ids_host == e)
             h = clamped_swiglu(x[tok], gate[e], up[e], down[e], limit)
             y[tok] += h * weights[tok, slot][:, None]
         if hp.n_expert_shared:
