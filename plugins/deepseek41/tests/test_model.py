@@ -272,3 +272,15 @@ def test_missing_indexer_tensor_on_a_csa_layer_is_named(tmp_path):
 def test_embedding_rows_are_refused(flash):
     with pytest.raises(UserError, match="embedding rows are not supported"):
         flash.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), KVCache(4))
+
+
+def test_strict_device_stand_in_gives_the_same_logits(flash):
+    """Device discipline (no host arrays inside device ops) on the test kit's strict stand-in."""
+    import plinth
+
+    strict = plinth.load_model(flash.path, registry=golden.registry(), backend="strict")
+    toks = prompt(23, seed=11)
+    ctx = strict.new_context()
+    a = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[:20], output="all")).logits)
+    b = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[20:], start=20, output="all")).logits)
+    np.testing.assert_allclose(np.concatenate([a, b]), flash.logits(toks), atol=2e-5, rtol=0)
