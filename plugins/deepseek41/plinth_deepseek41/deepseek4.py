@@ -45,7 +45,7 @@ import numpy as np
 from plinth import ops
 from plinth.context import Batch, ForwardOutput, KVCache, run_layers
 from plinth.errors import UserError
-from plinth.graph import KV, Recurrent
+from plinth.graph import KV, LMHead, Recurrent, TargetView
 from plinth.hparams import HParamsError, KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
@@ -461,6 +461,30 @@ class SparseAttention:
     topk: Any = None
 
 
+class MtpHead:
+    """The draft head "mtp": what the ``mtp`` drafter runs (``run``) and the cache it keeps (``new_cache``).
+
+    taps: the target feature taps the head reads (the streams entering the hc head).
+    """
+
+    def __init__(self, graph: "DeepSeek4Graph") -> None:
+        self._graph = graph
+        self.n_blocks = graph.n_mtp
+        self.taps = (graph.hp.n_layer,)
+        self.xp = graph.xp
+
+    def new_cache(self) -> KVCache:
+        hp = self._graph.hp
+        return KVCache(hp.n_layer + hp.n_nextn, self.xp)
+
+    def run(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
+        """See :meth:`DeepSeek4Graph.mtp`."""
+        return self._graph.mtp(batch, hidden, cache, depth)
+
+    def to_numpy(self, a: Any) -> Any:
+        return self._graph.backend.to_numpy(a)
+
+
 @attrs.frozen
 class MtpOutput:
     """logits: [n, V] — next-next-token logits per row; hidden: [n, hc·E] — the MTP block's streams."""
@@ -515,6 +539,8 @@ class DeepSeek4Graph:
         self.n_mtp = sum(1 for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)
                          if f"blk.{il}.nextn.eh_proj.weight" in weights)
         self.output_weight = weights["output.weight"]
+        self.embed_table = weights["token_embd.weight"]
+        self.head = LMHead.from_weights(weights, xp)
         main = ops.rope_freqs(hp.n_rot, hp.rope_base, xp=xp)
         if hp.rope_yarn_factor != 1.0:
             f = hp.rope_yarn_factor
@@ -543,6 +569,18 @@ class DeepSeek4Graph:
                                                weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
             if hp.is_hash(il):
                 self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+
+    def target_view(self) -> TargetView:
+        """What drafters may use of this model (embedding, head, final norm, the MTP draft head)."""
+        return TargetView(self, self.hp)
+
+    def final_norm(self, x: Any) -> Any:
+        """output_norm. x: [n, E] (after the hc head)."""
+        return ops.rms_norm(x, self.w["output_norm.weight"], self.hp.norm_eps)
+
+    def draft_heads(self) -> dict[str, Any]:
+        """The file's MTP block(s) as the draft head "mtp" (none when the file has no MTP block)."""
+        return {"mtp": MtpHead(self)} if self.n_mtp else {}
 
     def cache_layout(self) -> list[tuple[Any, ...]]:
         """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""

@@ -10,9 +10,10 @@ How it drafts after the last committed token ``t_pos`` (at position ``pos``, not
    MTP runs chained), so row (X_{pos-1}, d_j) at position pos + j - 1 predicts d_{j+1};
    these speculative rows are dropped again (snapshot / restore of the drafter's cache).
 
-The drafter gets what it needs from the target through public APIs only: the feature tap
-(``requirements().taps``) and the model's graph method :meth:`DeepSeek4Graph.mtp`, which runs the
-file's MTP block with the target's shared embedding and head. It is deterministic (greedy);
+The drafter gets what it needs from the target through the declared interface only: the
+feature tap (``requirements().taps``) and the draft head "mtp" of ``target.target_view()``
+(:class:`plinth_deepseek41.deepseek4.MtpHead`), which runs the file's MTP block with the
+target's shared embedding and head. It is deterministic (greedy);
 losslessness comes from verification, as for every drafter.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from plinth.context import Batch, KVCache
+from plinth.context import Batch
 from plinth.errors import UserError
 from plinth.speculative.base import BaseDrafter, Draft, DrafterRequirements, TargetOutput
 
@@ -31,19 +32,16 @@ class MtpDrafter(BaseDrafter):
     name = "mtp"
 
     def __init__(self, target: Any, n_draft: int = 4, depth: int = 0) -> None:
-        graph = target.graph
-        if getattr(target, "arch", None) != "deepseek4" or not hasattr(graph, "mtp"):
-            raise UserError(f"drafter 'mtp' (plinth-deepseek41) needs a deepseek4 target, not {target.arch!r}")
-        if graph.n_mtp <= depth:
-            raise UserError(f"drafter 'mtp': {target.path} has no MTP block (nextn_predict_layers = "
-                            f"{target.hparams.n_nextn}, blk.{target.hparams.n_layer}.nextn.eh_proj.weight "
-                            f"{'absent' if graph.n_mtp == 0 else 'present'}); use another drafter")
-        self.target = target
-        self.graph = graph
-        self.hp = target.hparams
+        view = target.target_view()
+        if "mtp" not in view.draft_heads:
+            raise UserError(f"drafter 'mtp': {target.path} ({target.arch}) ships no MTP block (draft heads: "
+                            f"{view.draft_heads or 'none'}); use another drafter")
+        self.head = view.draft_head("mtp")
+        if self.head.n_blocks <= depth:
+            raise UserError(f"drafter 'mtp': MTP block {depth} asked for, the file has {self.head.n_blocks}")
         self.n_draft = n_draft
         self.depth = depth
-        self.n_layer = self.hp.n_layer
+        self.n_layer = self.head.taps[0]
         self._hidden: dict[int, dict[int, Any]] = {}  # seq -> position -> target streams [hc·E]
         self._cache: dict[int, KVCache] = {}
         self._done: dict[int, int] = {}  # seq -> positions folded into the MTP cache (0..done-1)
@@ -54,7 +52,7 @@ class MtpDrafter(BaseDrafter):
 
     def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
         self._hidden[seq] = {}
-        self._cache[seq] = KVCache(self.n_layer + self.hp.n_nextn, self.graph.xp)
+        self._cache[seq] = self.head.new_cache()
         self._done[seq] = 0
 
     def process(self, target_output: TargetOutput) -> None:
@@ -67,13 +65,13 @@ class MtpDrafter(BaseDrafter):
 
     def _forward(self, seq: int, tokens: Sequence[int], hidden: Any, start: int) -> Any:
         batch = Batch.from_tokens(list(tokens), start=start, seq=seq, output="all")
-        return self.graph.mtp(batch, hidden, self._cache[seq], self.depth)
+        return self.head.run(batch, hidden, self._cache[seq], self.depth)
 
     def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
         n = min(n_max, self.n_draft)
         if n <= 0 or pos == 0:
             return Draft()
-        xp = self.graph.xp
+        xp = self.head.xp
         done, rows = self._done[seq], self._hidden[seq]
         # 1. fold in positions done..pos-1: (h_p, t_{p+1}); history[p] is the token at position p
         ps = list(range(done, pos))
@@ -88,7 +86,7 @@ class MtpDrafter(BaseDrafter):
         logits, hidden = out.logits[-1], out.hidden[-1:]
         try:
             for j in range(n):
-                tok = int(np.argmax(np.asarray(self.target.backend.to_numpy(logits))))
+                tok = int(np.argmax(np.asarray(self.head.to_numpy(logits))))
                 tokens.append(tok)
                 if j == n - 1:
                     break

@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="deepseek41",
-        api_version="1.0",
+        api_version="2.0",
         architectures={"deepseek4": "plinth_deepseek41.deepseek4:DeepSeek4"},
         drafters={"mtp": "plinth_deepseek41.mtp:make_mtp_drafter"},
         converters={"DeepseekV4ForCausalLM": "plinth_deepseek41.convert:DeepseekV4Converter"},

@@ -284,3 +284,13 @@ def test_strict_device_stand_in_gives_the_same_logits(flash):
     a = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[:20], output="all")).logits)
     b = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[20:], start=20, output="all")).logits)
     np.testing.assert_allclose(np.concatenate([a, b]), flash.logits(toks), atol=2e-5, rtol=0)
+
+
+def test_test_kit_architecture_contract(tmp_path):
+    """plinth.testing.check_architecture on a random deepseek4 (load, prefill/decode, batches, rollback,
+    speculative decoding with the ngram and random drafters)."""
+    from plinth.testing.arch import check_architecture
+
+    md = _metadata()
+    md["deepseek4.vocab_size"] = 257
+    check_architecture(golden.registry(), "deepseek4", md, tmp_path, max_tokens=12, atol=2e-4)

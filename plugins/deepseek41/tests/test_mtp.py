@@ -91,5 +91,5 @@ def test_mtp_drafter_through_the_registry(target):
 
 def test_mtp_drafter_refuses_a_file_without_mtp(tmp_path):
     plain = golden.plinth_model("hca_only", tmp_path)
-    with pytest.raises(UserError, match="has no MTP block"):
+    with pytest.raises(UserError, match="ships no MTP block"):
         MtpDrafter(plain)
