@@ -29,6 +29,8 @@ _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
     "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
+# byte formats read only as raw bytes (``get(name, None)``); the caller dequantizes them
+_ST_RAW = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8}
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -78,6 +80,10 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name][1]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string of ``name`` ("F32", "BF16", "F8_E4M3", ...)."""
+        return str(self._where[name][1]["dtype"])
+
     def get(self, name: str, dtype: Any = np.float32) -> np.ndarray:
         """The tensor ``name`` as ``dtype`` (BF16 and F16 widened exactly)."""
         if name not in self._where:
@@ -94,6 +100,8 @@ class SafetensorsDir:
             arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
         elif st in _ST_DTYPES:
             arr = buf.view(_ST_DTYPES[st]).reshape(shape)
+        elif st in _ST_RAW and dtype is None:
+            arr = buf.view(_ST_RAW[st]).reshape(shape)
         else:
             raise UserError(f"{f}: tensor {name!r} has dtype {st}, which plinth cannot convert")
         return np.asarray(arr, dtype=dtype) if dtype is not None else arr

@@ -1,0 +1,802 @@
+"""DeepSeek V4 Flash (``deepseek4``): hyper-connection streams, compressed + sparse attention, hash MoE.
+
+The model card, top to bottom:
+
+* **Residual = hc streams.** The embedding is repeated ``hc`` times into X: [n, hc, E]. Each
+  sublayer (attention, then MoE) is wrapped by a manifold-constrained hyper-connection (mHC):
+  from the flattened, RMS-normed streams a learned ``fn`` gives ``pre`` (collapse weights),
+  ``post`` (expand weights) and ``comb`` (an hc×hc mix made doubly stochastic by Sinkhorn);
+  the sublayer reads ``Σ pre·X`` and writes ``X' = post·y + combᵀ·X``. A learned hc head
+  collapses the streams before ``output_norm`` and ``output``.
+* **Attention = MQA over one latent head** of width d (K = V): low-rank q with its norm, a
+  weightless per-head q norm, RoPE on the trailing ``n_rot`` dims (interleaved pairs), per-head
+  sinks, a raw sliding window of ``n_swa`` keys, the output de-roped at the query position and
+  projected by a grouped low-rank ``Wo_a`` (``o_groups`` blocks) then ``Wo_b``.
+  Per layer, ``compress_ratios[il]`` adds a compressed stream:
+
+  - 0: window only (main RoPE base, no YaRN);
+  - the CSA ratio (4): overlapping blocks (entry j pools block j-1's first-half channels and
+    block j's second-half channels, softmax per channel over 2r rows, block -1 padded with
+    -inf scores), and a Lightning indexer (its own compressor, queries from the q latent,
+    ``Σ_h w_h ReLU(q_h·k)``) keeps the top ``indexer.top_k`` visible entries per query;
+  - the HCA ratio (128): one entry per block of r rows, all visible entries attended.
+
+  Entries are RMS-normed and roped at their block's first position (compress RoPE base with
+  YaRN); a query at t sees entries j < (t + 1) // r.
+* **MoE**: ``sqrt(softplus(W x))`` scores; routed layers choose the top-k of scores + bias
+  (``exp_probs_b``), the first ``hash_layer_count`` layers take their experts from the token
+  (``ffn_gate_tid2eid[token]``); weights = chosen scores, normalised, × ``expert_weights_scale``;
+  SwiGLU experts with ``min(gate, c)`` and ``clip(up, -c, c)``; plus a clamped shared expert.
+
+Cache (``cache_layout``): every layer keeps a :class:`KV` of its raw keys (K-only, since K = V);
+a compressed layer also a :class:`Recurrent` holding its compressed entries, indexer keys and
+the rows of blocks not complete yet, so the cache plans rollback as snapshot + replay.
+:class:`LayerCache` is the one place that reads and writes them.
+Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from plinth import ops
+from plinth.context import Batch, ForwardOutput, KVCache, run_layers
+from plinth.errors import UserError
+from plinth.graph import KV, LMHead, Recurrent, TargetView
+from plinth.hparams import HParamsError, KeyReader, PerLayer
+from plinth.tensors import TensorSpec
+
+ARCH = "deepseek4"
+GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+WINDOW, CSA, HCA = "window", "csa", "hca"
+
+
+# ============================================================================ hparams
+
+@attrs.frozen
+class DeepSeek4Params:
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ctx_train: int
+    norm_eps: float
+    # attention
+    n_head: int
+    head_dim: int  # d: the single latent K = V head
+    n_rot: int  # trailing rotated dims of each head
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    n_swa: int
+    rope_base: float
+    compress_rope_base: float
+    rope_yarn_factor: float  # 1.0 = no YaRN on the compressed layers
+    rope_yarn_orig_ctx: int
+    rope_yarn_beta_fast: float
+    rope_yarn_beta_slow: float
+    compress_ratios: PerLayer
+    csa_ratio: int
+    hca_ratio: int
+    n_idx_head: int
+    idx_head_dim: int
+    idx_top_k: int
+    # hyper-connections
+    hc: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    # MoE
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_expert_shared: int
+    expert_weights_scale: float
+    expert_weights_norm: bool
+    swiglu_clamp_exp: PerLayer
+    swiglu_clamp_shexp: PerLayer
+    n_hash_layers: int
+    n_nextn: int
+
+    def kind(self, il: int) -> str:
+        """The attention of layer ``il``: "window", "csa" or "hca" (MTP layers follow the main ones)."""
+        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer + self.n_nextn:
+            raise IndexError(f"kind({il}): layer out of range (n_layer = {self.n_layer}, nextn = {self.n_nextn})")
+        r = self.compress_ratios[int(il)]
+        return WINDOW if r == 0 else CSA if r == self.csa_ratio else HCA
+
+    def ratio(self, il: int) -> int:
+        return int(self.compress_ratios[int(il)])
+
+    def is_hash(self, il: int) -> bool:
+        return int(il) < self.n_hash_layers
+
+
+def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
+    r = KeyReader(metadata, source, ARCH)
+    n_layer = r.get("block_count")
+    n_nextn = r.get("nextn_predict_layers", required=False, default=0)
+    head_dim = r.get("attention.key_length")
+    gating = r.get("expert_gating_func", required=False, default=GATING_SQRT_SOFTPLUS)
+    if gating != GATING_SQRT_SOFTPLUS:
+        raise HParamsError(f"{source}: key '{r.key('expert_gating_func')}' = {gating}; deepseek4 routes experts "
+                           f"with sqrt-softplus scores only (value {GATING_SQRT_SOFTPLUS}); this file is not a "
+                           "DeepSeek V4 model or was converted wrongly")
+    csa, hca = r.get("attention.csa_ratio", required=False, default=4), r.get("attention.hca_ratio",
+                                                                               required=False, default=128)
+    ratios = r.get_array("attention.compress_ratios")
+    if len(ratios) not in (n_layer, n_layer + n_nextn):
+        raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has {len(ratios)} entries, expected "
+                           f"n_layer = {n_layer}" + (f" or n_layer + nextn = {n_layer + n_nextn}" if n_nextn else ""))
+    bad = sorted({x for x in ratios if x not in (0, csa, hca)})
+    if bad or csa == hca or csa < 1 or hca < 1:
+        raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has ratio(s) {bad}; deepseek4 "
+                           f"defines 0 (window only), {csa} (CSA) and {hca} (HCA)")
+    n_used = r.get("expert_used_count")
+    clamp = _per_layer_with_mtp(r, "swiglu_clamp_exp", n_layer, n_nextn, 0.0)
+    clamp_sh = _per_layer_with_mtp(r, "swiglu_clamp_shexp", n_layer, n_nextn, None)
+    if clamp_sh[0] is None:
+        clamp_sh = PerLayer(list(clamp), r.key("swiglu_clamp_shexp"))
+    scaling = r.get("rope.scaling.type", str, required=False, default="none")
+    factor = r.get("rope.scaling.factor", float, required=False, default=1.0) if scaling == "yarn" else 1.0
+    n_head = r.get("attention.head_count")
+    o_groups = r.get("attention.output_group_count")
+    if n_head % o_groups:
+        raise HParamsError(f"{source}: {n_head} heads cannot be split into "
+                           f"'{r.key('attention.output_group_count')}' = {o_groups} groups")
+    hc = r.get("hyper_connection.count")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    return DeepSeek4Params(
+        n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
+        n_embd=r.get("embedding_length"),
+        n_layer=n_layer,
+        n_ctx_train=r.get("context_length"),
+        norm_eps=r.get("attention.layer_norm_rms_epsilon", float),
+        n_head=n_head,
+        head_dim=head_dim,
+        n_rot=r.get("rope.dimension_count"),
+        q_lora_rank=r.get("attention.q_lora_rank"),
+        o_groups=o_groups,
+        o_lora_rank=r.get("attention.output_lora_rank"),
+        n_swa=r.get("attention.sliding_window"),
+        rope_base=r.get("rope.freq_base", float, required=False, default=10000.0),
+        compress_rope_base=r.get("attention.compress_rope_freq_base", float, required=False, default=160000.0),
+        rope_yarn_factor=factor,
+        rope_yarn_orig_ctx=r.get("rope.scaling.original_context_length", required=scaling == "yarn", default=0),
+        rope_yarn_beta_fast=r.get("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
+        rope_yarn_beta_slow=r.get("rope.scaling.yarn_beta_slow", float, required=False, default=1.0),
+        compress_ratios=PerLayer(list(ratios) + [0] * (n_layer + n_nextn - len(ratios)),
+                                 r.key("attention.compress_ratios")),
+        csa_ratio=csa,
+        hca_ratio=hca,
+        n_idx_head=r.get("attention.indexer.head_count", required=csa in ratios, default=0),
+        idx_head_dim=r.get("attention.indexer.key_length", required=csa in ratios, default=0),
+        idx_top_k=r.get("attention.indexer.top_k", required=csa in ratios, default=0),
+        hc=hc,
+        hc_sinkhorn_iters=r.get("hyper_connection.sinkhorn_iterations"),
+        hc_eps=r.get("hyper_connection.epsilon", float),
+        n_expert=r.get("expert_count"),
+        n_expert_used=n_used,
+        n_ff_exp=r.get("expert_feed_forward_length"),
+        n_expert_shared=r.get("expert_shared_count", required=False, default=1),
+        expert_weights_scale=r.get("expert_weights_scale", float, required=False, default=1.0),
+        expert_weights_norm=bool(r.get("expert_weights_norm", bool, required=False, default=True)),
+        swiglu_clamp_exp=clamp,
+        swiglu_clamp_shexp=clamp_sh,
+        n_hash_layers=r.get("hash_layer_count", required=False, default=0),
+        n_nextn=n_nextn,
+    )
+
+
+def _per_layer_with_mtp(r: KeyReader, name: str, n_layer: int, n_nextn: int, default: Any) -> PerLayer:
+    """A scalar-or-array float key over n_layer (or n_layer + nextn) entries, extended to the MTP layers
+    with the last main layer's value."""
+    value = r.metadata.get(r.key(name))
+    n = n_layer + n_nextn if isinstance(value, (list, np.ndarray)) and len(value) == n_layer + n_nextn else n_layer
+    vals = list(r.get_key_or_arr(name, n, float, required=False, default=default))
+    return PerLayer(vals + vals[-1:] * (n_layer + n_nextn - n), r.key(name))
+
+
+# ============================================================================ tensors
+
+def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
+    """GGUF tensor names and numpy-order shapes (llama.cpp's deepseek4 names)."""
+    e, v, hc, d = hp.n_embd, hp.n_vocab, hp.hc, hp.head_dim
+    n_mix = (2 + hc) * hc
+    specs = [
+        TensorSpec("token_embd.weight", (v, e)),
+        TensorSpec("output_norm.weight", (e,)),
+        TensorSpec("output.weight", (v, e)),
+        TensorSpec("output_hc_fn.weight", (hc, hc * e)),
+        TensorSpec("output_hc_base.weight", (hc,)),
+        TensorSpec("output_hc_scale.weight", (1,)),
+    ]
+    for il in range(hp.n_layer + hp.n_nextn):
+        mtp = il >= hp.n_layer  # an MTP block: optional (a file may drop it; the mtp drafter then refuses)
+        b = f"blk.{il}."
+        hd_all = hp.n_head * d
+        if mtp:
+            specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e), required=False),
+                      TensorSpec(b + "nextn.enorm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.hnorm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.shared_head_norm.weight", (e,), required=False),
+                      TensorSpec(b + "nextn.hc_head_fn.weight", (hc, hc * e), required=False),
+                      TensorSpec(b + "nextn.hc_head_base.weight", (hc,), required=False),
+                      TensorSpec(b + "nextn.hc_head_scale.weight", (1,), required=False)]
+        block = [
+            TensorSpec(b + "attn_norm.weight", (e,)),
+            TensorSpec(b + "ffn_norm.weight", (e,)),
+            TensorSpec(b + "hc_attn_fn.weight", (n_mix, hc * e)),
+            TensorSpec(b + "hc_attn_base.weight", (n_mix,)),
+            TensorSpec(b + "hc_attn_scale.weight", (3,)),
+            TensorSpec(b + "hc_ffn_fn.weight", (n_mix, hc * e)),
+            TensorSpec(b + "hc_ffn_base.weight", (n_mix,)),
+            TensorSpec(b + "hc_ffn_scale.weight", (3,)),
+            TensorSpec(b + "attn_sinks.weight", (hp.n_head,)),
+            TensorSpec(b + "attn_q_a.weight", (hp.q_lora_rank, e)),
+            TensorSpec(b + "attn_q_a_norm.weight", (hp.q_lora_rank,)),
+            TensorSpec(b + "attn_q_b.weight", (hd_all, hp.q_lora_rank)),
+            TensorSpec(b + "attn_kv.weight", (d, e)),
+            TensorSpec(b + "attn_kv_a_norm.weight", (d,)),
+            TensorSpec(b + "attn_output_a.weight", (hp.o_groups * hp.o_lora_rank, hd_all // hp.o_groups)),
+            TensorSpec(b + "attn_output_b.weight", (e, hp.o_groups * hp.o_lora_rank)),
+        ]
+        kind = hp.kind(il)
+        if kind != WINDOW:
+            coff = 2 if kind == CSA else 1
+            block += [
+                TensorSpec(b + "attn_compressor_kv.weight", (coff * d, e)),
+                TensorSpec(b + "attn_compressor_gate.weight", (coff * d, e)),
+                TensorSpec(b + "attn_compressor_ape.weight", (hp.ratio(il), coff * d)),
+                TensorSpec(b + "attn_compressor_norm.weight", (d,)),
+            ]
+        if kind == CSA:
+            di = hp.idx_head_dim
+            block += [
+                TensorSpec(b + "indexer.proj.weight", (hp.n_idx_head, e)),
+                TensorSpec(b + "indexer.attn_q_b.weight", (hp.n_idx_head * di, hp.q_lora_rank)),
+                TensorSpec(b + "indexer_compressor_kv.weight", (2 * di, e)),
+                TensorSpec(b + "indexer_compressor_gate.weight", (2 * di, e)),
+                TensorSpec(b + "indexer_compressor_ape.weight", (hp.ratio(il), 2 * di)),
+                TensorSpec(b + "indexer_compressor_norm.weight", (di,)),
+            ]
+        n_exp, ff = hp.n_expert, hp.n_ff_exp
+        block += [
+            TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
+            TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
+            TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
+            TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
+        ]
+        if hp.is_hash(il):
+            block.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used)))
+        else:
+            block.append(TensorSpec(b + "exp_probs_b.bias", (n_exp,)))
+        if hp.n_expert_shared:
+            sh = hp.n_ff_exp * hp.n_expert_shared
+            block += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
+                      TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
+                      TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
+        specs += [attrs.evolve(t, required=False) for t in block] if mtp else block
+    return specs
+
+
+# ============================================================================ hyper-connections
+
+@attrs.frozen
+class HcMix:
+    """The three maps of one hyper-connection, per token.
+
+    pre: [n, hc] collapse weights;  post: [n, hc] expand weights;
+    comb: [n, hc, hc] stream mix, comb[t, src, dst] (doubly stochastic).
+    """
+
+    pre: Any
+    post: Any
+    comb: Any
+
+
+def sinkhorn(logits: Any, iters: int, eps: float) -> Any:
+    """Sinkhorn-Knopp on [..., hc(src), hc(dst)]: softmax over dst, + eps, then normalise
+    columns (sum over src), then ``iters - 1`` times rows then columns (each + eps)."""
+    xp = ops.array_module(logits)
+    c = ops.softmax(logits, axis=-1) + np.float32(eps)
+    c = c / (c.sum(axis=-2, keepdims=True) + np.float32(eps))
+    for _ in range(iters - 1):
+        c = c / (c.sum(axis=-1, keepdims=True) + np.float32(eps))
+        c = c / (c.sum(axis=-2, keepdims=True) + np.float32(eps))
+    return xp.asarray(c, dtype=np.float32)
+
+
+def hc_mixes(X: Any, fn: Any, norm_eps: float) -> Any:
+    """fn · RMSNorm_noweight(flatten X), with the norm applied after the product (the fused form:
+    one GEMV over the raw stream, then one scale per token). X: [n, hc, E]; fn: [m, hc·E] -> [n, m]."""
+    xp = ops.array_module(X)
+    flat = X.reshape(X.shape[0], X.shape[1] * X.shape[2])
+    ms = (flat * flat).mean(axis=-1, keepdims=True) + np.float32(norm_eps)
+    return ops.linear(flat, fn) * (np.float32(1.0) / xp.sqrt(ms))
+
+
+def hc_mix(X: Any, fn: Any, base: Any, scale: Any, hp: DeepSeek4Params) -> HcMix:
+    """pre, post, comb of one sublayer from its input streams X: [n, hc, E]."""
+    hc = hp.hc
+    m = hc_mixes(X, fn, hp.norm_eps)
+    pre = ops.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + np.float32(hp.hc_eps)
+    post = np.float32(2.0) * ops.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)
+    return HcMix(pre=pre, post=post, comb=sinkhorn(logits, hp.hc_sinkhorn_iters, hp.hc_eps))
+
+
+def hc_collapse(X: Any, pre: Any) -> Any:
+    """Σ_h pre[h]·X[h]. X: [n, hc, E]; pre: [n, hc] -> [n, E]."""
+    return (pre[:, :, None] * X).sum(axis=1)
+
+
+def hc_expand(X: Any, y: Any, mix: HcMix) -> Any:
+    """X'[dst] = post[dst]·y + Σ_src comb[src, dst]·X[src]. X: [n, hc, E]; y: [n, E] -> [n, hc, E]."""
+    xp = ops.array_module(X)
+    return mix.post[:, :, None] * y[:, None, :] + xp.matmul(mix.comb.transpose(0, 2, 1), X)
+
+
+# ============================================================================ per-layer cache
+
+@attrs.frozen
+class Stream:
+    """One compressed stream of one (layer, sequence).
+
+    entries: [n_entries, width] — compressed rows (normed, roped), entry j covers positions
+        j·r .. j·r + r - 1;
+    rows_kv, rows_score: [n_rows, coff·width] — projected rows not folded into an entry for good
+        yet: the block being filled, and for an overlapping (CSA) stream the last complete
+        block too (its first-half channels feed the next entry). Scores include the ape bias.
+    """
+
+    entries: Any
+    rows_kv: Any
+    rows_score: Any
+
+    @classmethod
+    def empty(cls, width: int, coff: int, xp: Any) -> "Stream":
+        z = xp.zeros((0, coff * width), dtype=np.float32)
+        return cls(entries=xp.zeros((0, width), dtype=np.float32), rows_kv=z, rows_score=z.copy())
+
+
+class LayerCache:
+    """The one place that reads and writes what a deepseek4 layer keeps of a sequence.
+
+    Raw window keys go to the layer's :class:`KV` (values are not stored: K = V). The compressed
+    stream (and on CSA layers the indexer-key stream) live in the layer's :class:`Recurrent`:
+    a flat tuple of arrays ``(entries, rows_kv, rows_score)`` per stream.
+    """
+
+    def __init__(self, cache: KVCache, il: int, seq: int, xp: Any) -> None:
+        self.cache, self.il, self.seq, self.xp = cache, il, seq, xp
+
+    def raw(self, positions: np.ndarray, kv: Any) -> tuple[Any, np.ndarray]:
+        """Append kv: [n, d] at ``positions``; returns every raw key [n_all, d] and its positions."""
+        none = self.xp.zeros((kv.shape[0], 1, 0), dtype=np.float32)
+        k, _, kpos = self.cache.kv(self.il).update(self.seq, positions, kv[:, None, :], none)
+        return k[:, 0, :], kpos
+
+    def streams(self, shapes: list[tuple[int, int]]) -> list[Stream]:
+        """The layer's streams (empty ones before the first token); shapes: (width, coff) each."""
+        state = self.cache.state(self.il).get(self.seq)
+        if state is None:
+            return [Stream.empty(w, c, self.xp) for w, c in shapes]
+        return [Stream(*state[3 * i:3 * i + 3]) for i in range(len(shapes))]
+
+    def store(self, streams: list[Stream]) -> None:
+        self.cache.state(self.il).set(self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
+                                                                                     s.rows_score)))
+
+
+# ============================================================================ compressor
+
+@attrs.frozen
+class Compressor:
+    """Weights of one compressor (the attention's or the indexer's)."""
+
+    w_kv: Any  # [coff·width, E]
+    w_gate: Any  # [coff·width, E]
+    ape: Any  # [ratio, coff·width]
+    norm: Any  # [width]
+    ratio: int
+    overlap: bool  # CSA: entries pool two consecutive blocks
+
+    @property
+    def width(self) -> int:
+        return int(self.norm.shape[0])
+
+
+def compress(stream: Stream, comp: Compressor, x: Any, positions: np.ndarray, rope: Any, n_rot: int,
+             eps: float) -> Stream:
+    """Add the rows x: [n, E] at consecutive ``positions`` to ``stream`` and emit the entries of
+    every block they complete. Entry j = RMSNorm(Σ_slots softmax_slots(score) ⊙ kv), roped at j·r."""
+    xp = ops.array_module(x)
+    r, w = comp.ratio, comp.width
+    kv = ops.linear(x, comp.w_kv)
+    score = ops.linear(x, comp.w_gate) + comp.ape[xp.asarray(positions % r)]
+    rows_kv = xp.concatenate([stream.rows_kv, kv])
+    rows_sc = xp.concatenate([stream.rows_score, score])
+    n_e = stream.entries.shape[0]
+    first = n_e - 1 if comp.overlap and n_e > 0 else n_e  # block index of rows_kv[0]
+    total = first + rows_kv.shape[0] // r  # complete blocks
+    entries = stream.entries
+    if total > n_e:
+        blocks_kv = rows_kv[:(total - first) * r].reshape(total - first, r, -1)
+        blocks_sc = rows_sc[:(total - first) * r].reshape(total - first, r, -1)
+        new = slice(n_e - first, total - first)
+        if comp.overlap:
+            cur_kv, cur_sc = blocks_kv[new, :, w:], blocks_sc[new, :, w:]
+            prev_kv = xp.zeros_like(cur_kv)
+            prev_sc = xp.full(cur_sc.shape, -np.inf, dtype=np.float32)
+            lo = n_e - first  # new block index inside blocks_*; its predecessor is lo - 1
+            if lo > 0:
+                prev_kv[:] = blocks_kv[lo - 1:total - first - 1, :, :w]
+                prev_sc[:] = blocks_sc[lo - 1:total - first - 1, :, :w]
+            else:  # block 0 of the sequence has no predecessor: padding rows
+                prev_kv[1:] = blocks_kv[0:total - first - 1, :, :w]
+                prev_sc[1:] = blocks_sc[0:total - first - 1, :, :w]
+            slots_kv = xp.concatenate([prev_kv, cur_kv], axis=1)
+            slots_sc = xp.concatenate([prev_sc, cur_sc], axis=1)
+        else:
+            slots_kv, slots_sc = blocks_kv[new], blocks_sc[new]
+        pooled = (ops.softmax(slots_sc, axis=1) * slots_kv).sum(axis=1)
+        pooled = ops.rms_norm(pooled, comp.norm, eps)
+        starts = np.arange(n_e, total, dtype=np.int64) * r
+        pooled = ops.apply_rope(pooled[:, None, :], cos_sin=rope(starts), offset=w - n_rot)[:, 0, :]
+        entries = xp.concatenate([entries, pooled])
+    keep_from = (total - 1 if comp.overlap and total > 0 else total) - first
+    return Stream(entries=entries, rows_kv=rows_kv[keep_from * r:], rows_score=rows_sc[keep_from * r:])
+
+
+# ============================================================================ attention
+
+@attrs.frozen
+class SparseAttention:
+    """out: [n, E] — the attention sublayer's output;
+    topk: [n, k] int or None — compressed entries each query attended on a CSA layer (-1 = none)."""
+
+    out: Any
+    topk: Any = None
+
+
+class MtpHead:
+    """The draft head "mtp": what the ``mtp`` drafter runs (``run``) and the cache it keeps (``new_cache``).
+
+    taps: the target feature taps the head reads (the streams entering the hc head).
+    """
+
+    def __init__(self, graph: "DeepSeek4Graph") -> None:
+        self._graph = graph
+        self.n_blocks = graph.n_mtp
+        self.taps = (graph.hp.n_layer,)
+        self.xp = graph.xp
+
+    def new_cache(self) -> KVCache:
+        hp = self._graph.hp
+        return KVCache(hp.n_layer + hp.n_nextn, self.xp)
+
+    def run(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
+        """See :meth:`DeepSeek4Graph.mtp`."""
+        return self._graph.mtp(batch, hidden, cache, depth)
+
+    def to_numpy(self, a: Any) -> Any:
+        return self._graph.backend.to_numpy(a)
+
+
+@attrs.frozen
+class MtpOutput:
+    """logits: [n, V] — next-next-token logits per row; hidden: [n, hc·E] — the MTP block's streams."""
+
+    logits: Any
+    hidden: Any
+
+
+@attrs.frozen
+class TopKSelection:
+    """indices: [n, k] int — chosen compressed entries per query, best first (-1 = none);
+    ties: queries whose k-th and (k+1)-th visible scores are equal (a tie at the boundary makes
+    the choice depend on the tie-break, so references may differ there)."""
+
+    indices: Any
+    ties: int = 0
+
+
+def indexer_topk(q_idx: Any, weights: Any, keys: Any, q_pos: np.ndarray, ratio: int, top_k: int) -> TopKSelection:
+    """Lightning indexer: I(t, s) = Σ_h w_h(t)·ReLU(q_{t,h}·k_s) over visible entries s < (t+1)//r;
+    keep the top min(top_k, #visible) (ties: lower index).
+
+    q_idx: [n, n_idx, d_idx] (roped); weights: [n, n_idx] (already scaled); keys: [n_e, d_idx]."""
+    xp = ops.array_module(q_idx)
+    n, n_e = q_idx.shape[0], keys.shape[0]
+    k = min(top_k, n_e)
+    if k == 0:
+        return TopKSelection(xp.full((n, 0), -1, dtype=np.int64))
+    dots = xp.maximum(xp.matmul(q_idx, keys.T), np.float32(0.0))  # [n, n_idx, n_e]
+    scores = (dots * weights[:, :, None]).sum(axis=1)
+    visible = xp.arange(n_e)[None, :] < xp.asarray((q_pos + 1) // ratio)[:, None]
+    scores = xp.where(visible, scores, np.float32(-np.inf))
+    order = xp.argsort(-scores, axis=-1, kind="stable")
+    ranked = xp.take_along_axis(scores, order, axis=-1)
+    ties = 0
+    if k < n_e:
+        kth, nxt = ranked[:, k - 1], ranked[:, k]
+        ties = int(xp.count_nonzero(xp.isfinite(nxt) & (kth == nxt)))
+    chosen_visible = xp.take_along_axis(visible, order[:, :k], axis=-1)
+    return TopKSelection(xp.where(chosen_visible, order[:, :k], -1), ties)
+
+
+class DeepSeek4Graph:
+    """Forward of a deepseek4 model over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+
+    def __init__(self, hp: DeepSeek4Params, weights: Mapping[str, Any], backend: Any) -> None:
+        self.hp = hp
+        self.w = weights
+        self.backend = backend
+        self.xp = xp = backend.xp
+        # MTP blocks present in the file (the llama.cpp probe: no eh_proj, no MTP)
+        self.n_mtp = sum(1 for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)
+                         if f"blk.{il}.nextn.eh_proj.weight" in weights)
+        self.output_weight = weights["output.weight"]
+        self.embed_table = weights["token_embd.weight"]
+        self.head = LMHead.from_weights(weights, xp)
+        main = ops.rope_freqs(hp.n_rot, hp.rope_base, xp=xp)
+        if hp.rope_yarn_factor != 1.0:
+            f = hp.rope_yarn_factor
+            comp = ops.rope_freqs(hp.n_rot, hp.compress_rope_base, "yarn", f, hp.rope_yarn_orig_ctx,
+                                  hp.rope_yarn_beta_fast, hp.rope_yarn_beta_slow,
+                                  attn_factor=1.0 / (1.0 + 0.1 * np.log(f)), xp=xp)  # cos/sin unscaled
+        else:
+            comp = ops.rope_freqs(hp.n_rot, hp.compress_rope_base, xp=xp)
+        self.rope_main, self.rope_comp = ops.RopeCache(main), ops.RopeCache(comp)
+        self.compressors: dict[int, Compressor] = {}
+        self.indexers: dict[int, Compressor] = {}
+        self.tid2eid: dict[int, Any] = {}
+        self.topk_ties = 0  # indexer top-k boundary ties seen so far (see TopKSelection)
+        for il in range(hp.n_layer + self.n_mtp):
+            b, kind = f"blk.{il}.", hp.kind(il)
+            if kind != WINDOW:
+                self.compressors[il] = Compressor(weights[b + "attn_compressor_kv.weight"],
+                                                  weights[b + "attn_compressor_gate.weight"],
+                                                  weights[b + "attn_compressor_ape.weight"],
+                                                  weights[b + "attn_compressor_norm.weight"], hp.ratio(il),
+                                                  kind == CSA)
+            if kind == CSA:
+                self.indexers[il] = Compressor(weights[b + "indexer_compressor_kv.weight"],
+                                               weights[b + "indexer_compressor_gate.weight"],
+                                               weights[b + "indexer_compressor_ape.weight"],
+                                               weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
+            if hp.is_hash(il):
+                self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+
+    def target_view(self) -> TargetView:
+        """What drafters may use of this model (embedding, head, final norm, the MTP draft head)."""
+        return TargetView(self, self.hp)
+
+    def final_norm(self, x: Any) -> Any:
+        """output_norm. x: [n, E] (after the hc head)."""
+        return ops.rms_norm(x, self.w["output_norm.weight"], self.hp.norm_eps)
+
+    def draft_heads(self) -> dict[str, Any]:
+        """The file's MTP block(s) as the draft head "mtp" (none when the file has no MTP block)."""
+        return {"mtp": MtpHead(self)} if self.n_mtp else {}
+
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""
+        return [(KV(),) if self.hp.kind(il) == WINDOW else (KV(), Recurrent()) for il in range(self.hp.n_layer)]
+
+    # -------------------------------------------------------------- attention
+
+    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list) -> SparseAttention:
+        """MQA over the raw window and the layer's compressed stream. x: [n, E] (normed) -> [n, E]."""
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        n, d, H = x.shape[0], hp.head_dim, hp.n_head
+        kind = hp.kind(il)
+        rope = self.rope_main if kind == WINDOW else self.rope_comp
+        off = d - hp.n_rot
+        qr = ops.rms_norm(ops.linear(x, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], hp.norm_eps)
+        q = ops.rms_norm(ops.linear(qr, w[b + "attn_q_b.weight"]).reshape(n, H, d), None, hp.norm_eps)
+        kv = ops.rms_norm(ops.linear(x, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], hp.norm_eps)
+        cs = rope(batch.positions)
+        q = ops.apply_rope(q, cos_sin=cs, offset=off)
+        kv = ops.apply_rope(kv[:, None, :], cos_sin=cs, offset=off)[:, 0, :]
+        if kind == CSA:
+            di = hp.idx_head_dim
+            q_idx = ops.linear(qr, w[b + "indexer.attn_q_b.weight"]).reshape(n, hp.n_idx_head, di)
+            q_idx = ops.apply_rope(q_idx, cos_sin=self.rope_comp(batch.positions), offset=di - hp.n_rot)
+            idx_w = ops.linear(x, w[b + "indexer.proj.weight"]) * np.float32((di * hp.n_idx_head) ** -0.5)
+        out = xp.empty((n, H, d), dtype=np.float32)
+        topk = xp.full((n, max(hp.idx_top_k, 1)), -1, dtype=np.int64) if kind == CSA else None
+        for seq, sel in seq_rows:
+            pos = batch.positions[sel]
+            lc = LayerCache(cache, il, seq, xp)
+            keys, kpos = lc.raw(pos, kv[sel])
+            d_q = pos[:, None] - kpos[None, :]
+            vis = (d_q >= 0) & (d_q < hp.n_swa)
+            if kind != WINDOW:
+                comp = self.compressors[il]
+                shapes = [(d, 2 if kind == CSA else 1)] + ([(hp.idx_head_dim, 2)] if kind == CSA else [])
+                streams = lc.streams(shapes)
+                streams[0] = compress(streams[0], comp, x[sel], pos, self.rope_comp, hp.n_rot, hp.norm_eps)
+                entries = streams[0].entries
+                n_e = entries.shape[0]
+                ent_vis = np.arange(n_e)[None, :] < ((pos + 1) // comp.ratio)[:, None]
+                if kind == CSA:
+                    streams[1] = compress(streams[1], self.indexers[il], x[sel], pos, self.rope_comp, hp.n_rot,
+                                          hp.norm_eps)
+                    selection = indexer_topk(q_idx[sel], idx_w[sel], streams[1].entries, pos, comp.ratio,
+                                             hp.idx_top_k)
+                    self.topk_ties += selection.ties
+                    chosen = selection.indices
+                    picked = np.zeros((len(pos), n_e + 1), dtype=bool)
+                    ch = np.asarray(self.backend.to_numpy(chosen))
+                    np.put_along_axis(picked, np.where(ch >= 0, ch, n_e), True, axis=1)
+                    ent_vis = ent_vis & picked[:, :n_e]
+                    topk[sel, :ch.shape[1]] = chosen
+                lc.store(streams)
+                keys = xp.concatenate([keys, entries])
+                vis = np.concatenate([vis, ent_vis], axis=1)
+            out[sel] = ops.attention(q[sel], keys[:, None, :], keys[:, None, :], scale=d ** -0.5, causal=False,
+                                     sinks=w[b + "attn_sinks.weight"], mask=xp.asarray(vis))
+        o = ops.apply_rope(out, cos_sin=cs, offset=off, inverse=True)
+        G, R = hp.o_groups, hp.o_lora_rank
+        wa = w[b + "attn_output_a.weight"].reshape(G, R, -1)  # group g: [R, H·d/G]
+        og = o.reshape(n, G, -1).transpose(1, 0, 2)  # [G, n, H·d/G]
+        z = xp.matmul(og, wa.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(n, G * R)
+        return SparseAttention(out=ops.linear(z, w[b + "attn_output_b.weight"]), topk=topk)
+
+    # -------------------------------------------------------------- MoE
+
+    def moe(self, il: int, x: Any, tokens: Any) -> Any:
+        """sqrt-softplus routed SwiGLU experts (hash-routed in the first layers) + the shared expert."""
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        scores = xp.sqrt(ops.softplus(ops.linear(x, w[b + "ffn_gate_inp.weight"])))  # [n, n_expert]
+        if hp.is_hash(il):
+            ids = self.tid2eid[il][tokens]
+        else:
+            ids = ops.top_k(scores + w[b + "exp_probs_b.bias"], hp.n_expert_used, axis=-1).indices
+        weights = xp.take_along_axis(scores, ids, axis=-1)
+        if hp.expert_weights_norm:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+        weights = weights * np.float32(hp.expert_weights_scale)
+        limit = hp.swiglu_clamp_exp[il]
+        gate, up, down = w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"], w[b + "ffn_down_exps.weight"]
+        y = xp.zeros_like(x)
+        ids_host = np.asarray(self.backend.to_numpy(ids))
+        for e in np.unique(ids_host):
+            tok, slot = np.nonzero(ids_host == e)
+            h = clamped_swiglu(x[tok], gate[e], up[e], down[e], limit)
+            y[tok] += h * weights[tok, slot][:, None]
+        if hp.n_expert_shared:
+            y += clamped_swiglu(x, w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"],
+                                w[b + "ffn_down_shexp.weight"], hp.swiglu_clamp_shexp[il])
+        return y
+
+    # -------------------------------------------------------------- forward
+
+    def _seq_rows(self, batch: Batch, cache: KVCache) -> list:
+        """(seq, row selector) per sequence; compressed streams need each sequence's rows in order."""
+        out = []
+        for seq in np.unique(batch.seq_ids):
+            seq = int(seq)
+            rows = np.nonzero(batch.seq_ids == seq)[0]
+            pos = batch.positions[rows]
+            if len(rows) > 1 and not np.all(np.diff(pos) == 1):
+                raise UserError(f"{ARCH}: sequence {seq}'s rows must have consecutive increasing positions in a "
+                                f"batch (got {pos.tolist()}); compressed KV streams cannot skip or reorder tokens")
+            start = cache.next_position(seq) if (cache.n_cached(seq) or cache.has_state(seq)) else 0
+            if int(pos[0]) != start:
+                raise UserError(f"{ARCH}: sequence {seq} continues at position {int(pos[0])}, but its cache stands "
+                                f"at position {start}; drop rows with KVCache.restore(snapshot), not seq_rm")
+            sel = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
+            out.append((seq, sel))
+        return out
+
+    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
+                embeddings: bool = False) -> ForwardOutput:
+        """Run the batch; logits for rows with ``batch.output``.
+
+        Feature taps are the hc streams flattened, [n, hc·E] (their hc-mean, which DFlash-style taps
+        use, is ``reshape(n, hc, E).mean(1)``); tap n_layer is what the MTP blocks read."""
+        hp, w, xp = self.hp, self.w, self.xp
+        if batch.is_embd is not None and bool(np.any(batch.is_embd)):
+            raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
+        if pooling != "none":
+            raise UserError(f"{ARCH}: pooled embeddings are not supported by this architecture")
+        cache.begin(batch.positions, batch.seq_ids)
+        seq_rows = self._seq_rows(batch, cache)
+        tokens = xp.asarray(batch.tokens)
+        x0 = w["token_embd.weight"][tokens]
+        X = xp.ascontiguousarray(xp.broadcast_to(x0[:, None, :], (x0.shape[0], hp.hc, hp.n_embd)))
+
+        def layer(il: int, X: Any) -> Any:
+            return self.block(il, X, batch, cache, seq_rows, tokens)
+
+        X, streams = run_layers(X, hp.n_layer, layer, cache, taps)
+        features = {k: v.reshape(v.shape[0], -1) for k, v in streams.items()}
+        rows = np.nonzero(batch.output)[0]
+        h = ops.rms_norm(self.hc_head(X[rows]), w["output_norm.weight"], hp.norm_eps)
+        logits = ops.linear(h, self.output_weight)
+        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+
+    def block(self, il: int, X: Any, batch: Batch, cache: KVCache, seq_rows: list, tokens: Any) -> Any:
+        """One decoder block on the streams X: [n, hc, E]: mHC around attention, then around the MoE."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        mix = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "attn_norm.weight"], hp.norm_eps)
+        X = hc_expand(X, self.attention(il, h, batch, cache, seq_rows).out, mix)
+        mix = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
+        return hc_expand(X, self.moe(il, h, tokens), mix)
+
+    def hc_head(self, X: Any, prefix: str = "output_hc_") -> Any:
+        """The learned collapse before the final norm. X: [n, hc, E] -> [n, E]."""
+        w = self.w
+        m = hc_mixes(X, w[prefix + "fn.weight"], self.hp.norm_eps)
+        pre = ops.sigmoid(m * w[prefix + "scale.weight"][0] + w[prefix + "base.weight"]) + np.float32(self.hp.hc_eps)
+        return hc_collapse(X, pre)
+
+    # -------------------------------------------------------------- MTP
+
+    def mtp(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
+        """The next-token-prediction block ``depth`` (layer n_layer + depth) over its own ``cache``.
+
+        Row i holds the token t_{p+1} and the target's streams h_p at position p (``batch``
+        positions are p): ``X = eh_proj · [enorm(embed(t)); hnorm(h_copy)]`` per copy, one
+        window-attention block, its own hc head and norm, the target's LM head.
+        hidden: [n, hc·E]. Returns logits [n, V] (every row) and the block's streams [n, hc·E].
+        """
+        hp, w, xp = self.hp, self.w, self.xp
+        if depth >= self.n_mtp:
+            raise UserError(f"{ARCH}: this file has {self.n_mtp} MTP block(s) (nextn_predict_layers = "
+                            f"{hp.n_nextn}); block {depth} is missing")
+        il = hp.n_layer + depth
+        b = f"blk.{il}.nextn."
+        n, hc, e = batch.n_rows, hp.hc, hp.n_embd
+        tokens = xp.asarray(batch.tokens)
+        emb = ops.rms_norm(w["token_embd.weight"][tokens], w[b + "enorm.weight"], hp.norm_eps)  # [n, E]
+        hn = ops.rms_norm(hidden.reshape(n, hc, e), w[b + "hnorm.weight"], hp.norm_eps)  # [n, hc, E]
+        both = xp.concatenate([xp.broadcast_to(emb[:, None, :], (n, hc, e)), hn], axis=-1)  # [n, hc, 2E]
+        X = ops.linear(both, w[b + "eh_proj.weight"])
+        cache.begin(batch.positions, batch.seq_ids)
+        try:
+            X = self.block(il, X, batch, cache, self._seq_rows(batch, cache), tokens)
+        except BaseException:
+            cache.rollback_pending()
+            raise
+        cache.commit()
+        h = ops.rms_norm(self.hc_head(X, b + "hc_head_"), w[b + "shared_head_norm.weight"], hp.norm_eps)
+        return MtpOutput(logits=ops.linear(h, self.output_weight), hidden=X.reshape(n, hc * e))
+
+
+def clamped_swiglu(x: Any, w_gate: Any, w_up: Any, w_down: Any, limit: float) -> Any:
+    """down(silu(min(gate x, c)) · clip(up x, -c, c)); c <= 0 means no clamp. x: [n, E] -> [n, E]."""
+    xp = ops.array_module(x)
+    g = ops.linear(x, w_gate)
+    u = ops.linear(x, w_up)
+    if limit > 0:
+        g = xp.minimum(g, np.float32(limit))
+        u = xp.clip(u, np.float32(-limit), np.float32(limit))
+    return ops.linear(ops.silu(g) * u, w_down)
+
+
+# ============================================================================ architecture
+
+class DeepSeek4:
+    """``deepseek4``: DeepSeek V4 Flash."""
+
+    name = ARCH
+
+    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
+        return load_hparams(metadata, source)
+
+    def tensor_specs(self, hparams: DeepSeek4Params) -> list[TensorSpec]:
+        return tensor_specs(hparams)
+
+    def build(self, hparams: DeepSeek4Params, weights: Mapping[str, Any], backend: Any) -> DeepSeek4Graph:
+        return DeepSeek4Graph(hparams, weights, backend)
+
+
+__all__ = ["DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream", "TopKSelection",
+           "compress", "hc_mix", "indexer_topk", "load_hparams", "sinkhorn", "tensor_specs"]

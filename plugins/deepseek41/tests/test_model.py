@@ -1,0 +1,296 @@
+"""deepseek4 contract, pieces and refusals: cache consistency, mHC maps, compressed streams, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plinth.context import Batch, KVCache
+from plinth.errors import UserError
+from plinth.hparams import HParamsError
+from plinth.testing import check_prefill_then_decode, load_module
+from plinth_deepseek41 import deepseek4 as ds4
+from plinth_deepseek41.convert import gguf_metadata
+
+golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.py")
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    return golden.plinth_model("flash", tmp_path_factory.mktemp("ds4-flash"))
+
+
+def prompt(n, seed=7, v=256):
+    return np.random.default_rng(seed).integers(0, v, n).tolist()
+
+
+# ---------------------------------------------------------------- cache consistency
+
+
+def test_prefill_then_decode_equals_full_forward(flash):
+    check_prefill_then_decode(flash.graph, flash.hparams.n_layer, prompt(60), 21, atol=2e-5)
+
+
+def test_chunked_prefill_equals_token_by_token_and_full(flash):
+    toks = prompt(131, seed=3)
+    g, n_layer = flash.graph, flash.hparams.n_layer
+    full = g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer)).logits
+    for chunk in (1, 3, 8, 37):
+        cache = KVCache(n_layer)
+        parts = [g.forward(Batch.from_tokens(toks[i:i + chunk], start=i, output="all"), cache).logits
+                 for i in range(0, len(toks), chunk)]
+        np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0, err_msg=f"chunk {chunk}")
+
+
+def test_two_sequences_in_one_batch_equal_separate_runs(flash):
+    g, n_layer = flash.graph, flash.hparams.n_layer
+    a, b = prompt(23, 1), prompt(17, 2)
+    sep_a = g.forward(Batch.from_tokens(a, output="all"), KVCache(n_layer)).logits
+    sep_b = g.forward(Batch.from_tokens(b, seq=1, output="all"), KVCache(n_layer)).logits
+    both = g.forward(Batch.concat([Batch.from_tokens(a, output="all"), Batch.from_tokens(b, seq=1, output="all")]),
+                     KVCache(n_layer)).logits
+    np.testing.assert_allclose(both, np.concatenate([sep_a, sep_b]), atol=2e-5, rtol=0)
+
+
+def test_deterministic_and_finite(flash):
+    toks = prompt(50)
+    a, b = flash.logits(toks), flash.logits(toks)
+    assert np.isfinite(a).all() and np.array_equal(a, b)
+
+
+def test_cache_keeps_compressed_streams_and_raw_keys(flash):
+    hp, g = flash.hparams, flash.graph
+    cache = KVCache(hp.n_layer)
+    g.forward(Batch.from_tokens(prompt(30)), cache)
+    for il in range(hp.n_layer):
+        k, v = cache.layer_kv(il, 0)
+        assert k.shape == (30, 1, hp.head_dim) and v.size == 0  # K = V: keys only
+        state = cache.states(0).get(il)
+        if hp.kind(il) == "window":
+            assert state is None
+            continue
+        r = hp.ratio(il)
+        entries, rows_kv, _ = state[:3]
+        assert entries.shape == (30 // r, hp.head_dim)
+        held = 30 % r + (r if hp.kind(il) == "csa" else 0)  # the filling block (+ the last complete one for CSA)
+        assert rows_kv.shape[0] == held
+        if hp.kind(il) == "csa":
+            assert state[3].shape == (30 // r, hp.idx_head_dim)  # indexer keys
+    layout = g.cache_layout()
+    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [["KV"], ["KV", "Recurrent"]] + \
+        [["KV", "Recurrent"]] * 2
+    ctx = flash.new_context()
+    ctx.forward(Batch.from_tokens(prompt(30)))
+    assert ctx.recurrent and ctx.rollback_plan(0, 30, 33) == "snapshot"
+    by_kind = ctx.cache.nbytes_by_kind()
+    assert by_kind["state"] > 0 and by_kind["kv"] >= 30 * 4 * hp.head_dim * hp.n_layer
+
+
+def test_positions_must_continue_the_cache(flash):
+    cache = KVCache(flash.hparams.n_layer)
+    flash.graph.forward(Batch.from_tokens(prompt(5)), cache)
+    with pytest.raises(UserError, match="continues at position 7"):
+        flash.graph.forward(Batch.from_tokens([1], start=7), cache)
+
+
+# ---------------------------------------------------------------- hyper-connections
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    """V4's setting (hc 4, 20 iterations, unit-scale mixes): rows and columns sum to 1 within 1e-4;
+    the columns (normalised last) to float32 precision; more iterations for harder inputs converge too.
+    The result equals a float64 evaluation of the same steps."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((500, 4, 4)).astype(np.float32)
+    c = ds4.sinkhorn(logits, 20, 1e-6)
+    assert (c >= 0).all()
+    np.testing.assert_allclose(c.sum(axis=-2), 1.0, atol=1e-5)
+    np.testing.assert_allclose(c.sum(axis=-1), 1.0, atol=1e-4)
+    hard = (2 * rng.standard_normal((100, 3, 3))).astype(np.float32)
+    np.testing.assert_allclose(ds4.sinkhorn(hard, 400, 1e-6).sum(axis=-1), 1.0, atol=1e-3)
+    ref = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    ref = ref / ref.sum(-1, keepdims=True) + 1e-6
+    ref = ref / (ref.sum(-2, keepdims=True) + 1e-6)
+    for _ in range(19):
+        ref = ref / (ref.sum(-1, keepdims=True) + 1e-6)
+        ref = ref / (ref.sum(-2, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(c, ref, atol=1e-6)
+
+
+def test_hc_fused_equals_unfused():
+    """The model's mixes (one GEMV over the raw stream, the RMS scale after it) equal the textbook
+    order (normalise the flattened stream, then project); collapse/expand equal explicit loops."""
+    rng = np.random.default_rng(1)
+    n, hc, e = 5, 4, 16
+    X = rng.standard_normal((n, hc, e)).astype(np.float32)
+    fn = rng.standard_normal(((2 + hc) * hc, hc * e)).astype(np.float32) / 8
+    flat = X.reshape(n, -1)
+    unfused = (flat / np.sqrt((flat ** 2).mean(-1, keepdims=True) + 1e-6)) @ fn.T
+    np.testing.assert_allclose(ds4.hc_mixes(X, fn, 1e-6), unfused, atol=1e-5, rtol=1e-5)
+    hp = type("HP", (), dict(hc=hc, norm_eps=1e-6, hc_eps=1e-6, hc_sinkhorn_iters=20))()
+    base = rng.standard_normal((2 + hc) * hc).astype(np.float32)
+    mix = ds4.hc_mix(X, fn, base, np.array([0.7, 1.2, 0.9], np.float32), hp)
+    y = rng.standard_normal((n, e)).astype(np.float32)
+    out = ds4.hc_expand(X, y, mix)
+    for t in range(n):
+        np.testing.assert_allclose(ds4.hc_collapse(X, mix.pre)[t], sum(mix.pre[t, h] * X[t, h] for h in range(hc)),
+                                   atol=1e-5)
+        for dst in range(hc):
+            want = mix.post[t, dst] * y[t] + sum(mix.comb[t, src, dst] * X[t, src] for src in range(hc))
+            np.testing.assert_allclose(out[t, dst], want, atol=1e-5)
+    assert (mix.pre > 0).all() and (mix.post > 0).all() and (mix.post < 2).all()
+
+
+# ---------------------------------------------------------------- compressed streams and the indexer
+
+
+def _compressor(rng, r, w, overlap, e=8):
+    coff = 2 if overlap else 1
+    return ds4.Compressor(rng.standard_normal((coff * w, e)).astype(np.float32),
+                          rng.standard_normal((coff * w, e)).astype(np.float32),
+                          rng.standard_normal((r, coff * w)).astype(np.float32), np.ones(w, np.float32), r, overlap)
+
+
+def _rope(w):
+    from plinth import ops
+
+    return ops.RopeCache(ops.rope_freqs(w // 2, 10000.0))
+
+
+def test_csa_with_fewer_tokens_than_one_block():
+    rng = np.random.default_rng(2)
+    comp = _compressor(rng, 4, 8, True)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    s = ds4.compress(ds4.Stream.empty(8, 2, np), comp, x, np.arange(3), _rope(8), 4, 1e-6)
+    assert s.entries.shape == (0, 8) and s.rows_kv.shape == (3, 16)  # no entry, rows kept
+    # the 4th token completes block 0: its entry pools the padding rows (score -inf) and block 0's second half
+    x4 = rng.standard_normal((1, 8)).astype(np.float32)
+    s = ds4.compress(s, comp, x4, np.arange(3, 4), _rope(8), 4, 1e-6)
+    rows = np.concatenate([x, x4])
+    kv, sc = rows @ comp.w_kv.T, rows @ comp.w_gate.T + comp.ape
+    p = np.exp(sc[:, 8:] - sc[:, 8:].max(0))
+    pooled = (p / p.sum(0) * kv[:, 8:]).sum(0)
+    pooled = pooled / np.sqrt((pooled ** 2).mean() + 1e-6)  # norm weight 1; rope at position 0 is the identity
+    np.testing.assert_allclose(s.entries[0], pooled, atol=1e-5)
+    assert s.rows_kv.shape == (4, 16)  # block 0 stays: its first half feeds entry 1
+
+
+def test_hca_partial_block_gives_no_entry_until_complete():
+    rng = np.random.default_rng(3)
+    comp = _compressor(rng, 8, 8, False)
+    s = ds4.Stream.empty(8, 1, np)
+    x = rng.standard_normal((13, 8)).astype(np.float32)
+    s = ds4.compress(s, comp, x[:7], np.arange(7), _rope(8), 4, 1e-6)
+    assert s.entries.shape[0] == 0
+    s = ds4.compress(s, comp, x[7:13], np.arange(7, 13), _rope(8), 4, 1e-6)
+    assert s.entries.shape[0] == 1 and s.rows_kv.shape[0] == 5  # 13 = one block + 5 rows of the next
+    one = ds4.compress(ds4.Stream.empty(8, 1, np), comp, x, np.arange(13), _rope(8), 4, 1e-6)
+    np.testing.assert_allclose(one.entries, s.entries, atol=1e-6)
+
+
+def test_topk_larger_than_entries_is_clamped():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((6, 16, 8)).astype(np.float32)
+    w = rng.standard_normal((6, 16)).astype(np.float32)
+    keys = rng.standard_normal((3, 8)).astype(np.float32)
+    pos = np.array([2, 3, 7, 8, 11, 12])
+    sel = ds4.indexer_topk(q, w, keys, pos, 4, top_k=10)
+    assert sel.indices.shape == (6, 3)  # min(top_k, entries)
+    visible = (pos + 1) // 4
+    for t in range(6):
+        chosen = sorted(i for i in sel.indices[t] if i >= 0)
+        assert chosen == list(range(min(visible[t], 3)))  # every visible entry, nothing from the future
+    none = ds4.indexer_topk(q, w, keys[:0], pos, 4, top_k=10)
+    assert none.indices.shape == (6, 0)
+
+
+def test_indexer_picks_the_best_scores():
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 16, 8)).astype(np.float32)
+    w = np.abs(rng.standard_normal((1, 16))).astype(np.float32)
+    keys = rng.standard_normal((9, 8)).astype(np.float32)
+    sel = ds4.indexer_topk(q, w, keys, np.array([40]), 4, top_k=3)
+    score = (np.maximum(q[0] @ keys.T, 0) * w[0][:, None]).sum(0)
+    assert sorted(sel.indices[0].tolist()) == sorted(np.argsort(-score)[:3].tolist()) and sel.ties == 0
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _metadata(case="flash"):
+    return gguf_metadata(golden.CASES[case]["config"], "tiny/config.json", "tiny")
+
+
+def test_compress_ratios_length_is_checked():
+    md = _metadata()
+    md["deepseek4.attention.compress_ratios"] = md["deepseek4.attention.compress_ratios"][:-1]
+    with pytest.raises(HParamsError, match="compress_ratios' has 3 entries, expected n_layer = 4"):
+        ds4.load_hparams(md, "tiny.gguf")
+    md["deepseek4.attention.compress_ratios"] += [0, 0]
+    with pytest.raises(HParamsError, match="has 5 entries"):
+        ds4.load_hparams(md, "tiny.gguf")
+    md["deepseek4.nextn_predict_layers"] = 1  # n_layer + MTP layers is accepted
+    assert ds4.load_hparams(md, "tiny.gguf").n_layer == 4
+
+
+def test_unknown_ratio_is_refused():
+    md = _metadata()
+    md["deepseek4.attention.compress_ratios"] = [0, 4, 16, 4]
+    with pytest.raises(HParamsError, match=r"ratio\(s\) \[16\]; deepseek4 defines 0 \(window only\), 4 \(CSA\) and 8"):
+        ds4.load_hparams(md, "tiny.gguf")
+
+
+def test_gating_other_than_sqrt_softplus_is_refused():
+    md = _metadata()
+    md["deepseek4.expert_gating_func"] = 2  # sigmoid
+    with pytest.raises(HParamsError, match="expert_gating_func' = 2; deepseek4 routes experts with sqrt-softplus"):
+        ds4.load_hparams(md, "tiny.gguf")
+    cfg = dict(golden.CASES["flash"]["config"], scoring_func="sigmoid")
+    with pytest.raises(UserError, match="scoring_func is 'sigmoid'"):
+        gguf_metadata(cfg, "tiny/config.json", "tiny")
+
+
+def test_missing_indexer_tensor_on_a_csa_layer_is_named(tmp_path):
+    import plinth
+    from plinth.convert import convert
+    from plinth.tensors import TensorCheckError
+
+    reg = golden.registry()
+    out = convert(golden.write_hf_folder("flash", tmp_path / "hf"), tmp_path / "full.gguf", registry=reg)
+    from plinth.gguf import GGUFFile
+    from plinth.testing import write_gguf
+
+    gf = GGUFFile(out)
+    tensors = {n: np.asarray(gf.raw(n)) for n in gf.tensors if n != "blk.1.indexer.attn_q_b.weight"}
+    path = write_gguf(tmp_path / "broken.gguf", dict(gf.metadata), tensors)
+    with pytest.raises(TensorCheckError, match="missing tensor 'blk.1.indexer.attn_q_b.weight'"):
+        plinth.load_model(path, registry=reg)
+
+
+def test_embedding_rows_are_refused(flash):
+    with pytest.raises(UserError, match="embedding rows are not supported"):
+        flash.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), KVCache(4))
+
+
+def test_strict_device_stand_in_gives_the_same_logits(flash):
+    """Device discipline (no host arrays inside device ops) on the test kit's strict stand-in."""
+    import plinth
+
+    strict = plinth.load_model(flash.path, registry=golden.registry(), backend="strict")
+    toks = prompt(23, seed=11)
+    ctx = strict.new_context()
+    a = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[:20], output="all")).logits)
+    b = strict.backend.to_numpy(ctx.forward(Batch.from_tokens(toks[20:], start=20, output="all")).logits)
+    np.testing.assert_allclose(np.concatenate([a, b]), flash.logits(toks), atol=2e-5, rtol=0)
+
+
+def test_test_kit_architecture_contract(tmp_path):
+    """plinth.testing.check_architecture on a random deepseek4 (load, prefill/decode, batches, rollback,
+    speculative decoding with the ngram and random drafters)."""
+    from plinth.testing.arch import check_architecture
+
+    md = _metadata()
+    md["deepseek4.vocab_size"] = 257
+    check_architecture(golden.registry(), "deepseek4", md, tmp_path, max_tokens=12, atol=2e-4)
