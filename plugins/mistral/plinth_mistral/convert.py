@@ -163,7 +163,7 @@ def metadata(tc: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def text_tensors(st: SafetensorsDir, tc: Mapping[str, Any], source: str, has_vision: bool) -> dict[str, np.ndarray]:
-    """Every text-tower tensor under its GGUF name; experts stacked; LeRoPE alpha as rope_freqs = exp(-alpha)."""
+    """Every text-tower tensor under its GGUF name; experts stacked; LeRoPE's alpha as rope_alpha."""
     n = int(tc["num_hidden_layers"])
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
@@ -181,7 +181,7 @@ def text_tensors(st: SafetensorsDir, tc: Mapping[str, Any], source: str, has_vis
             out[TOP_NAMES[name]] = st.get(name)
             continue
         if name == "lerope.alpha":
-            out["rope_freqs.weight"] = np.exp(-st.get(name, np.float64)).astype(np.float32)
+            out["rope_alpha.weight"] = st.get(name)
             continue
         parts = name.split(".")
         if parts[0] != "layers" or len(parts) < 3 or not parts[1].isdigit() or int(parts[1]) >= n:

@@ -9,8 +9,8 @@ The model card, top to bottom:
 * attention is multi-head latent attention without a query LoRA: ``q = W_q x`` per head split
   ``[nope | rope]``; ``[c_kv ; k_rope] = W_kv_a x``, ``c_kv = rms_norm(c_kv)``; ``W_kv_b`` expands
   ``c_kv`` into per-head ``k_nope`` and ``v``; ``k_rope`` is one rotated key shared by every head;
-* RoPE is YaRN with learned per-frequency scaling (LeRoPE: ``inv_freq * exp(alpha)``, stored as
-  llama.cpp's ``rope_freqs`` divisors ``exp(-alpha)``), on interleaved pairs; NoPE layers
+* RoPE is YaRN with learned per-frequency scaling (LeRoPE: ``inv_freq * exp(alpha)``, ``alpha`` stored
+  as ``rope_alpha.weight``), on interleaved pairs; NoPE layers
   (``rope.layers`` = 0) rotate nothing and fold the rope width into the nope part;
 * queries are scaled per head by ``scale * log(pos + 1) + bias`` (log-position scaling);
 * DSA: on "full" indexer layers a Lightning indexer picks the top-k keys of each query
@@ -64,7 +64,7 @@ class MistralLarge4Params:
     head_dim_k: int  # nope + rope
     head_dim_v: int
     attn_scale: float
-    # rope (YaRN + learned scaling in rope_freqs)
+    # rope (YaRN + the learned scaling rope_alpha)
     rope_base: float
     rope_scaling: str
     rope_factor: float
@@ -239,7 +239,7 @@ def tensor_specs(hp: MistralLarge4Params) -> list[TensorSpec]:
         TensorSpec("token_embd.weight", (v, e)),
         TensorSpec("output_norm.weight", (e,)),
         TensorSpec("output.weight", (v, e)),
-        TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False),  # exp(-alpha); absent: 1
+        TensorSpec("rope_alpha.weight", (hp.n_rot // 2,), required=False),  # LeRoPE: inv_freq * exp(alpha)
     ]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
@@ -286,6 +286,35 @@ def tensor_specs(hp: MistralLarge4Params) -> list[TensorSpec]:
                       TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
                       TensorSpec(b + "ffn_down.weight", (e, hp.n_ff))]
     return specs
+
+
+# ============================================================================ rope
+
+def rope_inv_freq(hp: MistralLarge4Params, alpha: Any = None) -> np.ndarray:
+    """YaRN inverse frequencies [n_rot / 2] times the learned scaling ``exp(alpha)`` (LeRoPE), in float32.
+
+    The steps and their float32 rounding follow the reference (base power, extrapolated and
+    interpolated frequencies, linear ramp between the correction dims), so the angles agree to
+    the last bit or two: see :meth:`MistralLarge4Graph.cos_sin` for why that matters here.
+    """
+    f32 = np.float32
+    dims = np.arange(0, hp.n_rot, 2, dtype=np.int64).astype(f32) / f32(hp.n_rot)
+    pos_freqs = np.power(f32(hp.rope_base), dims, dtype=f32)
+    inv = f32(1.0) / pos_freqs
+    if hp.rope_scaling == "yarn":
+        low, high = ops.yarn_corr_dims(hp.n_rot, hp.rope_orig_ctx, hp.rope_base, hp.rope_beta_fast,
+                                       hp.rope_beta_slow)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(hp.n_rot // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+        extrapolate = f32(1) - ramp
+        interp = f32(1.0) / (f32(hp.rope_factor) * pos_freqs)
+        inv = interp * (f32(1) - extrapolate) + inv * extrapolate
+    elif hp.rope_scaling not in ("none", None):
+        raise ValueError(f"{hp.arch}: rope scaling {hp.rope_scaling!r} is not supported (yarn or none)")
+    if alpha is not None:
+        inv = inv * np.exp(np.asarray(alpha, dtype=f32))
+    return inv.astype(f32)
 
 
 # ============================================================================ the cache
@@ -376,15 +405,27 @@ class MistralLarge4Graph:
     def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
         self.hp, self.w, self.backend, self.xp = hp, weights, backend, backend.xp
         self.recurrent = False
-        freqs = ops.rope_freqs(hp.n_rot, hp.rope_base, scaling=hp.rope_scaling, factor=hp.rope_factor,
-                               n_ctx_orig=hp.rope_orig_ctx, beta_fast=hp.rope_beta_fast,
-                               beta_slow=hp.rope_beta_slow, freq_factors=weights.get("rope_freqs.weight"),
-                               xp=self.xp)
-        # the cos/sin magnitude is the file's attn_factor alone (YaRN's own mscale is folded in by the converter)
-        self.rope = ops.RopeCache(ops.RopeFreqs(inv_freq=freqs.inv_freq, mscale=hp.rope_attn_factor))
+        alpha = weights.get("rope_alpha.weight")
+        self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
+        self._cos_sin: tuple[Any, Any] | None = None
         self.index_margins: list | None = None  # set to [] to record top-k boundary gaps (tests)
 
     # -------------------------------------------------------------- pieces
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[Any, Any]:
+        """(cos, sin) [n, n_rot / 2] times the attention factor, from a table grown on demand.
+
+        The angle ``pos * inv_freq`` is a float32 product, as in the reference and in ggml: this
+        model's logits move by ~1e-4 for a 1e-5 rad change of the angle at position 200.
+        """
+        need = int(positions.max()) + 1 if positions.size else 0
+        if self._cos_sin is None or self._cos_sin[0].shape[0] < need:
+            n = max(need, 2 * (0 if self._cos_sin is None else self._cos_sin[0].shape[0]), 256)
+            ang = np.arange(n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+            m = np.float32(self.hp.rope_attn_factor)
+            self._cos_sin = (self.xp.asarray(np.cos(ang) * m), self.xp.asarray(np.sin(ang) * m))
+        idx = self.xp.asarray(positions)
+        return self._cos_sin[0][idx], self._cos_sin[1][idx]
 
     def rotate(self, x: Any, cos_sin: Any) -> Any:
         """Interleaved RoPE on the first n_rot dims. x: [n, heads, >= n_rot]."""
@@ -432,10 +473,12 @@ class MistralLarge4Graph:
         return chosen & visible
 
     def _record_margins(self, values: Any, k: int) -> None:
-        """Gap between the k-th and (k+1)-th index score of each query with more than k visible keys."""
-        v = np.asarray(self.backend.to_numpy(values))
+        """Gap between the k-th and (k+1)-th index score of each query with more than k visible keys,
+        relative to the row's largest score magnitude. values: [n, k + 1], sorted descending."""
+        v = np.asarray(self.backend.to_numpy(values), dtype=np.float64)
         full = np.isfinite(v[:, k])
-        self.index_margins.extend((v[full, k - 1] - v[full, k]).tolist())
+        scale = np.maximum(np.abs(v[full]).max(axis=1), 1e-30)
+        self.index_margins.extend(((v[full, k - 1] - v[full, k]) / scale).tolist())
 
     def attention(self, il: int, h: Any, batch: Batch, lc: LatentCache, seq_rows: list, cos_sin: Any,
                   prev_topk: dict | None) -> AttentionOut:
@@ -514,7 +557,7 @@ class MistralLarge4Graph:
         for seq in np.unique(batch.seq_ids):
             rows = np.nonzero(batch.seq_ids == seq)[0]
             seq_rows.append((int(seq), rows))
-        cos_sin = self.rope(batch.positions)
+        cos_sin = self.cos_sin(batch.positions)
         lc = LatentCache(hp, cache, xp)
         carried: dict = {"topk": None}
 
