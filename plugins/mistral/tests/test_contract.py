@@ -1,0 +1,105 @@
+"""The architecture contract on tiny Mistral Large 4 models, and what the cache holds.
+
+Prefill then token-by-token decode, and prefill in uneven chunks, equal one full forward; two
+sequences in one batch equal two separate runs; the cache keeps the MLA latent ``[c_kv ; k_rope]``
+plus the indexer keys (never the expanded per-head K/V), "reuse" layers keep nothing, and the
+bytes per token are printed beside an expanded K/V cache of the same model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plinth.context import Batch, KVCache
+from plinth.testing import check_prefill_then_decode
+
+from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_layout
+
+CASES = ["issue", "nope_share", "deep"]
+
+
+def tokens(n, seed=0, vocab=256):
+    return np.random.default_rng(seed).permutation(vocab)[:n].tolist()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_then_decode_equals_full_forward(mistral_models, case):
+    model = mistral_models(case)
+    check_prefill_then_decode(model.graph, model.hparams.n_layer, tokens(40, 1), n_prefill=9, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_chunked_prefill_equals_full_forward(mistral_models, case):
+    """Prefill in chunks of 1, 5, 30 and 64 rows (top-k above and below each chunk's key count)."""
+    model = mistral_models(case)
+    g, n_layer = model.graph, model.hparams.n_layer
+    toks = tokens(100, 2)
+    full = g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer)).logits
+    cache, parts, start = KVCache(n_layer), [], 0
+    for size in (1, 5, 30, 64):
+        parts.append(g.forward(Batch.from_tokens(toks[start:start + size], start=start, output="all"), cache).logits)
+        start += size
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0)
+
+
+def test_two_sequences_in_one_batch_equal_two_runs(mistral_models):
+    model = mistral_models("issue")
+    g, n_layer = model.graph, model.hparams.n_layer
+    a, b = tokens(30, 3), tokens(12, 4)
+    ra = g.forward(Batch.from_tokens(a, output="all"), KVCache(n_layer)).logits
+    rb = g.forward(Batch.from_tokens(b, output="all"), KVCache(n_layer)).logits
+    batch = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
+    both = g.forward(batch, KVCache(n_layer)).logits
+    np.testing.assert_allclose(both[:30], ra, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(both[30:], rb, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_cache_holds_the_latent_and_reuse_layers_hold_nothing(mistral_models, case):
+    model = mistral_models(case)
+    hp = model.hparams
+    ctx = model.new_context()
+    n = 37
+    ctx.decode(tokens(n, 5))
+    held = 0
+    for il, kind in enumerate(cache_layout(hp)):
+        kv = ctx.cache.layer_kv(il, 0)
+        mode = hp.kv_sharing[il]
+        if mode == "reuse":
+            assert kv is None, f"layer {il} (reuse) holds a cache"
+            continue
+        k, v = kv
+        if mode == "reuse_but_indexer":  # only its indexer keys
+            assert k.shape == (n, 1, hp.idx_head_dim) and v.shape == (n, 1, 0)
+        else:  # [c_kv ; k_rope] in one head, and its own indexer keys (if any)
+            assert k.shape == (n, 1, hp.kv_lora_rank + hp.rope_width(il))
+            assert v.shape == (n, 1, kind.index_key)
+        held += (k.size + v.size) * 4
+    latent, expanded = cache_bytes_per_token(hp)
+    assert held == latent * n
+    print(f"{case}: cache {latent} bytes/token (latent + indexer keys) vs {expanded} bytes/token expanded K/V "
+          f"({expanded / latent:.1f}x); layers {list(hp.kv_sharing)}")
+    assert latent < expanded
+
+
+def test_cache_bytes_of_the_full_size_model():
+    """Mistral Large 4's own shapes (72 layers, 64 heads, rank 512, every 4th layer NoPE, no sharing)."""
+    from plinth_mistral.mistral_large4 import load_hparams
+
+    a = "mistral_large4"
+    n = 72
+    md = {f"{a}.block_count": n, f"{a}.embedding_length": 6144, f"{a}.context_length": 1048576,
+          f"{a}.attention.layer_norm_rms_epsilon": 1e-5, f"{a}.attention.head_count": 64,
+          f"{a}.attention.kv_lora_rank": 512, f"{a}.attention.key_length": 128, f"{a}.attention.value_length": 128,
+          f"{a}.rope.dimension_count": 64, f"{a}.rope.layers": [int((i + 1) % 4 != 0) for i in range(n)],
+          f"{a}.attention.indexer.types": ["full"] * n, f"{a}.attention.indexer.head_count": 32,
+          f"{a}.attention.indexer.key_length": 128, f"{a}.attention.indexer.top_k": 2048,
+          f"{a}.leading_dense_block_count": 1, f"{a}.feed_forward_length": 24576, f"{a}.expert_count": 128,
+          f"{a}.expert_used_count": 4, f"{a}.expert_feed_forward_length": 6144, f"{a}.vocab_size": 204800}
+    hp = load_hparams(md, "full-size")
+    latent, expanded = cache_bytes_per_token(hp)
+    # RoPE layers: 512 + 64 latent floats, NoPE: 512; plus 128 indexer floats each
+    assert latent == 4 * (54 * (576 + 128) + 18 * (512 + 128))
+    assert expanded == 4 * 72 * (64 * 256 + 128)
+    print(f"Mistral Large 4 shapes: {latent / 1024:.0f} KiB/token latent vs {expanded / 1024:.0f} KiB/token expanded")
