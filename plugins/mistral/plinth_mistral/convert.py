@@ -223,10 +223,14 @@ class MistralLarge4Converter:
         md = metadata(tc, source)
         load_hparams(md, source)  # refuse a layer pattern the graph cannot run before writing anything
         write_gguf(out_path, md, text_tensors(st, tc, source, has_vision))
+        n_draft = sum(name.startswith(DRAFT_PREFIX) for name in st.names())
         if options.get("draft"):
             from .dspark_head import write_draft
 
             write_draft(st, tc, source, Path(str(options["draft"])), options)
+        elif n_draft:
+            print(f"note: the checkpoint carries an mtp_dspark draft head ({n_draft} tensors), not written; "
+                  "add --option draft=DRAFT.gguf (with block_size and mask_token_id) to convert it", file=sys.stderr)
 
 
 __all__ = ["MistralLarge4Converter", "metadata", "text_config", "text_tensors", "yarn_attention_factor"]
