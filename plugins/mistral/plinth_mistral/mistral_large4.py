@@ -469,7 +469,7 @@ class MistralLarge4Graph:
         if self.index_margins is not None:
             self._record_margins(top.values, k)
         chosen = xp.zeros(index.shape, dtype=bool)
-        xp.put_along_axis(chosen, top.indices[:, :k], True, axis=1)
+        chosen[xp.arange(index.shape[0])[:, None], top.indices[:, :k]] = True
         return chosen & visible
 
     def _record_margins(self, values: Any, k: int) -> None:
