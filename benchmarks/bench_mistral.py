@@ -35,44 +35,20 @@ TEXT = dict(
 )
 
 
-def _maker():
-    path = ROOT / "plugins" / "mistral" / "tests" / "golden" / "make_golden.py"
-    spec = importlib.util.spec_from_file_location("mistral_make_golden", path)
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def plinth_decode(model, prompt, n_decode, runs):
-    import numpy as np
-
-    best = float("inf")
-    for _ in range(runs):
-        ctx = model.new_context()
-        tok = int(np.argmax(ctx.decode(prompt).logits[-1]))
-        t0 = time.perf_counter()
-        for _ in range(n_decode):
-            tok = int(np.argmax(ctx.decode([tok]).logits[-1]))
-        best = min(best, time.perf_counter() - t0)
-    return n_decode / best
+def _maker():
+    return _load("mistral_make_golden", ROOT / "plugins" / "mistral" / "tests" / "golden" / "make_golden.py")
 
 
-def hf_decode(model, prompt, n_decode, runs):
-    import torch
-
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(runs):
-            out = model(torch.tensor([prompt]), use_cache=True)
-            cache = out.cache
-            tok = int(out.logits[0, -1].argmax())
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                out = model(torch.tensor([[tok]]), cache=cache, use_cache=True)
-                cache = out.cache
-                tok = int(out.logits[0, -1].argmax())
-            best = min(best, time.perf_counter() - t0)
-    return n_decode / best
+# the same timed loops as the Nemotron-H benchmark: prefill, then greedy single-token steps through the cache
+_decode_loops = _load("bench_nemotron", ROOT / "benchmarks" / "bench_nemotron.py")
+plinth_decode, hf_decode = _decode_loops.plinth_decode, _decode_loops.hf_decode
 
 
 def main() -> None:

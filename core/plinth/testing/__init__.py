@@ -20,10 +20,11 @@ from typing import Any
 from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
-from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_safetensors, write_synthetic_gguf
 
 __all__ = [
     "check_prefill_then_decode",
+    "greedy_through_cache",
     "load_module",
     "make_registry",
     "plugin_from_manifest",
@@ -31,6 +32,7 @@ __all__ = [
     "random_tensors",
     "tiny_metadata",
     "write_gguf",
+    "write_safetensors",
     "write_synthetic_gguf",
 ]
 
@@ -50,6 +52,22 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
     for i in range(n_prefill, len(tokens)):
         parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
     np.testing.assert_allclose(np.concatenate(parts), full, atol=atol, rtol=0)
+
+
+def greedy_through_cache(graph: Any, n_layer: int, prompt: list[int], n_new: int) -> list[int]:
+    """Greedy tokens after ``prompt``: one prefill, then one token at a time through the cache."""
+    import numpy as np
+
+    from ..context import Batch, KVCache
+
+    cache = KVCache(n_layer)
+    logits = graph.forward(Batch.from_tokens(prompt), cache).logits
+    out: list[int] = []
+    for i in range(n_new):
+        out.append(int(np.argmax(np.asarray(logits[-1]))))
+        if i < n_new - 1:
+            logits = graph.forward(Batch.from_tokens([out[-1]], start=len(prompt) + i), cache).logits
+    return out
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

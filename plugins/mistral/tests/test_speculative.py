@@ -13,60 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plinth.speculative.base import BaseDrafter, Draft
 from plinth.speculative.ngram import NgramDrafter
-from plinth.testing.drafters import OracleDrafter, RandomDrafter, check_drafter_contract
+from plinth.testing.drafters import (FaultyOracleDrafter, OracleDrafter, RandomDrafter, RecordedDrafter,
+                                     check_drafter_contract)
 
 N_MAX = 5
 MAX_TOKENS = 24
-
-
-class Recorded(BaseDrafter):
-    """Wraps a drafter and records (drafted, accepted) per verify step."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.name = f"recorded-{inner.name}"
-        self.steps: list[tuple[int, int]] = []
-        self._k = 0
-
-    def requirements(self):
-        return self.inner.requirements()
-
-    def begin(self, seq, prompt_ids):
-        self.inner.begin(seq, prompt_ids)
-
-    def process(self, target_output):
-        self.inner.process(target_output)
-
-    def draft(self, seq, n_max, *, history, pos):
-        d = self.inner.draft(seq, n_max, history=history, pos=pos)
-        self._k = len(d) if d is not None else 0
-        return d
-
-    def accept(self, seq, n_accepted):
-        if self._k:
-            self.steps.append((self._k, n_accepted))
-        self.inner.accept(seq, n_accepted)
-
-
-class FaultyOracle(OracleDrafter):
-    """The target's own continuation with one token wrong, at a position that moves every step."""
-
-    name = "faulty-oracle"
-
-    def __init__(self, model, **kw):
-        super().__init__(model, **kw)
-        self.step = 0
-
-    def draft(self, seq, n_max, *, history, pos):
-        toks = list(super().draft(seq, n_max, history=history, pos=pos).tokens)
-        if toks:
-            j = self.step % (len(toks) + 1)
-            if j < len(toks):
-                toks[j] = (toks[j] + 1) % self.model.n_vocab
-        self.step += 1
-        return Draft(tokens=tuple(toks))
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +53,7 @@ def run_contract(target, factory, verifier="greedy"):
     made = []
 
     def make():
-        made.append(Recorded(factory()))
+        made.append(RecordedDrafter(factory()))
         return made[-1]
 
     stats = check_drafter_contract(target, make, prompts(), max_tokens=MAX_TOKENS, n_max=N_MAX, verifier=verifier,
@@ -120,7 +72,7 @@ def test_oracle_drafter_is_lossless_and_fully_accepted(target):
 
 
 def test_faulty_oracle_exercises_every_accept_length(target):
-    _, steps = run_contract(target, lambda: FaultyOracle(target, horizon=MAX_TOKENS + 8, n_draft=N_MAX))
+    _, steps = run_contract(target, lambda: FaultyOracleDrafter(target, horizon=MAX_TOKENS + 8, n_draft=N_MAX))
     assert {0, 1, 2, 3, 4, N_MAX} <= {a for k, a in steps if k == N_MAX}, steps
 
 

@@ -21,7 +21,6 @@ per step). ``<case>.npz`` stores those with the config and seeds, not the weight
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -170,30 +169,13 @@ def vision_state(cfg: dict[str, Any], rng: Any) -> dict[str, np.ndarray]:
     return sd
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A minimal safetensors writer (F32 only): 8-byte header length, JSON header, raw data."""
-    header: dict[str, Any] = {}
-    offset = 0
-    blobs = []
-    for name, arr in tensors.items():
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
-
-
 def write_hf_folder(case: str, folder: Path, state: dict[str, np.ndarray] | None = None,
                     cfg: dict[str, Any] | None = None) -> Path:
     cfg = cfg or config(case)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    from plinth.testing import write_safetensors
+
     write_safetensors(folder / "model.safetensors", state or hf_random_state(cfg, CASES[case]["seed"]))
     return folder
 
