@@ -103,3 +103,15 @@ def test_cache_bytes_of_the_full_size_model():
     assert latent == 4 * (54 * (576 + 128) + 18 * (512 + 128))
     assert expanded == 4 * 72 * (64 * 256 + 128)
     print(f"Mistral Large 4 shapes: {latent / 1024:.0f} KiB/token latent vs {expanded / 1024:.0f} KiB/token expanded")
+
+
+def test_feature_taps_for_a_drafter(mistral_models):
+    """Taps k = input of layer k, k = n_layer the residual before the final norm (what a DSpark head reads)."""
+    model = mistral_models("issue")
+    n = model.hparams.n_layer
+    ctx = model.new_context(taps=(1, n))
+    out = ctx.decode(tokens(9, 6), output="all")
+    assert sorted(out.features) == [1, n]
+    assert all(f.shape == (9, model.hparams.n_embd) for f in out.features.values())
+    again = model.new_context(taps=(1, n)).decode(tokens(9, 6), output="all")
+    np.testing.assert_array_equal(out.logits, again.logits)  # deterministic
