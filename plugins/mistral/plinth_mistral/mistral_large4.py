@@ -151,6 +151,14 @@ def _check_layers(source: str, r: KeyReader, n_layer: int, rope: PerLayer, idx_t
             raise HParamsError(f"{source}: layer {il} ({'RoPE' if rope[il] else 'NoPE'}) reuses the KV of layer "
                                f"{src} ({'RoPE' if rope[src] else 'NoPE'}); shared keys must have the same rope")
     implied = sharing_modes(list(kv_source), idx_types)
+    for il, src in enumerate(kv_source):
+        # the reference hands a reuse layer the latest stored latent of its rope kind, not its source's
+        between = [j for j in range(src + 1, il) if implied[j] == "store" and rope[j] == rope[src]]
+        if src != il and between:
+            raise HParamsError(f"{source}: layer {il} reuses layer {src}'s KV across layer {between[-1]}, a later "
+                               f"{'RoPE' if rope[src] else 'NoPE'} store layer; transformers reads layer "
+                               f"{between[-1]}'s there, so this '{r.key('attention.kv_source_layers')}' pattern "
+                               "is ambiguous and refused")
     for il, (mode, want) in enumerate(zip(modes, implied)):
         if mode != want:
             raise HParamsError(f"{source}: key '{r.key('attention.kv_sharing')}' says layer {il} is {mode!r}, but "

@@ -71,6 +71,15 @@ def test_reuse_across_rope_and_nope(md):
     refused(md, "layer 3 (NoPE) reuses the KV of layer 0 (RoPE)")
 
 
+def test_reuse_across_a_later_store_layer_is_ambiguous(md):
+    """transformers 5.24 gives layer 2 the latent of layer 1 (the latest RoPE store), not of its source 0."""
+    md[f"{A}.attention.kv_source_layers"] = [0, 1, 0, 1]
+    md[f"{A}.attention.indexer.types"] = ["full"] * 4
+    md[f"{A}.rope.layers"] = [1] * 4
+    del md[f"{A}.attention.kv_sharing"]
+    refused(md, "layer 2 reuses layer 0's KV across layer 1, a later RoPE store layer")
+
+
 def test_unknown_sharing_mode(md):
     md[f"{A}.attention.kv_sharing"] = ["store", "borrow", "reuse_but_indexer", "own"]
     refused(md, "layer 1 is 'borrow'; known sharing modes: own, store, reuse, reuse_but_indexer")
