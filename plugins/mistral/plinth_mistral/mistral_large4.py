@@ -490,7 +490,10 @@ class MistralLarge4Graph:
 
     def attention(self, il: int, h: Any, batch: Batch, lc: LatentCache, seq_rows: list, cos_sin: Any,
                   prev_topk: dict | None) -> AttentionOut:
-        """MLA + DSA of layer ``il``. h: [n_rows, n_embd] (normed). Returns the output and the key selection."""
+        """MLA + DSA of layer ``il``. h: [n_rows, n_embd] (normed). Returns the output and the key selection.
+
+        seq_rows: (seq, row selector for backend arrays, host row indices) per sequence in the batch.
+        """
         hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
         n, nh, r = h.shape[0], hp.n_head, hp.rope_width(il)
         nope = hp.head_dim_k - r
@@ -514,8 +517,8 @@ class MistralLarge4Graph:
         out = xp.empty((n, nh, hp.head_dim_v), dtype=xp.float32)
         topk = {}
         w_kv_b = w[b + "attn_kv_b.weight"]
-        for seq, sel in seq_rows:
-            pos = batch.positions[sel]
+        for seq, sel, rows in seq_rows:
+            pos = batch.positions[rows]
             lat_all, idx_all, kpos = lc.write(il, seq, pos, None if latent is None else latent[sel],
                                               None if k_idx is None else k_idx[sel])
             if q_idx is not None:
@@ -561,10 +564,13 @@ class MistralLarge4Graph:
                 embeddings: bool = False) -> ForwardOutput:
         """Run the batch; logits (soft-capped) for rows with ``batch.output``."""
         hp, w, xp = self.hp, self.w, self.xp
+        # per sequence: (seq, selector of its rows in backend arrays, the same rows as host indices)
         seq_rows = []
         for seq in np.unique(batch.seq_ids):
             rows = np.nonzero(batch.seq_ids == seq)[0]
-            seq_rows.append((int(seq), rows))
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            sel = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else xp.asarray(rows)
+            seq_rows.append((int(seq), sel, rows))
         cos_sin = self.cos_sin(batch.positions)
         lc = LatentCache(hp, cache, xp)
         carried: dict = {"topk": None}

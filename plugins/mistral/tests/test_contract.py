@@ -53,6 +53,12 @@ def test_two_sequences_in_one_batch_equal_two_runs(mistral_models):
     both = g.forward(batch, KVCache(n_layer)).logits
     np.testing.assert_allclose(both[:30], ra, atol=1e-5, rtol=0)
     np.testing.assert_allclose(both[30:], rb, atol=1e-5, rtol=0)
+    # the same rows interleaved (non-contiguous rows per sequence)
+    order = np.argsort(np.concatenate([np.arange(30) * 2, np.arange(12) * 5 + 1]), kind="stable")
+    mixed = Batch(tokens=batch.tokens[order], positions=batch.positions[order], seq_ids=batch.seq_ids[order],
+                  output=batch.output[order])
+    got = g.forward(mixed, KVCache(n_layer)).logits
+    np.testing.assert_allclose(got, both[order], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", CASES)
