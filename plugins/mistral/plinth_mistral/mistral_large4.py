@@ -45,6 +45,8 @@ ARCH = "mistral_large4"
 SHARING_MODES = ("own", "store", "reuse", "reuse_but_indexer")
 INDEXER_TYPES = ("full", "shared")
 INDEXER_NORM_EPS = 1e-6  # the indexer's LayerNorms (not a file key: fixed by the reference)
+# a sequence with at most this many rows in a forward (decode, verify) runs the absorbed MLA form
+ABSORB_MAX_ROWS = 16
 
 
 # ============================================================================ hparams
@@ -525,15 +527,44 @@ class MistralLarge4Graph:
                 topk[seq] = self.select_topk(il, h[sel], q_idx[sel], idx_all, pos, kpos)
             else:
                 topk[seq] = prev_topk[seq]
-            t = lat_all.shape[0]
-            kvb = ops.linear(lat_all[:, :hp.kv_lora_rank], w_kv_b).reshape(t, nh, nope + hp.head_dim_v)
-            k = kvb[..., :nope]
-            if r:
-                k_rope = xp.broadcast_to(lat_all[:, None, hp.kv_lora_rank:], (t, nh, r))
-                k = xp.concatenate([k, k_rope], axis=-1)
-            out[sel] = ops.attention(q[sel], k, kvb[..., nope:], q_pos=pos, k_pos=kpos, scale=hp.attn_scale,
-                                     causal=True, mask=topk[seq])
+            if len(rows) <= ABSORB_MAX_ROWS:
+                out[sel] = self.mla_absorbed(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
+            else:
+                out[sel] = self.mla_expanded(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
         return AttentionOut(out=ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"]), topk=topk)
+
+    def mla_expanded(self, q: Any, lat: Any, w_kv_b: Any, nope: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                     mask: Any) -> Any:
+        """MLA with per-head keys and values expanded from the latent (prefill).
+
+        q: [n, H, nope + r]; lat: [T, R + r] (``[c_kv ; k_rope]``); w_kv_b: [H (nope + v), R];
+        mask: [n, T] bool. Returns [n, H, v].
+        """
+        hp, xp = self.hp, self.xp
+        t, nh, rank = lat.shape[0], hp.n_head, hp.kv_lora_rank
+        kvb = ops.linear(lat[:, :rank], w_kv_b).reshape(t, nh, nope + hp.head_dim_v)
+        k = kvb[..., :nope]
+        if lat.shape[1] > rank:
+            k = xp.concatenate([k, xp.broadcast_to(lat[:, None, rank:], (t, nh, lat.shape[1] - rank))], axis=-1)
+        return ops.attention(q, k, kvb[..., nope:], q_pos=q_pos, k_pos=k_pos, scale=self.hp.attn_scale, causal=True,
+                             mask=mask)
+
+    def mla_absorbed(self, q: Any, lat: Any, w_kv_b: Any, nope: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                     mask: Any) -> Any:
+        """The same attention with ``W_kv_b`` absorbed into the query and the output (decode, verify).
+
+        Every head attends to one shared key ``[c_kv ; k_rope]`` with value ``c_kv`` (MQA over the
+        latent): ``q~_h = W_UK_h^T q_nope_h``, ``o_h = W_UV_h (sum_s p_hs c_s)``. Shapes as
+        :meth:`mla_expanded`.
+        """
+        hp, xp = self.hp, self.xp
+        rank, nh = hp.kv_lora_rank, hp.n_head
+        w = w_kv_b.reshape(nh, nope + hp.head_dim_v, rank)
+        q_lat = xp.einsum("nhd,hdr->nhr", q[..., :nope], w[:, :nope, :])
+        q_full = xp.concatenate([q_lat, q[..., nope:]], axis=-1)  # [n, H, R + r]
+        o_lat = ops.attention(q_full, lat[:, None, :], lat[:, None, :rank], q_pos=q_pos, k_pos=k_pos,
+                              scale=hp.attn_scale, causal=True, mask=mask)  # [n, H, R]
+        return xp.einsum("nhr,hvr->nhv", o_lat, w[:, nope:, :])
 
     def ffn(self, il: int, x: Any) -> Any:
         """Dense SwiGLU, or routed SwiGLU experts plus shared experts. x: [n_rows, n_embd] (normed)."""

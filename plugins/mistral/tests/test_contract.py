@@ -121,3 +121,17 @@ def test_feature_taps_for_a_drafter(mistral_models):
     assert all(f.shape == (9, model.hparams.n_embd) for f in out.features.values())
     again = model.new_context(taps=(1, n)).decode(tokens(9, 6), output="all")
     np.testing.assert_array_equal(out.logits, again.logits)  # deterministic
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_absorbed_and_expanded_mla_agree(mistral_models, case, monkeypatch):
+    """Both MLA forms (W_kv_b absorbed into q and o, or K/V expanded per head) on the same 60 rows."""
+    import plinth_mistral.mistral_large4 as ml
+
+    model = mistral_models(case)
+    toks = tokens(60, 8)
+    runs = []
+    for limit in (0, 10**6):
+        monkeypatch.setattr(ml, "ABSORB_MAX_ROWS", limit)
+        runs.append(model.graph.forward(Batch.from_tokens(toks, output="all"), KVCache(model.hparams.n_layer)).logits)
+    np.testing.assert_allclose(runs[0], runs[1], atol=2e-5, rtol=0)
