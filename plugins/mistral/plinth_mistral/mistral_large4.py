@@ -466,16 +466,15 @@ class MistralLarge4Graph:
         h: [n, n_embd] (normed); q_idx: [n, n_idx, d]; k_idx: [T, d].
         """
         hp, xp, w = self.hp, self.xp, self.w
+        visible = xp.asarray(k_pos[None, :] <= q_pos[:, None])
+        k = hp.idx_top_k
+        if k >= len(k_pos):  # every key is kept (the reference's topk(min(k, T)))
+            return visible
         scores = xp.matmul(q_idx.transpose(1, 0, 2), k_idx.T[None]) * np.float32(hp.idx_head_dim ** -0.5)
         head_w = ops.linear(h, w[f"blk.{il}.indexer.proj.weight"]) * np.float32(hp.idx_n_head ** -0.5)  # [n, nI]
         index = xp.einsum("nh,hnt->nt", head_w, xp.maximum(scores, 0))
-        visible = xp.asarray(k_pos[None, :] <= q_pos[:, None])
         index = xp.where(visible, index, np.float32(-np.inf))
-        n_keys = index.shape[1]
-        k = min(hp.idx_top_k, n_keys)
-        if k >= n_keys:
-            return visible
-        top = ops.top_k(index, k + 1 if k < n_keys else k)
+        top = ops.top_k(index, k + 1)  # one more than kept: the boundary gap
         if self.index_margins is not None:
             self._record_margins(top.values, k)
         chosen = xp.zeros(index.shape, dtype=bool)
