@@ -281,7 +281,8 @@ class DecoderGraph:
             kc, vc, kpos = cache.update(il, seq, pos, k[sel], v[sel])
             key = (seq, window)
             if key not in step.bias:
-                step.bias[key] = ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None)
+                step.bias[key] = ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
+                                                    xp=self.xp)
             out[sel] = ops.attention(q[sel], kc, vc, scale=hp.attn_scale, causal=False, bias=step.bias[key],
                                      soft_cap=hp.attn_softcap or None)
         return self.attn_out[il](out.reshape(n, -1))

@@ -345,8 +345,11 @@ class NemotronHGraph:
         y = gated_group_rms_norm(y, z, norm_w, g, hp.norm_eps)
         return ops.linear(y, w[b + "ssm_out.weight"], w.get(b + "ssm_out.bias"))
 
-    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list) -> Any:
-        """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed)."""
+    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list, biases: dict) -> Any:
+        """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed).
+
+        biases: seq -> causal score bias, built by the first attention layer of the forward.
+        """
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = x.shape[0]
         q = ops.linear(x, w[b + "attn_q.weight"], w.get(b + "attn_q.bias")).reshape(n, hp.n_head[il], hp.head_dim)
@@ -357,8 +360,9 @@ class NemotronHGraph:
         out = self.xp.empty((n, hp.n_head[il], hp.head_dim_v), dtype=self.xp.float32)
         for seq, sel in seq_rows:
             kc, vc, kpos = cache.update(il, seq, batch.positions[sel], k[sel], v[sel])
-            out[sel] = ops.attention(q[sel], kc, vc, q_pos=batch.positions[sel], k_pos=kpos, scale=hp.attn_scale,
-                                     causal=True)
+            if seq not in biases:
+                biases[seq] = ops.attention_bias(batch.positions[sel], kpos, causal=True, xp=self.xp)
+            out[sel] = ops.attention(q[sel], kc, vc, scale=hp.attn_scale, causal=False, bias=biases[seq])
         return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"], w.get(b + "attn_output.bias"))
 
     def mlp(self, il: int, x: Any) -> Any:
@@ -410,6 +414,7 @@ class NemotronHGraph:
         """Run the batch; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
         hp, w = self.hp, self.w
         seq_rows = self._seq_rows(batch, cache)
+        biases: dict[int, Any] = {}
 
         def layer(il: int, x: Any) -> Any:
             h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
@@ -417,7 +422,7 @@ class NemotronHGraph:
             if kind == MAMBA:
                 h = self.mamba(il, h, batch, cache, seq_rows)
             elif kind == ATTENTION:
-                h = self.attention(il, h, batch, cache, seq_rows)
+                h = self.attention(il, h, batch, cache, seq_rows, biases)
             elif kind == MLP:
                 h = self.mlp(il, h)
             else:
