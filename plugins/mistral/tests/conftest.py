@@ -13,14 +13,14 @@ golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.p
 
 @pytest.fixture(scope="session")
 def mistral_models(tmp_path_factory):
-    """case -> plinth Model, converted once per session (lazily, per case)."""
+    """(case, backend) -> plinth Model, converted once per session (lazily, per case)."""
     tmp = tmp_path_factory.mktemp("mistral-models")
     reg = golden.registry()
     cache: dict = {}
 
-    def get(case: str):
-        if case not in cache:
-            cache[case] = golden.plinth_model(case, tmp, reg)
-        return cache[case]
+    def get(case: str, backend: str = "numpy"):
+        if (case, backend) not in cache:
+            cache[(case, backend)] = golden.plinth_model(case, tmp, reg, backend=backend)
+        return cache[(case, backend)]
 
     return get

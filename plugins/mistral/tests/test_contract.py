@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import check_prefill_then_decode
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode
 
 from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_layout
 
@@ -23,9 +23,11 @@ def tokens(n, seed=0, vocab=256):
     return np.random.default_rng(seed).permutation(vocab)[:n].tolist()
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_then_decode_equals_full_forward(mistral_models, case):
-    model = mistral_models(case)
+def test_prefill_then_decode_equals_full_forward(mistral_models, case, backend):
+    """On the strict device stand-in, a decode forward also makes no host round trip."""
+    model = mistral_models(case, backend)
     check_prefill_then_decode(model.graph, model.hparams.n_layer, tokens(40, 1), n_prefill=9, atol=2e-5)
 
 
@@ -43,22 +45,25 @@ def test_chunked_prefill_equals_full_forward(mistral_models, case):
     np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0)
 
 
-def test_two_sequences_in_one_batch_equal_two_runs(mistral_models):
-    model = mistral_models("issue")
-    g, n_layer = model.graph, model.hparams.n_layer
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_two_sequences_in_one_batch_equal_two_runs(mistral_models, backend):
+    model = mistral_models("issue", backend)
+    g, n_layer, xp, host = model.graph, model.hparams.n_layer, model.backend.xp, model.backend.to_numpy
+
+    def run(batch):
+        return host(g.forward(batch, KVCache(n_layer, xp)).logits)
+
     a, b = tokens(30, 3), tokens(12, 4)
-    ra = g.forward(Batch.from_tokens(a, output="all"), KVCache(n_layer)).logits
-    rb = g.forward(Batch.from_tokens(b, output="all"), KVCache(n_layer)).logits
+    ra, rb = run(Batch.from_tokens(a, output="all")), run(Batch.from_tokens(b, output="all"))
     batch = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
-    both = g.forward(batch, KVCache(n_layer)).logits
+    both = run(batch)
     np.testing.assert_allclose(both[:30], ra, atol=1e-5, rtol=0)
     np.testing.assert_allclose(both[30:], rb, atol=1e-5, rtol=0)
     # the same rows interleaved (non-contiguous rows per sequence)
     order = np.argsort(np.concatenate([np.arange(30) * 2, np.arange(12) * 5 + 1]), kind="stable")
     mixed = Batch(tokens=batch.tokens[order], positions=batch.positions[order], seq_ids=batch.seq_ids[order],
                   output=batch.output[order])
-    got = g.forward(mixed, KVCache(n_layer)).logits
-    np.testing.assert_allclose(got, both[order], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(run(mixed), both[order], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -135,3 +140,17 @@ def test_absorbed_and_expanded_mla_agree(mistral_models, case, monkeypatch):
         monkeypatch.setattr(ml, "ABSORB_MAX_ROWS", limit)
         runs.append(model.graph.forward(Batch.from_tokens(toks, output="all"), KVCache(model.hparams.n_layer)).logits)
     np.testing.assert_allclose(runs[0], runs[1], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_mixed_token_and_embedding_rows_equal_token_rows(mistral_models, backend):
+    model = mistral_models("issue", backend)
+    g, n_layer, be = model.graph, model.hparams.n_layer, model.backend
+    toks = tokens(12, 7)
+    table = be.to_numpy(model.weights["token_embd.weight"])
+    ref = be.to_numpy(g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer, be.xp)).logits)
+    mixed = Batch.concat([Batch.from_tokens(toks[:4], output="all"),
+                          Batch.from_embeddings(table[toks[4:9]], start=4, output="all"),
+                          Batch.from_tokens(toks[9:], start=9, output="all")])
+    got = be.to_numpy(g.forward(mixed, KVCache(n_layer, be.xp)).logits)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)

@@ -187,16 +187,16 @@ def registry() -> Any:
     return make_registry(plugin)
 
 
-def plinth_model(case: str, tmp: Path, reg: Any = None) -> Any:
-    """The case converted by plinth's converter and loaded through the plugin."""
+def plinth_model(case: str, tmp: Path, reg: Any = None, backend: str = "numpy") -> Any:
+    """The case converted by plinth's converter and loaded through the plugin (on ``backend``)."""
     from plinth.convert import convert
     from plinth.model import load_model
 
     reg = reg or registry()
-    folder = write_hf_folder(case, tmp / f"{case}-hf")
     out = tmp / f"{case}.gguf"
-    convert(folder, out, registry=reg)
-    return load_model(out, registry=reg)
+    if not out.exists():
+        convert(write_hf_folder(case, tmp / f"{case}-hf"), out, registry=reg)
+    return load_model(out, registry=reg, backend=backend)
 
 
 def prompts(case: str) -> list[list[int]]:
