@@ -43,6 +43,7 @@ __all__ = [
     "check_prefill_then_decode",
     "count_transfers",
     "greedy_through_cache",
+    "load_golden",
     "make_backend",
     "strict",
     "load_module",
@@ -116,6 +117,21 @@ def greedy_through_cache(graph: Any, n_layer: int, prompt: list[int], n_new: int
         if i < n_new - 1:
             logits = graph.forward(Batch.from_tokens([out[-1]], start=len(prompt) + i), cache).logits
     return out
+
+
+def load_golden(path: str | Path) -> tuple[dict[str, Any], list[tuple[list[int], Any, list[int]]]]:
+    """A golden record (``.npz``): its ``info`` JSON and, per prompt i, (``prompt_i``, ``logits_i``,
+    ``greedy_i``) — the layout the bundled plugins' ``make_golden.py`` scripts write."""
+    import json
+
+    import numpy as np
+
+    with np.load(path) as z:
+        rec = {k: z[k] for k in z.files}
+    n = sum(k.startswith("prompt_") for k in rec)
+    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"logits_{i}"],
+             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
+    return json.loads(str(rec["info"])), runs
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import greedy_through_cache, load_module
+from plinth.testing import greedy_through_cache, load_golden, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -32,13 +32,7 @@ CASES = sorted(golden.CASES)
 
 
 def load(case):
-    with np.load(GOLDEN / f"{case}.npz") as z:
-        rec = {k: z[k] for k in z.files}
-    info = json.loads(str(rec["info"]))
-    n = sum(k.startswith("prompt_") for k in rec)
-    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"logits_{i}"],
-             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
-    return info, runs
+    return load_golden(GOLDEN / f"{case}.npz")
 
 
 @pytest.mark.parametrize("case", CASES)
