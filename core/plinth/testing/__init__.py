@@ -22,6 +22,7 @@ from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
 from . import strict
+from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_transfers
 from .strict import StrictBackend, count_transfers, to_host
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_safetensors, write_synthetic_gguf
 
@@ -38,10 +39,12 @@ TESTKIT_PLUGIN = ManifestPlugin(Manifest(
 
 __all__ = [
     "CONTRACT_BACKENDS",
+    "SpecTransfers",
     "StrictBackend",
     "TESTKIT_PLUGIN",
     "check_prefill_then_decode",
     "count_transfers",
+    "decode_step_transfers",
     "greedy_through_cache",
     "load_golden",
     "make_backend",
@@ -51,6 +54,7 @@ __all__ = [
     "plugin_from_manifest",
     "byte_vocab",
     "random_tensors",
+    "speculative_step_transfers",
     "tiny_metadata",
     "to_host",
     "write_gguf",

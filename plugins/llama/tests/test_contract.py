@@ -138,12 +138,14 @@ def test_gemma3_rope_scaling_on_global_layers_only_and_27b_scale(registry):
     md = tiny_metadata("gemma3", n_layer=7, attention__sliding_window=5, rope__scaling__type="linear",
                        rope__scaling__factor=8.0)
     hp = registry.arch_hparams("gemma3", md, "tiny-gemma3.gguf")
-    assert [hp.rope_scaled[il] for il in range(7)] == [False] * 5 + [True, False]
+    assert [hp.sliding_window[il] == 0 for il in range(7)] == [False] * 5 + [True, False]  # scaled: global only
     specs = registry.arch_tensors("gemma3", hp)
     graph = registry.arch_build("gemma3", hp, random_tensors(specs), registry.make_backend("numpy"))
     pos = np.arange(4)
-    local, glob = graph.rope[0](pos), graph.rope[5](pos)
-    assert graph.rope[0] is graph.rope[1] and graph.rope[0] is not graph.rope[5]
+    tables = graph.rope.tables
+    local, glob = tables[0](pos), tables[5](pos)
+    assert tables[0] is tables[1] and tables[0] is not tables[5]
+    assert tables[5] is not tables[6]  # same base as 5 would be, but not scaled
     assert not np.allclose(np.asarray(local[0]), np.asarray(glob[0]))
     assert hp.attn_scale == pytest.approx(1 / np.sqrt(hp.head_dim))
     md = tiny_metadata("gemma3", n_layer=62, n_embd=64, n_head=2, attention__key_length=16)

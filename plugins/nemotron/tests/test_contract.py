@@ -51,7 +51,8 @@ def host(graph, array):
 def test_pattern_read_from_the_per_layer_arrays(registry, name):
     hp, graph, _ = build(registry, name)
     assert hp.pattern == PATTERNS[name]["pattern"]
-    assert graph.recurrent is True
+    kinds = {"M": ("Recurrent",), "*": ("KV",), "-": (), "E": ()}
+    assert [tuple(type(k).__name__ for k in ks) for ks in graph.cache_layout()] == [kinds[c] for c in hp.pattern]
 
 
 @pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
