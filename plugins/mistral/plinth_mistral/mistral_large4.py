@@ -23,8 +23,9 @@ The model card, top to bottom:
   indexer keys;
 * final RMSNorm, untied LM head, logits soft-capped ``c * tanh(z / c)``.
 
-The cache holds the latent, never the expanded K/V (see :func:`cache_layout`), through
-:class:`LatentCache`, the one place that packs and reads the per-layer rows.
+The cache holds the latent, never the expanded K/V (per-layer kinds ``Latent``, ``IndexerKeys``,
+``SharedKV``; see :meth:`MistralLarge4Graph.cache_layout`), through :class:`LatentCache`, the one
+place that writes and reads the per-layer rows.
 Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
 """
 
@@ -37,7 +38,8 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
+from plinth.cache import Cache, IndexerKeys, Latent, SharedKV
+from plinth.context import Batch, ForwardOutput, pool, run_layers
 from plinth.hparams import HParamsError, KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
@@ -330,19 +332,19 @@ def rope_inv_freq(hp: MistralLarge4Params, alpha: Any = None) -> np.ndarray:
 # ============================================================================ the cache
 
 @attrs.frozen
-class LayerCacheKind:
+class LayerCacheWidths:
     """What one layer keeps per token: the latent ``[c_kv ; k_rope]`` and/or its indexer key."""
 
     latent: int  # floats of c_kv + k_rope (0: reads another layer's latent, or nothing)
     index_key: int  # floats of the indexer key (0: no own indexer)
 
 
-def cache_layout(hp: MistralLarge4Params) -> list[LayerCacheKind]:
+def cache_widths(hp: MistralLarge4Params) -> list[LayerCacheWidths]:
     """Per layer, the floats cached per token. "reuse" layers hold nothing."""
     out = []
     for il in range(hp.n_layer):
         latent = hp.kv_lora_rank + hp.rope_width(il) if hp.owns_kv(il) else 0
-        out.append(LayerCacheKind(latent=latent, index_key=hp.idx_head_dim if hp.has_indexer(il) else 0))
+        out.append(LayerCacheWidths(latent=latent, index_key=hp.idx_head_dim if hp.has_indexer(il) else 0))
     return out
 
 
@@ -353,7 +355,7 @@ def cache_bytes_per_token(hp: MistralLarge4Params) -> tuple[int, int]:
     ``head_dim_k`` and H values of ``head_dim_v``, plus the same indexer keys.
     """
     latent = expanded = 0
-    for il, kind in enumerate(cache_layout(hp)):
+    for il, kind in enumerate(cache_widths(hp)):
         latent += 4 * (kind.latent + kind.index_key)
         expanded += 4 * kind.index_key
         if kind.latent:
@@ -361,42 +363,43 @@ def cache_bytes_per_token(hp: MistralLarge4Params) -> tuple[int, int]:
     return latent, expanded
 
 
-class LatentCache:
-    """The per-layer cache rows of one forward, on today's :class:`KVCache`.
+def layer_cache_kinds(hp: MistralLarge4Params, il: int) -> tuple[Any, ...]:
+    """The cache kinds of layer ``il`` (fresh instances): the latent and/or indexer keys, or a share."""
+    kinds: list[Any] = [Latent()] if hp.owns_kv(il) else [SharedKV(hp.kv_source[il])]
+    if hp.has_indexer(il):
+        kinds.append(IndexerKeys())
+    return tuple(kinds)
 
-    A layer that owns its latent stores ``K = [c_kv ; k_rope]`` (one head) and ``V`` = its indexer
-    key (zero width without an own indexer); a "reuse_but_indexer" layer stores ``K`` = its
-    indexer key and a zero-width ``V``; a "reuse" layer stores nothing and reads the latent its
-    source wrote in this forward. Every cache write and read goes through here.
+
+class LatentCache:
+    """The per-layer cache rows of one forward: every cache write and read goes through here.
+
+    A layer that owns its latent appends ``c_kv`` and ``k_rope`` to its :class:`Latent`; a
+    "reuse" / "reuse_but_indexer" layer reads its source layer's latent (this forward's rows
+    included); a layer with its own indexer appends its keys to its :class:`IndexerKeys`.
+    Works on a cache built from :meth:`MistralLarge4Graph.cache_layout` and on a cache
+    without a layout (the kinds are then created on first use, only where a layer writes).
     """
 
-    def __init__(self, hp: MistralLarge4Params, cache: KVCache, xp: Any) -> None:
-        self.hp, self.cache, self.xp = hp, cache, xp
-        self._latent: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
-
-    def _empty(self, n: int) -> Any:
-        return self.xp.zeros((n, 1, 0), dtype=self.xp.float32)
+    def __init__(self, hp: MistralLarge4Params, cache: Cache) -> None:
+        self.hp, self.cache = hp, cache
 
     def write(self, il: int, seq: int, positions: np.ndarray, latent: Any, index_key: Any) -> tuple[Any, Any, Any]:
-        """Append this forward's rows; return (latent [T, R + r] or None, index keys [T, d] or None, positions [T]).
+        """Append this forward's rows; return (latent [T, R + r], index keys [T, d] or None, positions [T]).
 
-        latent: [n, R + r] or None; index_key: [n, d] or None.
+        latent: [n, R + r] (``[c_kv ; k_rope]``) or None on reuse layers; index_key: [n, d] or None.
         """
-        hp = self.hp
-        n = len(positions)
-        mode = hp.kv_sharing[il]
-        if mode in ("own", "store"):
-            k = latent[:, None, :]
-            v = index_key[:, None, :] if index_key is not None else self._empty(n)
-            kc, vc, pos = self.cache.update(il, seq, positions, k, v)
-            lat_all = kc[:, 0, :]
-            self._latent[(il, seq)] = (lat_all, pos)
-            return lat_all, (vc[:, 0, :] if index_key is not None else None), pos
-        lat_all, pos = self._latent[(hp.kv_source[il], seq)]
-        if mode == "reuse_but_indexer":
-            kc, _, pos = self.cache.update(il, seq, positions, index_key[:, None, :], self._empty(n))
-            return lat_all, kc[:, 0, :], pos
-        return lat_all, None, pos
+        hp, xp = self.hp, self.cache.xp
+        rank = hp.kv_lora_rank
+        if hp.owns_kv(il):
+            c_all, r_all, pos = self.cache.find(il, Latent).update(seq, positions, latent[:, :rank],
+                                                                    latent[:, rank:])
+        else:
+            c_all, r_all, pos = self.cache.find(hp.kv_source[il], Latent).get(seq)
+        keys = None
+        if index_key is not None:
+            keys, _ = self.cache.find(il, IndexerKeys).update(seq, positions, index_key)
+        return xp.concatenate([c_all, r_all], axis=-1) if r_all.shape[1] else c_all, keys, pos
 
 
 # ============================================================================ graph
@@ -410,7 +413,7 @@ class AttentionOut:
 
 
 class MistralLarge4Graph:
-    """Forward of Mistral Large 4 over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+    """Forward of Mistral Large 4 over a :class:`Batch`, reading and extending a :class:`Cache`."""
 
     def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
         self.hp, self.w, self.backend, self.xp = hp, weights, backend, backend.xp
@@ -419,6 +422,11 @@ class MistralLarge4Graph:
         self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
         self._cos_sin: tuple[Any, Any] | None = None
         self.index_margins: list | None = None  # set to [] to record top-k boundary gaps (tests)
+
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        """Per layer: ``Latent`` (+ ``IndexerKeys``) where it owns its KV, ``SharedKV(source)`` (+ its own
+        ``IndexerKeys`` for reuse_but_indexer) where it reuses; "reuse" layers hold nothing."""
+        return [layer_cache_kinds(self.hp, il) for il in range(self.hp.n_layer)]
 
     # -------------------------------------------------------------- pieces
 
@@ -590,7 +598,7 @@ class MistralLarge4Graph:
 
     # -------------------------------------------------------------- forward
 
-    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
+    def forward(self, batch: Batch, cache: Cache, *, taps: tuple[int, ...] = (), pooling: str = "none",
                 embeddings: bool = False) -> ForwardOutput:
         """Run the batch; logits (soft-capped) for rows with ``batch.output``."""
         hp, w, xp = self.hp, self.w, self.xp
@@ -602,7 +610,8 @@ class MistralLarge4Graph:
             sel = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else xp.asarray(rows)
             seq_rows.append((int(seq), sel, rows))
         cos_sin = self.cos_sin(batch.positions)
-        lc = LatentCache(hp, cache, xp)
+        cache.begin(batch.positions, batch.seq_ids)
+        lc = LatentCache(hp, cache)
         carried: dict = {"topk": None}
 
         def layer(il: int, x: Any) -> Any:
@@ -643,6 +652,7 @@ class MistralLarge4:
         return MistralLarge4Graph(hparams, weights, backend)
 
 
-__all__ = ["ARCH", "AttentionOut", "LatentCache", "LayerCacheKind", "MistralLarge4", "MistralLarge4Graph",
-           "MistralLarge4Params", "cache_bytes_per_token", "cache_layout", "load_hparams", "sharing_modes",
+__all__ = ["ARCH", "AttentionOut", "LatentCache", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph",
+           "MistralLarge4Params", "cache_bytes_per_token", "cache_widths", "layer_cache_kinds", "load_hparams",
+           "sharing_modes",
            "tensor_specs"]

@@ -14,7 +14,8 @@ import pytest
 from plinth.context import Batch, KVCache
 from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode
 
-from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_layout
+from plinth.cache import IndexerKeys, Latent, SharedKV
+from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_widths
 
 CASES = ["issue", "nope_share", "deep"]
 
@@ -74,24 +75,29 @@ def test_cache_holds_the_latent_and_reuse_layers_hold_nothing(mistral_models, ca
     n = 37
     ctx.decode(tokens(n, 5))
     held = 0
-    for il, kind in enumerate(cache_layout(hp)):
-        kv = ctx.cache.layer_kv(il, 0)
+    for il, width in enumerate(cache_widths(hp)):
+        kinds = ctx.cache.layers[il]
         mode = hp.kv_sharing[il]
-        if mode == "reuse":
-            assert kv is None, f"layer {il} (reuse) holds a cache"
-            continue
-        k, v = kv
-        if mode == "reuse_but_indexer":  # only its indexer keys
-            assert k.shape == (n, 1, hp.idx_head_dim) and v.shape == (n, 1, 0)
-        else:  # [c_kv ; k_rope] in one head, and its own indexer keys (if any)
-            assert k.shape == (n, 1, hp.kv_lora_rank + hp.rope_width(il))
-            assert v.shape == (n, 1, kind.index_key)
-        held += (k.size + v.size) * 4
+        types = [type(k) for k in kinds]
+        if mode in ("reuse", "reuse_but_indexer"):  # the source's latent, nothing of its own ...
+            assert types[0] is SharedKV and kinds[0].source == hp.kv_source[il]
+            assert kinds[0].nbytes() == 0
+        else:  # [c_kv ; k_rope] (k_rope empty on NoPE layers)
+            c, r, pos = kinds[0].get(0)
+            assert types[0] is Latent and c.shape == (n, hp.kv_lora_rank) and r.shape == (n, hp.rope_width(il))
+            held += (c.size + r.size) * 4
+        if hp.has_indexer(il):  # ... but its own indexer keys
+            (k, pos) = kinds[1].get(0)
+            assert types[1] is IndexerKeys and k.shape == (n, hp.idx_head_dim)
+            held += k.size * 4
+        assert len(kinds) == 1 + hp.has_indexer(il)
+        assert width.latent + width.index_key == sum(k.nbytes() // n - 8 for k in kinds if k.nbytes()) // 4
     latent, expanded = cache_bytes_per_token(hp)
     assert held == latent * n
+    by_kind = ctx.cache.nbytes_by_kind()
     print(f"{case}: cache {latent} bytes/token (latent + indexer keys) vs {expanded} bytes/token expanded K/V "
-          f"({expanded / latent:.1f}x); layers {list(hp.kv_sharing)}")
-    assert latent < expanded
+          f"({expanded / latent:.1f}x); layers {list(hp.kv_sharing)}; held by kind {by_kind}")
+    assert latent < expanded and "kv" not in by_kind
 
 
 def test_cache_bytes_of_the_full_size_model():
