@@ -26,7 +26,7 @@ from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_t
 from .arch import check_architecture
 from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .strict import StrictBackend, count_transfers, to_host
-from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_safetensors, write_synthetic_gguf
 
 #: backends every contract test runs on: the CPU backend and the strict device stand-in
 CONTRACT_BACKENDS = ("numpy", "strict")
@@ -49,6 +49,8 @@ __all__ = [
     "check_prefill_then_decode",
     "count_transfers",
     "decode_step_transfers",
+    "greedy_through_cache",
+    "load_golden",
     "make_backend",
     "new_cache",
     "strict",
@@ -63,6 +65,7 @@ __all__ = [
     "tiny_metadata",
     "to_host",
     "write_gguf",
+    "write_safetensors",
     "write_synthetic_gguf",
 ]
 
@@ -119,6 +122,39 @@ def new_cache(graph: Any, n_layer: int, xp: Any = None) -> Any:
     layout = getattr(graph, "cache_layout", None)
     xp = xp if xp is not None else getattr(graph, "xp", None)
     return Cache(n_layer, xp if xp is not None else np, layout() if layout is not None else None)
+
+
+def greedy_through_cache(graph: Any, n_layer: int, prompt: list[int], n_new: int) -> list[int]:
+    """Greedy tokens after ``prompt``: one prefill, then one token at a time through the cache
+    (kept on the graph's backend; logits come back through its ``to_numpy``)."""
+    import numpy as np
+
+    from ..context import Batch
+
+    backend = getattr(graph, "backend", None) or make_backend("numpy")
+    cache = new_cache(graph, n_layer, backend.xp)
+    logits = graph.forward(Batch.from_tokens(prompt), cache).logits
+    out: list[int] = []
+    for i in range(n_new):
+        out.append(int(np.argmax(backend.to_numpy(logits[-1]))))
+        if i < n_new - 1:
+            logits = graph.forward(Batch.from_tokens([out[-1]], start=len(prompt) + i), cache).logits
+    return out
+
+
+def load_golden(path: str | Path) -> tuple[dict[str, Any], list[tuple[list[int], Any, list[int]]]]:
+    """A golden record (``.npz``): its ``info`` JSON and, per prompt i, (``prompt_i``, ``logits_i``,
+    ``greedy_i``) — the layout the bundled plugins' ``make_golden.py`` scripts write."""
+    import json
+
+    import numpy as np
+
+    with np.load(path) as z:
+        rec = {k: z[k] for k in z.files}
+    n = sum(k.startswith("prompt_") for k in rec)
+    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"logits_{i}"],
+             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
+    return json.loads(str(rec["info"])), runs
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

@@ -84,6 +84,55 @@ class RandomDrafter(BaseDrafter):
         return Draft(tokens=toks, probs=q)
 
 
+class RecordedDrafter(BaseDrafter):
+    """Wraps a drafter and records ``(drafted, accepted)`` per verify step in ``steps``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = f"recorded-{inner.name}"
+        self.steps: list[tuple[int, int]] = []
+        self._k = 0
+
+    def requirements(self) -> DrafterRequirements:
+        return self.inner.requirements()
+
+    def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
+        self.inner.begin(seq, prompt_ids)
+
+    def process(self, target_output: Any) -> None:
+        self.inner.process(target_output)
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Any:
+        d = self.inner.draft(seq, n_max, history=history, pos=pos)
+        self._k = len(d) if d is not None else 0
+        return d
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        if self._k:
+            self.steps.append((self._k, n_accepted))
+        self.inner.accept(seq, n_accepted)
+
+
+class FaultyOracleDrafter(OracleDrafter):
+    """The target's own continuation with one token wrong, at a position that moves every step
+    (position len(draft) = no error): every accept length occurs."""
+
+    name = "faulty-oracle"
+
+    def __init__(self, model: Any, **kw: Any) -> None:
+        super().__init__(model, **kw)
+        self.step = 0
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
+        toks = list(super().draft(seq, n_max, history=history, pos=pos).tokens)
+        if toks:
+            j = self.step % (len(toks) + 1)
+            if j < len(toks):
+                toks[j] = (toks[j] + 1) % self.model.n_vocab
+        self.step += 1
+        return Draft(tokens=tuple(toks))
+
+
 def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5, rtol: float = 1e-5) -> None:
     """Two caches hold the same positions and, layer by layer and kind by kind, the same arrays for ``seq``.
 

@@ -1,0 +1,1 @@
+"""plinth-mistral: Mistral Large 4 ("le chonk") for plinth."""

@@ -1,0 +1,658 @@
+"""Mistral Large 4 ("le chonk"): MLA + DSA sparse indexer + KV sharing + MoE (``mistral_large4``).
+
+The model card, top to bottom:
+
+* every layer is ``x += attn(rms_norm(x)); x += ffn(rms_norm(x))``; the first
+  ``leading_dense_block_count`` layers have a dense SwiGLU FFN, the rest a softmax-routed MoE
+  (group-limited: groups scored by the sum of their two best experts), renormalised top-k,
+  ``expert_weights_scale``, plus always-on shared experts;
+* attention is multi-head latent attention without a query LoRA: ``q = W_q x`` per head split
+  ``[nope | rope]``; ``[c_kv ; k_rope] = W_kv_a x``, ``c_kv = rms_norm(c_kv)``; ``W_kv_b`` expands
+  ``c_kv`` into per-head ``k_nope`` and ``v``; ``k_rope`` is one rotated key shared by every head;
+* RoPE is YaRN with learned per-frequency scaling (LeRoPE: ``inv_freq * exp(alpha)``, ``alpha`` stored
+  as ``rope_alpha.weight``), on interleaved pairs; NoPE layers
+  (``rope.layers`` = 0) rotate nothing and fold the rope width into the nope part;
+* queries are scaled per head by ``scale * log(pos + 1) + bias`` (log-position scaling);
+* DSA: on "full" indexer layers a Lightning indexer picks the top-k keys of each query
+  (``I(t, s) = sum_h w_h(t) relu(q_h(t) . k(s)) / sqrt(d)``, queries from the layer-normed input,
+  keys layer-normed, interleaved RoPE on their first ``n_rot`` dims except on NoPE layers);
+  "shared" layers reuse the previous full layer's selection;
+* KV sharing (``attention.kv_source_layers``): a layer whose source is itself computes its latent
+  ("own", or "store" when later layers read it); a "reuse" layer reads its source's latent and
+  has no KV projection and no cache; "reuse_but_indexer" shares the latent but keeps its own
+  indexer keys;
+* final RMSNorm, untied LM head, logits soft-capped ``c * tanh(z / c)``.
+
+The cache holds the latent, never the expanded K/V (per-layer kinds ``Latent``, ``IndexerKeys``,
+``SharedKV``; see :meth:`MistralLarge4Graph.cache_layout`), through :class:`LatentCache`, the one
+place that writes and reads the per-layer rows.
+Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from plinth import ops
+from plinth.cache import Cache, IndexerKeys, Latent, SharedKV
+from plinth.context import Batch, ForwardOutput, pool, run_layers
+from plinth.hparams import HParamsError, KeyReader, PerLayer
+from plinth.tensors import TensorSpec
+
+ARCH = "mistral_large4"
+SHARING_MODES = ("own", "store", "reuse", "reuse_but_indexer")
+INDEXER_TYPES = ("full", "shared")
+INDEXER_NORM_EPS = 1e-6  # the indexer's LayerNorms (not a file key: fixed by the reference)
+# a sequence with at most this many rows in a forward (decode, verify) runs the absorbed MLA form
+ABSORB_MAX_ROWS = 16
+
+
+# ============================================================================ hparams
+
+@attrs.frozen
+class MistralLarge4Params:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_ctx_train: int
+    norm_eps: float
+    # multi-head latent attention
+    n_head: int
+    kv_lora_rank: int
+    n_rot: int  # rope width of q/k on RoPE layers (qk_rope_head_dim)
+    head_dim_k: int  # nope + rope
+    head_dim_v: int
+    attn_scale: float
+    # rope (YaRN + the learned scaling rope_alpha)
+    rope_base: float
+    rope_scaling: str
+    rope_factor: float
+    rope_orig_ctx: int
+    rope_beta_fast: float
+    rope_beta_slow: float
+    rope_attn_factor: float
+    # per-layer patterns
+    rope_layers: PerLayer  # 1 = RoPE, 0 = NoPE
+    indexer_types: tuple[str, ...]  # "full" | "shared"
+    kv_source: PerLayer  # layer whose latent each layer attends to
+    kv_sharing: tuple[str, ...]  # "own" | "store" | "reuse" | "reuse_but_indexer"
+    roles: tuple[str, ...]  # one readable line per layer (plinth info)
+    # DSA indexer
+    idx_n_head: int
+    idx_head_dim: int
+    idx_top_k: int
+    # FFN / MoE
+    n_ff: int
+    n_layer_dense_lead: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_expert_shared: int
+    n_expert_group: int
+    n_group_used: int
+    expert_weights_scale: float
+    logit_softcap: float
+
+    def uses_rope(self, il: int) -> bool:
+        return bool(self.rope_layers[il])
+
+    def rope_width(self, il: int) -> int:
+        """Rotated dims of layer ``il``'s q/k (0 on NoPE layers)."""
+        return self.n_rot if self.uses_rope(il) else 0
+
+    def nope_width(self, il: int) -> int:
+        return self.head_dim_k - self.rope_width(il)
+
+    def owns_kv(self, il: int) -> bool:
+        return self.kv_sharing[il] in ("own", "store")
+
+    def has_indexer(self, il: int) -> bool:
+        return self.indexer_types[il] == "full"
+
+    def is_moe(self, il: int) -> bool:
+        return il >= self.n_layer_dense_lead
+
+
+def sharing_modes(kv_source: list[int], indexer_types: list[str]) -> list[str]:
+    """The KV-sharing mode each layer's sources imply (the reference's rule)."""
+    n = len(kv_source)
+    modes = ["own" if kv_source[i] == i else "reuse" for i in range(n)]
+    for i in range(n):
+        if modes[i] == "reuse" and indexer_types[i] != "shared":
+            modes[i] = "reuse_but_indexer"
+        if kv_source[i] == i and i in kv_source[i + 1:]:
+            modes[i] = "store"
+    return modes
+
+
+def _check_layers(source: str, r: KeyReader, n_layer: int, rope: PerLayer, idx_types: list[str],
+                  kv_source: PerLayer, modes: list[str]) -> None:
+    """Refuse a layer pattern the graph cannot run, naming the key and the layer."""
+    for il, t in enumerate(idx_types):
+        if t not in INDEXER_TYPES:
+            raise HParamsError(f"{source}: key '{r.key('attention.indexer.types')}' layer {il} is {t!r}; "
+                               f"known indexer types: {', '.join(INDEXER_TYPES)}")
+    if idx_types and idx_types[0] == "shared":
+        raise HParamsError(f"{source}: layer 0 is a 'shared' indexer layer, but no earlier 'full' layer has a "
+                           f"top-k selection to lend it (key '{r.key('attention.indexer.types')}')")
+    for il, mode in enumerate(modes):
+        if mode not in SHARING_MODES:
+            raise HParamsError(f"{source}: key '{r.key('attention.kv_sharing')}' layer {il} is {mode!r}; "
+                               f"known sharing modes: {', '.join(SHARING_MODES)}")
+    for il, src in enumerate(kv_source):
+        if not 0 <= src <= il:
+            raise HParamsError(f"{source}: key '{r.key('attention.kv_source_layers')}' makes layer {il} reuse "
+                               f"layer {src}'s KV; a layer can only reuse an earlier layer's cache")
+        if kv_source[src] != src:
+            raise HParamsError(f"{source}: key '{r.key('attention.kv_source_layers')}' makes layer {il} reuse "
+                               f"layer {src}, which itself reuses layer {kv_source[src]}; point it at the owner")
+        if rope[src] != rope[il]:
+            raise HParamsError(f"{source}: layer {il} ({'RoPE' if rope[il] else 'NoPE'}) reuses the KV of layer "
+                               f"{src} ({'RoPE' if rope[src] else 'NoPE'}); shared keys must have the same rope")
+    implied = sharing_modes(list(kv_source), idx_types)
+    for il, src in enumerate(kv_source):
+        # the reference hands a reuse layer the latest stored latent of its rope kind, not its source's
+        between = [j for j in range(src + 1, il) if implied[j] == "store" and rope[j] == rope[src]]
+        if src != il and between:
+            raise HParamsError(f"{source}: layer {il} reuses layer {src}'s KV across layer {between[-1]}, a later "
+                               f"{'RoPE' if rope[src] else 'NoPE'} store layer; transformers reads layer "
+                               f"{between[-1]}'s there, so this '{r.key('attention.kv_source_layers')}' pattern "
+                               "is ambiguous and refused")
+    for il, (mode, want) in enumerate(zip(modes, implied)):
+        if mode != want:
+            raise HParamsError(f"{source}: key '{r.key('attention.kv_sharing')}' says layer {il} is {mode!r}, but "
+                               f"'{r.key('attention.kv_source_layers')}' and the indexer types make it {want!r}")
+
+
+def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> MistralLarge4Params:
+    r = KeyReader(metadata, source, arch)
+    n_layer = r.get("block_count")
+    n_head = r.get("attention.head_count")
+    head_dim_k = r.get("attention.key_length")
+    n_rot = r.get("rope.dimension_count")
+    rope = r.get_key_or_arr("rope.layers", n_layer, required=False, default=1)
+    idx_types = list(r.get_array("attention.indexer.types", str))
+    kv_source = r.get_key_or_arr("attention.kv_source_layers", n_layer, required=False, default=None)
+    if kv_source[0] is None:
+        kv_source = PerLayer(list(range(n_layer)), r.key("attention.kv_source_layers"))
+    if len(idx_types) != n_layer:
+        raise HParamsError(f"{source}: key '{r.key('attention.indexer.types')}' has {len(idx_types)} entries, "
+                           f"expected n_layer = {n_layer}")
+    modes = list(r.get_array("attention.kv_sharing", str, required=False, default=None)
+                 or sharing_modes(list(kv_source), idx_types))
+    if len(modes) != n_layer:
+        raise HParamsError(f"{source}: key '{r.key('attention.kv_sharing')}' has {len(modes)} entries, "
+                           f"expected n_layer = {n_layer}")
+    _check_layers(source, r, n_layer, rope, idx_types, kv_source, modes)
+    if n_rot % 2 or n_rot > head_dim_k:
+        raise HParamsError(f"{source}: '{r.key('rope.dimension_count')}' = {n_rot} must be even and at most "
+                           f"'{r.key('attention.key_length')}' = {head_dim_k}")
+    n_dense = r.get("leading_dense_block_count", required=False, default=0)
+    n_expert = r.get("expert_count", required=n_dense < n_layer, default=0)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    roles = []
+    for il in range(n_layer):
+        kv = modes[il] + ("" if kv_source[il] == il else f"<-{kv_source[il]}")
+        roles.append(f"{il}: kv {kv}, indexer {idx_types[il]}, {'rope' if rope[il] else 'nope'}, "
+                     f"{'moe' if il >= n_dense else 'dense'}")
+    return MistralLarge4Params(
+        arch=arch,
+        n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
+        n_embd=r.get("embedding_length"),
+        n_layer=n_layer,
+        n_ctx_train=r.get("context_length"),
+        norm_eps=r.get("attention.layer_norm_rms_epsilon", float),
+        n_head=n_head,
+        kv_lora_rank=r.get("attention.kv_lora_rank"),
+        n_rot=n_rot,
+        head_dim_k=head_dim_k,
+        head_dim_v=r.get("attention.value_length"),
+        attn_scale=r.get("attention.scale", float, required=False, default=None) or 1.0 / math.sqrt(head_dim_k),
+        rope_base=r.get("rope.freq_base", float, required=False, default=10000.0),
+        rope_scaling=r.get("rope.scaling.type", str, required=False, default="none"),
+        rope_factor=r.get("rope.scaling.factor", float, required=False, default=1.0),
+        rope_orig_ctx=r.get("rope.scaling.original_context_length", required=False, default=0),
+        rope_beta_fast=r.get("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
+        rope_beta_slow=r.get("rope.scaling.yarn_beta_slow", float, required=False, default=1.0),
+        rope_attn_factor=r.get("rope.scaling.attn_factor", float, required=False, default=1.0),
+        rope_layers=rope,
+        indexer_types=tuple(idx_types),
+        kv_source=kv_source,
+        kv_sharing=tuple(modes),
+        roles=tuple(roles),
+        idx_n_head=r.get("attention.indexer.head_count"),
+        idx_head_dim=r.get("attention.indexer.key_length"),
+        idx_top_k=r.get("attention.indexer.top_k"),
+        n_ff=r.get("feed_forward_length", required=n_dense > 0, default=0),
+        n_layer_dense_lead=n_dense,
+        n_expert=n_expert,
+        n_expert_used=r.get("expert_used_count", required=n_expert > 0, default=0),
+        n_ff_exp=r.get("expert_feed_forward_length", required=n_expert > 0, default=0),
+        n_expert_shared=r.get("expert_shared_count", required=False, default=0),
+        n_expert_group=r.get("expert_group_count", required=False, default=1) or 1,
+        n_group_used=r.get("expert_group_used_count", required=False, default=1) or 1,
+        expert_weights_scale=r.get("expert_weights_scale", float, required=False, default=1.0) or 1.0,
+        logit_softcap=r.get("final_logit_softcapping", float, required=False, default=0.0),
+    )
+
+
+# ============================================================================ tensors
+
+def tensor_specs(hp: MistralLarge4Params) -> list[TensorSpec]:
+    """GGUF tensor names and numpy-order shapes; reuse layers have no KV-A projection, shared-indexer
+    layers no indexer."""
+    e, v, h = hp.n_embd, hp.n_vocab, hp.n_head
+    specs = [
+        TensorSpec("token_embd.weight", (v, e)),
+        TensorSpec("output_norm.weight", (e,)),
+        TensorSpec("output.weight", (v, e)),
+        TensorSpec("rope_alpha.weight", (hp.n_rot // 2,), required=False),  # LeRoPE: inv_freq * exp(alpha)
+    ]
+    for il in range(hp.n_layer):
+        b = f"blk.{il}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (e,)),
+            TensorSpec(b + "attn_q.weight", (h * hp.head_dim_k, e)),
+            TensorSpec(b + "attn_kv_b.weight", (h * (hp.nope_width(il) + hp.head_dim_v), hp.kv_lora_rank)),
+            TensorSpec(b + "attn_output.weight", (e, h * hp.head_dim_v)),
+            TensorSpec(b + "attn_log_scale.weight", (h,)),
+            TensorSpec(b + "attn_log_scale.bias", (h,)),
+            TensorSpec(b + "ffn_norm.weight", (e,)),
+        ]
+        if hp.owns_kv(il):
+            specs += [TensorSpec(b + "attn_kv_a_mqa.weight", (hp.kv_lora_rank + hp.rope_width(il), e)),
+                      TensorSpec(b + "attn_kv_a_norm.weight", (hp.kv_lora_rank,))]
+        if hp.has_indexer(il):
+            ni, di = hp.idx_n_head, hp.idx_head_dim
+            specs += [
+                TensorSpec(b + "indexer.q_norm.weight", (e,)),
+                TensorSpec(b + "indexer.q_norm.bias", (e,)),
+                TensorSpec(b + "indexer.attn_q_b.weight", (ni * di, e)),
+                TensorSpec(b + "indexer.attn_k.weight", (di, e)),
+                TensorSpec(b + "indexer.k_norm.weight", (di,)),
+                TensorSpec(b + "indexer.k_norm.bias", (di,)),
+                TensorSpec(b + "indexer.proj.weight", (ni, e)),
+                TensorSpec(b + "indexer.log_scale.weight", (ni,)),
+                TensorSpec(b + "indexer.log_scale.bias", (ni,)),
+            ]
+        if hp.is_moe(il):
+            n_exp, ff = hp.n_expert, hp.n_ff_exp
+            specs += [
+                TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
+                TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
+                TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
+                TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
+            ]
+            if hp.n_expert_shared:
+                sh = ff * hp.n_expert_shared
+                specs += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
+                          TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
+                          TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
+        else:
+            specs += [TensorSpec(b + "ffn_gate.weight", (hp.n_ff, e)),
+                      TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
+                      TensorSpec(b + "ffn_down.weight", (e, hp.n_ff))]
+    return specs
+
+
+# ============================================================================ rope
+
+def rope_inv_freq(hp: MistralLarge4Params, alpha: Any = None) -> np.ndarray:
+    """YaRN inverse frequencies [n_rot / 2] times the learned scaling ``exp(alpha)`` (LeRoPE), in float32.
+
+    The steps and their float32 rounding follow the reference (base power, extrapolated and
+    interpolated frequencies, linear ramp between the correction dims), so the angles agree to
+    the last bit or two: see :meth:`MistralLarge4Graph.cos_sin` for why that matters here.
+    """
+    f32 = np.float32
+    dims = np.arange(0, hp.n_rot, 2, dtype=np.int64).astype(f32) / f32(hp.n_rot)
+    pos_freqs = np.power(f32(hp.rope_base), dims, dtype=f32)
+    inv = f32(1.0) / pos_freqs
+    if hp.rope_scaling == "yarn":
+        low, high = ops.yarn_corr_dims(hp.n_rot, hp.rope_orig_ctx, hp.rope_base, hp.rope_beta_fast,
+                                       hp.rope_beta_slow)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(hp.n_rot // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+        extrapolate = f32(1) - ramp
+        interp = f32(1.0) / (f32(hp.rope_factor) * pos_freqs)
+        inv = interp * (f32(1) - extrapolate) + inv * extrapolate
+    elif hp.rope_scaling not in ("none", None):
+        raise ValueError(f"{hp.arch}: rope scaling {hp.rope_scaling!r} is not supported (yarn or none)")
+    if alpha is not None:
+        inv = inv * np.exp(np.asarray(alpha, dtype=f32))
+    return inv.astype(f32)
+
+
+# ============================================================================ the cache
+
+@attrs.frozen
+class LayerCacheWidths:
+    """What one layer keeps per token: the latent ``[c_kv ; k_rope]`` and/or its indexer key."""
+
+    latent: int  # floats of c_kv + k_rope (0: reads another layer's latent, or nothing)
+    index_key: int  # floats of the indexer key (0: no own indexer)
+
+
+def cache_widths(hp: MistralLarge4Params) -> list[LayerCacheWidths]:
+    """Per layer, the floats cached per token. "reuse" layers hold nothing."""
+    out = []
+    for il in range(hp.n_layer):
+        latent = hp.kv_lora_rank + hp.rope_width(il) if hp.owns_kv(il) else 0
+        out.append(LayerCacheWidths(latent=latent, index_key=hp.idx_head_dim if hp.has_indexer(il) else 0))
+    return out
+
+
+def cache_bytes_per_token(hp: MistralLarge4Params) -> tuple[int, int]:
+    """(latent cache, an expanded per-head K/V cache of the same model) in bytes per token (float32).
+
+    The expanded figure is what a plain K/V cache would hold: per owning layer H keys of
+    ``head_dim_k`` and H values of ``head_dim_v``, plus the same indexer keys.
+    """
+    latent = expanded = 0
+    for il, kind in enumerate(cache_widths(hp)):
+        latent += 4 * (kind.latent + kind.index_key)
+        expanded += 4 * kind.index_key
+        if kind.latent:
+            expanded += 4 * hp.n_head * (hp.head_dim_k + hp.head_dim_v)
+    return latent, expanded
+
+
+def layer_cache_kinds(hp: MistralLarge4Params, il: int) -> tuple[Any, ...]:
+    """The cache kinds of layer ``il`` (fresh instances): the latent and/or indexer keys, or a share."""
+    kinds: list[Any] = [Latent()] if hp.owns_kv(il) else [SharedKV(hp.kv_source[il])]
+    if hp.has_indexer(il):
+        kinds.append(IndexerKeys())
+    return tuple(kinds)
+
+
+class LatentCache:
+    """The per-layer cache rows of one forward: every cache write and read goes through here.
+
+    A layer that owns its latent appends ``c_kv`` and ``k_rope`` to its :class:`Latent`; a
+    "reuse" / "reuse_but_indexer" layer reads its source layer's latent (this forward's rows
+    included); a layer with its own indexer appends its keys to its :class:`IndexerKeys`.
+    Works on a cache built from :meth:`MistralLarge4Graph.cache_layout` and on a cache
+    without a layout (the kinds are then created on first use, only where a layer writes).
+    """
+
+    def __init__(self, hp: MistralLarge4Params, cache: Cache) -> None:
+        self.hp, self.cache = hp, cache
+
+    def write(self, il: int, seq: int, positions: np.ndarray, latent: Any, index_key: Any) -> tuple[Any, Any, Any]:
+        """Append this forward's rows; return (latent [T, R + r], index keys [T, d] or None, positions [T]).
+
+        latent: [n, R + r] (``[c_kv ; k_rope]``) or None on reuse layers; index_key: [n, d] or None.
+        """
+        hp, xp = self.hp, self.cache.xp
+        rank = hp.kv_lora_rank
+        if hp.owns_kv(il):
+            c_all, r_all, pos = self.cache.find(il, Latent).update(seq, positions, latent[:, :rank],
+                                                                    latent[:, rank:])
+        else:
+            c_all, r_all, pos = self.cache.find(hp.kv_source[il], Latent).get(seq)
+        keys = None
+        if index_key is not None:
+            keys, _ = self.cache.find(il, IndexerKeys).update(seq, positions, index_key)
+        return xp.concatenate([c_all, r_all], axis=-1) if r_all.shape[1] else c_all, keys, pos
+
+
+# ============================================================================ graph
+
+@attrs.frozen
+class AttentionOut:
+    """out: [n_rows, n_embd]; topk: {seq: [n_seq_rows, T] bool} — the DSA key selection, carried on."""
+
+    out: Any
+    topk: dict
+
+
+class MistralLarge4Graph:
+    """Forward of Mistral Large 4 over a :class:`Batch`, reading and extending a :class:`Cache`."""
+
+    def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
+        self.hp, self.w, self.backend, self.xp = hp, weights, backend, backend.xp
+        self.recurrent = False
+        alpha = weights.get("rope_alpha.weight")
+        self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
+        self._cos_sin: tuple[Any, Any] | None = None
+        self.index_margins: list | None = None  # set to [] to record top-k boundary gaps (tests)
+
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        """Per layer: ``Latent`` (+ ``IndexerKeys``) where it owns its KV, ``SharedKV(source)`` (+ its own
+        ``IndexerKeys`` for reuse_but_indexer) where it reuses; "reuse" layers hold nothing."""
+        return [layer_cache_kinds(self.hp, il) for il in range(self.hp.n_layer)]
+
+    # -------------------------------------------------------------- pieces
+
+    def cos_sin(self, positions: np.ndarray) -> tuple[Any, Any]:
+        """(cos, sin) [n, n_rot / 2] times the attention factor, from a table grown on demand.
+
+        The angle ``pos * inv_freq`` is a float32 product, as in the reference and in ggml: this
+        model's logits move by ~1e-4 for a 1e-5 rad change of the angle at position 200.
+        """
+        need = int(positions.max()) + 1 if positions.size else 0
+        if self._cos_sin is None or self._cos_sin[0].shape[0] < need:
+            n = max(need, 2 * (0 if self._cos_sin is None else self._cos_sin[0].shape[0]), 256)
+            ang = np.arange(n, dtype=np.float32)[:, None] * self.inv_freq[None, :]
+            m = np.float32(self.hp.rope_attn_factor)
+            self._cos_sin = (self.xp.asarray(np.cos(ang) * m), self.xp.asarray(np.sin(ang) * m))
+        idx = self.xp.asarray(positions)
+        return self._cos_sin[0][idx], self._cos_sin[1][idx]
+
+    def rotate(self, x: Any, cos_sin: Any) -> Any:
+        """Interleaved RoPE on the first n_rot dims. x: [n, heads, >= n_rot]."""
+        return ops.apply_rope(x, cos_sin=cos_sin, mode="normal")
+
+    @staticmethod
+    def log_scale(positions: np.ndarray, weight: Any, bias: Any, xp: Any) -> Any:
+        """Per-row, per-head query multiplier ``weight * log(pos + 1) + bias``: [n, heads, 1]."""
+        lp = xp.asarray(np.log(positions.astype(np.float64) + 1.0).astype(np.float32))
+        return (lp[:, None] * weight[None, :] + bias[None, :])[:, :, None]
+
+    def indexer(self, il: int, h: Any, positions: np.ndarray, cos_sin: Any) -> tuple[Any, Any]:
+        """Lightning-indexer queries [n, n_idx, d] and keys [n, d] of layer ``il``. h: [n, n_embd] (normed)."""
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.indexer.", self.xp
+        n = h.shape[0]
+        q = ops.layer_norm(h, w[b + "q_norm.weight"], w[b + "q_norm.bias"], INDEXER_NORM_EPS)
+        q = ops.linear(q, w[b + "attn_q_b.weight"]).reshape(n, hp.idx_n_head, hp.idx_head_dim)
+        q = q * self.log_scale(positions, w[b + "log_scale.weight"], w[b + "log_scale.bias"], xp)
+        k = ops.layer_norm(ops.linear(h, w[b + "attn_k.weight"]), w[b + "k_norm.weight"], w[b + "k_norm.bias"],
+                           INDEXER_NORM_EPS)[:, None, :]
+        if hp.uses_rope(il):
+            q, k = self.rotate(q, cos_sin), self.rotate(k, cos_sin)
+        return q, k[:, 0, :]
+
+    def select_topk(self, il: int, h: Any, q_idx: Any, k_idx: Any, q_pos: np.ndarray, k_pos: np.ndarray) -> Any:
+        """The keys each query attends to: [n, T] bool, the top-k of the index scores among visible keys.
+
+        h: [n, n_embd] (normed); q_idx: [n, n_idx, d]; k_idx: [T, d].
+        """
+        hp, xp, w = self.hp, self.xp, self.w
+        visible = xp.asarray(k_pos[None, :] <= q_pos[:, None])
+        k = hp.idx_top_k
+        if k >= len(k_pos):  # every key is kept (the reference's topk(min(k, T)))
+            return visible
+        scores = xp.matmul(q_idx.transpose(1, 0, 2), k_idx.T[None]) * np.float32(hp.idx_head_dim ** -0.5)
+        head_w = ops.linear(h, w[f"blk.{il}.indexer.proj.weight"]) * np.float32(hp.idx_n_head ** -0.5)  # [n, nI]
+        index = xp.einsum("nh,hnt->nt", head_w, xp.maximum(scores, 0))
+        index = xp.where(visible, index, np.float32(-np.inf))
+        top = ops.top_k(index, k + 1)  # one more than kept: the boundary gap
+        if self.index_margins is not None:
+            self._record_margins(top.values, k)
+        chosen = xp.zeros(index.shape, dtype=bool)
+        chosen[xp.arange(index.shape[0])[:, None], top.indices[:, :k]] = True
+        return chosen & visible
+
+    def _record_margins(self, values: Any, k: int) -> None:
+        """Gap between the k-th and (k+1)-th index score of each query with more than k visible keys,
+        relative to the row's largest score magnitude. values: [n, k + 1], sorted descending."""
+        v = np.asarray(self.backend.to_numpy(values), dtype=np.float64)
+        full = np.isfinite(v[:, k])
+        scale = np.maximum(np.abs(v[full]).max(axis=1), 1e-30)
+        self.index_margins.extend(((v[full, k - 1] - v[full, k]) / scale).tolist())
+
+    def attention(self, il: int, h: Any, batch: Batch, lc: LatentCache, seq_rows: list, cos_sin: Any,
+                  prev_topk: dict | None) -> AttentionOut:
+        """MLA + DSA of layer ``il``. h: [n_rows, n_embd] (normed). Returns the output and the key selection.
+
+        seq_rows: (seq, row selector for backend arrays, host row indices) per sequence in the batch.
+        """
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        n, nh, r = h.shape[0], hp.n_head, hp.rope_width(il)
+        nope = hp.head_dim_k - r
+        q = ops.linear(h, w[b + "attn_q.weight"]).reshape(n, nh, hp.head_dim_k)
+        if r:
+            q = xp.concatenate([q[..., :nope], self.rotate(q[..., nope:], cos_sin)], axis=-1)
+        q = q * self.log_scale(batch.positions, w[b + "attn_log_scale.weight"], w[b + "attn_log_scale.bias"], xp)
+        latent = None
+        if hp.owns_kv(il):
+            kv = ops.linear(h, w[b + "attn_kv_a_mqa.weight"])  # [n, R + r]
+            c = ops.rms_norm(kv[:, :hp.kv_lora_rank], w[b + "attn_kv_a_norm.weight"], hp.norm_eps)
+            parts = [c]
+            if r:
+                parts.append(self.rotate(kv[:, None, hp.kv_lora_rank:], cos_sin)[:, 0, :])
+            latent = xp.concatenate(parts, axis=-1)
+        q_idx = k_idx = None
+        if hp.has_indexer(il):
+            q_idx, k_idx = self.indexer(il, h, batch.positions, cos_sin)
+        elif prev_topk is None:
+            raise ValueError(f"{hp.arch}: layer {il} is a 'shared' indexer layer with no earlier full layer")
+        out = xp.empty((n, nh, hp.head_dim_v), dtype=xp.float32)
+        topk = {}
+        w_kv_b = w[b + "attn_kv_b.weight"]
+        for seq, sel, rows in seq_rows:
+            pos = batch.positions[rows]
+            lat_all, idx_all, kpos = lc.write(il, seq, pos, None if latent is None else latent[sel],
+                                              None if k_idx is None else k_idx[sel])
+            if q_idx is not None:
+                topk[seq] = self.select_topk(il, h[sel], q_idx[sel], idx_all, pos, kpos)
+            else:
+                topk[seq] = prev_topk[seq]
+            if len(rows) <= ABSORB_MAX_ROWS:
+                out[sel] = self.mla_absorbed(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
+            else:
+                out[sel] = self.mla_expanded(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
+        return AttentionOut(out=ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"]), topk=topk)
+
+    def mla_expanded(self, q: Any, lat: Any, w_kv_b: Any, nope: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                     mask: Any) -> Any:
+        """MLA with per-head keys and values expanded from the latent (prefill).
+
+        q: [n, H, nope + r]; lat: [T, R + r] (``[c_kv ; k_rope]``); w_kv_b: [H (nope + v), R];
+        mask: [n, T] bool. Returns [n, H, v].
+        """
+        hp, xp = self.hp, self.xp
+        t, nh, rank = lat.shape[0], hp.n_head, hp.kv_lora_rank
+        kvb = ops.linear(lat[:, :rank], w_kv_b).reshape(t, nh, nope + hp.head_dim_v)
+        k = kvb[..., :nope]
+        if lat.shape[1] > rank:
+            k = xp.concatenate([k, xp.broadcast_to(lat[:, None, rank:], (t, nh, lat.shape[1] - rank))], axis=-1)
+        return ops.attention(q, k, kvb[..., nope:], q_pos=q_pos, k_pos=k_pos, scale=self.hp.attn_scale, causal=True,
+                             mask=mask)
+
+    def mla_absorbed(self, q: Any, lat: Any, w_kv_b: Any, nope: int, q_pos: np.ndarray, k_pos: np.ndarray,
+                     mask: Any) -> Any:
+        """The same attention with ``W_kv_b`` absorbed into the query and the output (decode, verify).
+
+        Every head attends to one shared key ``[c_kv ; k_rope]`` with value ``c_kv`` (MQA over the
+        latent): ``q~_h = W_UK_h^T q_nope_h``, ``o_h = W_UV_h (sum_s p_hs c_s)``. Shapes as
+        :meth:`mla_expanded`.
+        """
+        hp, xp = self.hp, self.xp
+        rank, nh = hp.kv_lora_rank, hp.n_head
+        w = w_kv_b.reshape(nh, nope + hp.head_dim_v, rank)
+        q_lat = xp.einsum("nhd,hdr->nhr", q[..., :nope], w[:, :nope, :])
+        q_full = xp.concatenate([q_lat, q[..., nope:]], axis=-1)  # [n, H, R + r]
+        o_lat = ops.attention(q_full, lat[:, None, :], lat[:, None, :rank], q_pos=q_pos, k_pos=k_pos,
+                              scale=hp.attn_scale, causal=True, mask=mask)  # [n, H, R]
+        return xp.einsum("nhr,hvr->nhv", o_lat, w[:, nope:, :])
+
+    def ffn(self, il: int, x: Any) -> Any:
+        """Dense SwiGLU, or routed SwiGLU experts plus shared experts. x: [n_rows, n_embd] (normed)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        if not hp.is_moe(il):
+            return ops.swiglu(x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"])
+        route = ops.moe_route(ops.linear(x, w[b + "ffn_gate_inp.weight"]), hp.n_expert_used, score_func="softmax",
+                              norm_topk=True, n_group=hp.n_expert_group, topk_group=hp.n_group_used,
+                              routed_scaling=hp.expert_weights_scale)
+        y = ops.moe_ffn(x, route, w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"],
+                        w[b + "ffn_down_exps.weight"], act="silu")
+        if hp.n_expert_shared:
+            y = y + ops.swiglu(x, w[b + "ffn_gate_shexp.weight"], w[b + "ffn_up_shexp.weight"],
+                               w[b + "ffn_down_shexp.weight"])
+        return y
+
+    def embed(self, batch: Batch) -> Any:
+        """Input rows: token embeddings, or the batch's own embeddings where ``is_embd``. [n_rows, n_embd]"""
+        xp = self.xp
+        x = self.w["token_embd.weight"][xp.asarray(batch.tokens)]
+        if batch.is_embd is not None and batch.is_embd.any():
+            x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
+        return x
+
+    # -------------------------------------------------------------- forward
+
+    def forward(self, batch: Batch, cache: Cache, *, taps: tuple[int, ...] = (), pooling: str = "none",
+                embeddings: bool = False) -> ForwardOutput:
+        """Run the batch; logits (soft-capped) for rows with ``batch.output``."""
+        hp, w, xp = self.hp, self.w, self.xp
+        # per sequence: (seq, selector of its rows in backend arrays, the same rows as host indices)
+        seq_rows = []
+        for seq in np.unique(batch.seq_ids):
+            rows = np.nonzero(batch.seq_ids == seq)[0]
+            contiguous = rows[-1] - rows[0] + 1 == len(rows)
+            sel = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else xp.asarray(rows)
+            seq_rows.append((int(seq), sel, rows))
+        cos_sin = self.cos_sin(batch.positions)
+        cache.begin(batch.positions, batch.seq_ids)
+        lc = LatentCache(hp, cache)
+        carried: dict = {"topk": None}
+
+        def layer(il: int, x: Any) -> Any:
+            a = self.attention(il, ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps), batch, lc,
+                               seq_rows, cos_sin, carried["topk"])
+            carried["topk"] = a.topk
+            x = x + a.out
+            return x + self.ffn(il, ops.rms_norm(x, w[f"blk.{il}.ffn_norm.weight"], hp.norm_eps))
+
+        x, features = run_layers(self.embed(batch), hp.n_layer, layer, cache, taps)
+        rows = np.nonzero(batch.output)[0]
+        if pooling != "none":
+            normed = ops.rms_norm(x, w["output_norm.weight"], hp.norm_eps)
+            pooled, seqs = pool(normed, batch, pooling, xp)
+            return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
+        h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
+        logits = ops.linear(h, w["output.weight"])
+        if hp.logit_softcap:
+            c = np.float32(hp.logit_softcap)
+            logits = xp.tanh(logits / c) * c
+        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+
+
+# ============================================================================ architecture
+
+class MistralLarge4:
+    """``mistral_large4``: Mistral Large 4 text tower (MLA, DSA indexer, KV sharing, MoE)."""
+
+    name = ARCH
+
+    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> MistralLarge4Params:
+        return load_hparams(metadata, source, self.name)
+
+    def tensor_specs(self, hparams: MistralLarge4Params) -> list[TensorSpec]:
+        return tensor_specs(hparams)
+
+    def build(self, hparams: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> MistralLarge4Graph:
+        return MistralLarge4Graph(hparams, weights, backend)
+
+
+__all__ = ["ARCH", "AttentionOut", "LatentCache", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph",
+           "MistralLarge4Params", "cache_bytes_per_token", "cache_widths", "layer_cache_kinds", "load_hparams",
+           "sharing_modes",
+           "tensor_specs"]
