@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-peer test-gpu bench clean
+.PHONY: install demo test test-ref test-ref-speculators test-peer test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ test-ref: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[ref]"
 	$(BIN)/python -m pytest -q -m ref
 
+# speculators pins transformers<=5.19.0 (the [ref] extra has 5.24.0): its own venv, --no-deps, and a stub
+# module for `datasets` (imported through its eagle3 package, unused by the inference pass).
+SPEC_VENV ?= .venv-speculators
+test-ref-speculators: install
+	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers==5.19.0 \
+		safetensors loguru pydantic-settings openai hs-connectors==0.9.0 typer rich pytest numpy attrs pluggy
+	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0
+	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e . $(foreach p,$(PLUGINS),-e $(p))
+	PLINTH_SPECULATORS_PYTHON=$(abspath $(SPEC_VENV))/bin/python $(BIN)/python -m pytest -q -m speculators
+
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
 	$(BIN)/python -m pytest -q -m peer
@@ -40,4 +51,4 @@ bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SPEC_VENV)

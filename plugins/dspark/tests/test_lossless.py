@@ -1,0 +1,84 @@
+"""Greedy output with the DSpark drafter equals plain greedy decoding (the drafter contract), in both block
+layouts, with and without a reduced vocabulary and a confidence head; pruning never changes greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
+VARIANTS = {
+    "anchor-first": dict(),
+    "bonus-anchor": dict(sample_from_anchor=False),
+    "reduced-vocab": dict(draft_vocab=64),
+    "no-conf-head": dict(conf=False, has_confidence_head=False),
+    "conf-without-markov": dict(conf_with_markov=False, w2_scale=2.5),
+}
+
+
+@pytest.mark.parametrize("target", ["qwen3", "llama"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_drafter_contract_on_tiny_targets(targets, dspark_file, target, variant):
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dspark.drafter import make_dspark
+
+    path = str(dspark_file(block_size=6, **VARIANTS[variant]))
+    model = targets[target]
+    stats = check_drafter_contract(model, lambda: make_dspark(model, {"draft": path}), PROMPTS, max_tokens=20,
+                                   n_max=6)
+    assert all(s.n_drafts > 0 for s in stats)
+
+
+@pytest.mark.parametrize("p_min", [0.2, 0.5, 0.8])
+def test_pruning_never_changes_greedy_output(targets, dspark_file, p_min):
+    from plinth.generate import Generator
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+    from plinth_dspark.drafter import make_dspark
+
+    model = targets["qwen3"]
+    path = str(dspark_file(block_size=7))
+    plain = Generator(model).generate(PROMPTS[1], 24)
+    dr = make_dspark(model, {"draft": path, "p_min": p_min})
+    gen = SpeculativeGenerator(model, [dr], config=SpecConfig(n_max=7, p_min=p_min, verifier="greedy"))
+    assert gen.generate(PROMPTS[1], 24) == plain
+    assert dr.stats["pruned"] > 0  # the threshold did cut drafts
+
+
+def test_rejection_sampling_keeps_the_target_distribution(targets, dspark_file):
+    """Second generated token: its exact marginal under plain sampling vs draws with --spec dspark (chi-square,
+    Wilson-Hilferty threshold at p ~ 0.0005)."""
+    import math
+
+    import numpy as np
+
+    from plinth.sampling import Sampler, SamplerConfig
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+    from plinth_dspark.drafter import make_dspark
+
+    model = targets["qwen3"]
+    cfg = SamplerConfig(temperature=1.0, top_k=4)
+    prompt = PROMPTS[0]
+    s = Sampler(cfg)
+    p1 = s.probs(model.new_context().decode(prompt).logits[-1], prompt)
+    marginal = np.zeros(model.n_vocab)
+    for t1 in np.nonzero(p1)[0]:
+        c = model.new_context()
+        c.decode(prompt)
+        marginal += p1[t1] * s.probs(c.decode([int(t1)]).logits[-1], prompt + [int(t1)])
+    dr = make_dspark(model, {"draft": str(dspark_file(block_size=4))})
+    gen = SpeculativeGenerator(model, [dr], config=SpecConfig(n_max=3, seed=11),
+                               sampler=Sampler(SamplerConfig(temperature=1.0, top_k=4, seed=12)))
+    counts = np.zeros(model.n_vocab)
+    drafted = 0
+    for _ in range(400):
+        out = gen.generate(prompt, 3)
+        counts[out[1]] += 1
+        drafted += gen.stats.n_drafted
+    n = counts.sum()
+    keep = marginal * n >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(marginal[keep] * n, marginal[~keep].sum() * n)
+    ok = exp > 0
+    stat, df = float(((obs[ok] - exp[ok]) ** 2 / exp[ok]).sum()), int(ok.sum() - 1)
+    a = 2.0 / (9.0 * df)
+    assert stat < df * (1.0 - a + 3.29 * math.sqrt(a)) ** 3, stat
+    assert drafted > 0
