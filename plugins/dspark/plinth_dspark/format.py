@@ -80,7 +80,7 @@ def dspark_specs(hp: DFlashHParams, present: Mapping[str, tuple[tuple[int, ...],
             raise DSparkFormatError(f"{source}: a reduced draft vocabulary ('d2t', {vd} ids) needs the draft's own "
                                     f"'{DC.T_OUTPUT}' with {vd} rows")
     else:
-        vd = v
+        vd = hp.n_vocab if hp.n_vocab is not None else v  # the full vocabulary (w1's rows are checked at runtime)
     e = hp.n_embd
     conf_cols = int(present[T_CONF][0][-1]) if T_CONF in present else e + r
     if conf_cols not in (e, e + r):
@@ -109,7 +109,7 @@ def read_dspark_hparams(md: Mapping[str, Any], present: Mapping[str, tuple[tuple
 
     v, r = (int(x) for x in present[T_W1][0])
     reduced = T_D2T in present
-    vd = int(present[T_D2T][0][0]) if reduced else v
+    vd = int(present[T_D2T][0][0]) if reduced else int(present[T_W2][0][0])
     has_conf = flag(KEY_HAS_CONF)
     if has_conf and T_CONF not in present:
         raise DSparkFormatError(f"{source}: '{DC.ARCH}.{KEY_HAS_CONF}' is true (or missing) but the draft has no "
