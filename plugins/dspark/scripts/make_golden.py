@@ -3,6 +3,7 @@
 Run with the speculators environment (``make test-ref-speculators`` builds it):
 
     .venv-speculators/bin/python plugins/dspark/scripts/make_golden.py OUT.npz [--check-training]
+    .venv-speculators/bin/python plugins/dspark/scripts/make_golden.py OUT.npz --dflash   # DFlash / DFlash2 cases
 
 Every case: a tiny qwen3-backbone DSpark draft (E = 64, 2 layers, vocabulary 96) with every weight redrawn
 at O(1) scale by numpy (speculators NaN-initialises embed_tokens / lm_head and draws markov_w1 at std 0.01),
@@ -177,6 +178,87 @@ def check_training_forward(model, feats: np.ndarray, anchor: int, n: int, logits
     return float(np.abs(full - logits[:full.shape[0]]).max())
 
 
+DFLASH_CASES = [(kind, b) for kind in ("dflash", "dflash2") for b in (4, 8)]
+
+
+def build_dflash(kind: str, block: int, seed: int):
+    """speculators' DFlashDraftModel / DFlash2DraftModel (1+N layout), every weight redrawn at O(1) scale."""
+    import torch
+    from transformers import Qwen3Config
+
+    _stub_datasets()
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash2 import DFlash2DraftModel
+    from speculators.models.dflash2.config import DFlash2SpeculatorConfig
+
+    tl = Qwen3Config(vocab_size=VOCAB, hidden_size=E, intermediate_size=FF, num_hidden_layers=LAYERS,
+                     num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=E // HEADS, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, max_position_embeddings=4096, attention_bias=False)
+    tl._attn_implementation = "eager"
+    kw = dict(transformer_layer_config=tl, draft_vocab_size=VOCAB, block_size=block,
+              aux_hidden_state_layer_ids=list(TAPS), mask_token_id=MASK, sample_from_anchor=False)
+    if kind == "dflash2":
+        cfg = DFlash2SpeculatorConfig(**kw, conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=4)
+        model = DFlash2DraftModel(cfg).eval()
+    else:
+        cfg = DFlashSpeculatorConfig(**kw)
+        model = DFlashDraftModel(cfg).eval()
+    rng = np.random.default_rng(seed)
+    sd = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("verifier_"):
+                continue
+            shape = tuple(p.shape)
+            if name.endswith("norm.weight"):
+                arr = 1.0 + 0.1 * rng.standard_normal(shape)
+            elif "base_kernel" in name or "codebook" in name or "embed_tokens" in name:
+                arr = 0.5 * rng.standard_normal(shape)
+            else:
+                arr = 0.2 * rng.standard_normal(shape)
+            sd[name] = arr.astype(np.float16).astype(np.float32)
+            p.copy_(torch.from_numpy(sd[name]))
+    return model, cfg, sd
+
+
+def dflash_inference(model, feats: np.ndarray, anchor: int):
+    """Logits [B-1, V] of a full 1+N block ``[anchor, MASK x (B-1)]`` after context rows 0..P-1 (no selector)."""
+    import torch
+
+    b = model.config.block_size
+    p = feats.shape[0]
+    with torch.no_grad():
+        ids = torch.full((1, b), model.config.mask_token_id, dtype=torch.long)
+        ids[0, 0] = anchor
+        x = model.embed_tokens(ids)
+        ctx = model.hidden_norm(model.fc(torch.from_numpy(feats)[None]))
+        pos = torch.arange(p + b)[None]
+        pe = model.rotary_emb(x, pos)
+        for layer in model.layers:
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos,
+                      position_embeddings=pe)
+        return model.lm_head(model.norm(x))[0, 1:].numpy()
+
+
+def main_dflash(out: str) -> None:
+    rng = np.random.default_rng(8)
+    arrays, meta = {}, {}
+    for ci, (kind, block) in enumerate(DFLASH_CASES):
+        name = f"{kind}-b{block}"
+        model, cfg, sd = build_dflash(kind, block, seed=200 + ci)
+        for k, v in sd.items():
+            arrays[f"{name}/w/{k}"] = v.astype(np.float16)
+        meta[name] = dict(kind=kind, block_size=block, config=json.loads(cfg.to_json_string()))
+        feats = rng.standard_normal((N_CTX, len(TAPS) * E)).astype(np.float32)
+        anchor = int(rng.integers(0, VOCAB - 1))
+        arrays[f"{name}/feats"] = feats
+        arrays[f"{name}/anchor"] = np.array([anchor])
+        arrays[f"{name}/logits"] = dflash_inference(model, feats, anchor)
+    arrays["meta_json"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez_compressed(out, **arrays)
+    print(f"wrote {out}: {len(DFLASH_CASES)} DFlash/DFlash2 cases")
+
+
 def main(out: str, check: bool) -> None:
     rng = np.random.default_rng(7)
     arrays = {}
@@ -209,4 +291,7 @@ def main(out: str, check: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--check-training" in sys.argv)
+    if "--dflash" in sys.argv:
+        main_dflash(sys.argv[1])
+    else:
+        main(sys.argv[1], "--check-training" in sys.argv)

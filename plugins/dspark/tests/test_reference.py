@@ -128,3 +128,52 @@ def test_live_speculators_rebuilds_the_golden_file(tmp_path):
             np.testing.assert_array_equal(new[k], old[k], err_msg=k)
         else:
             np.testing.assert_allclose(new[k].astype(np.float64), old[k].astype(np.float64), atol=TOL, err_msg=k)
+
+
+# ---------------------------------------------------------------------------- speculators' DFlash / DFlash2
+
+DFLASH_GOLDEN = Path(__file__).parent / "golden" / "speculators_dflash.npz"
+
+
+def run_dflash_case(tmp_path: Path, arrays: dict, meta: dict, case: str, target) -> np.ndarray:
+    """speculators checkpoint folder -> plinth-dflash's converter -> DFlashDrafter: logits of rows 1..B-1."""
+    from plinth.speculative.base import TargetOutput
+    from plinth_dflash.convert import DFlash2Converter, DFlashConverter
+    from plinth_dflash.drafter import make_dflash
+
+    folder = write_checkpoint(tmp_path / case, arrays, meta, case)
+    out = tmp_path / f"{case}.gguf"
+    (DFlash2Converter if meta[case]["kind"] == "dflash2" else DFlashConverter)().convert(str(folder), str(out), {})
+    dr = make_dflash(target, {"draft": str(out)})
+    feats = arrays[f"{case}/feats"]
+    e, p = feats.shape[1] // 2, feats.shape[0]
+    taps = dr.hp.target_layers
+    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(p, dtype=np.int64), positions=np.arange(p),
+                            features={taps[0]: feats[:, :e], taps[1]: feats[:, e:]}))
+    b = meta[case]["block_size"]
+    return np.asarray(dr.draft_logits(0, int(arrays[f"{case}/anchor"][0]), p, b - 1))
+
+
+def test_plinth_dflash_matches_speculators_dflash_and_dflash2(tmp_path, target):
+    """Block logits (1+N layout, full blocks) of speculators' DFlash and DFlash2 (before DFlash2's selector)."""
+    arrays, meta = load_golden(DFLASH_GOLDEN)
+    assert {m["kind"] for m in meta.values()} == {"dflash", "dflash2"}
+    for case in sorted(meta):
+        got = run_dflash_case(tmp_path, arrays, meta, case, target)
+        want = arrays[f"{case}/logits"]
+        assert float(np.abs(got - want).max()) < TOL, (case, float(np.abs(got - want).max()))
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1), err_msg=case)
+
+
+@pytest.mark.speculators
+def test_live_speculators_rebuilds_the_dflash_golden_file(tmp_path):
+    exe = speculators_python()
+    if exe is None:
+        pytest.skip("no speculators environment (make test-ref-speculators)")
+    out = tmp_path / "golden.npz"
+    subprocess.run([exe, str(SCRIPT), str(out), "--dflash"], check=True, timeout=600,
+                   env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    new, _ = load_golden(out)
+    old, _ = load_golden(DFLASH_GOLDEN)
+    for k in old:
+        np.testing.assert_allclose(new[k].astype(np.float64), old[k].astype(np.float64), atol=TOL, err_msg=k)
