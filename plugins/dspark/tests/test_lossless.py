@@ -82,3 +82,56 @@ def test_rejection_sampling_keeps_the_target_distribution(targets, dspark_file):
     a = 2.0 / (9.0 * df)
     assert stat < df * (1.0 - a + 3.29 * math.sqrt(a)) ** 3, stat
     assert drafted > 0
+
+
+def test_lossless_on_a_hybrid_nemotron_h_target(tmp_path):
+    """A Mamba-2 / attention / MoE hybrid: rejected drafts are undone by snapshot + replay of the target's
+    recurrent state; greedy output and the target cache stay identical to plain decoding."""
+    from pathlib import Path
+
+    import plinth_nemotron
+    from plinth.model import load_model
+    from plinth.testing import load_module, make_registry
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.testkit import write_tiny_dspark
+    from plinth_nemotron.plugin import plugin
+
+    tiny = load_module(Path(plinth_nemotron.__file__).parents[1] / "tests" / "tiny.py")
+    reg = make_registry(plugin)
+    md = tiny.metadata("M*EM-E", vocab=True, n_embd=48, top_k=[0, 0, 2, 0, 0, 3], n_ff_exp=[0, 0, 16, 0, 0, 24])
+    model = load_model(tiny.write(tmp_path / "hybrid.gguf", reg, md, seed=11), registry=reg)
+    assert model.graph.recurrent
+    path = str(write_tiny_dspark(tmp_path / "d.gguf", n_vocab=257, mask_token=255, n_embd=48, n_head=4, n_head_kv=2,
+                                 taps=(2, 6), block_size=6))
+    for opts in ({}, {"p_min": 0.4}):
+        stats = check_drafter_contract(model, lambda: make_dspark(model, {"draft": path, **opts}), PROMPTS,
+                                       max_tokens=20, n_max=6)
+        assert all(s.n_drafts > 0 for s in stats)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("anchor_first", [True, False])
+def test_lossless_on_smollm2(tmp_path, anchor_first):
+    import plinth
+    from plinth.generate import Generator
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.testkit import write_tiny_dspark
+
+    try:
+        model = plinth.load_model("smollm2-135m-instruct")
+    except Exception as exc:  # pragma: no cover - offline machine without the cached file
+        pytest.skip(f"SmolLM2 not available: {exc}")
+    hp = model.hparams
+    path = write_tiny_dspark(tmp_path / "dspark.gguf", n_embd=hp.n_embd, n_vocab=model.n_vocab, n_layer=2, n_head=9,
+                             n_head_kv=3, n_ff=768, taps=(2, 10, 20, 30), block_size=8, mask_token=0, scale=0.05,
+                             rank=32, draft_vocab=4096, sample_from_anchor=anchor_first)
+    prompt = model.tokenizer.encode("The capital of France is")
+    plain = Generator(model).generate(prompt, 24)
+    for p_min in (0.0, 0.5):
+        gen = SpeculativeGenerator(model, [make_dspark(model, {"draft": str(path), "p_min": p_min})],
+                                   config=SpecConfig(n_max=8, p_min=p_min, verifier="greedy"))
+        assert gen.generate(prompt, 24) == plain
+        assert gen.stats.n_drafts > 0
