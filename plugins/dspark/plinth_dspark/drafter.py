@@ -59,9 +59,15 @@ class DSparkDrafter(DFlashDrafter):
                                         f"target's vocabulary 0..{n_vocab - 1} ({bad.size} ids out of range)")
             self.d2t = xp.asarray(d2t)
         self.n_max = self.max_block if not n_max else min(int(n_max), self.max_block)
-        self.stats.update({"drafts": 0, "drafted": 0, "pruned": 0, "conf_accepted_sum": 0.0,
-                           "conf_accepted_n": 0, "conf_rejected_sum": 0.0, "conf_rejected_n": 0})
+        self.stats.update({k: 0 for k in self.FIGURE_KEYS})
         self._pending: dict[int, np.ndarray] = {}
+
+    FIGURE_KEYS = ("drafts", "drafted", "pruned", "conf_accepted_sum", "conf_accepted_n", "conf_rejected_sum",
+                   "conf_rejected_n")
+
+    def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
+        super().begin(seq, prompt_ids)
+        self.stats.update({k: 0 for k in self.FIGURE_KEYS})  # figures() covers one generation
 
     @property
     def max_block(self) -> int:

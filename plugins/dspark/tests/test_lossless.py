@@ -135,3 +135,19 @@ def test_lossless_on_smollm2(tmp_path, anchor_first):
                                    config=SpecConfig(n_max=8, p_min=p_min, verifier="greedy"))
         assert gen.generate(prompt, 24) == plain
         assert gen.stats.n_drafts > 0
+
+
+def test_cli_generate_with_spec_dspark_and_stats(targets, dspark_file, capsys):
+    from plinth.cli import main
+
+    model = str(targets["qwen3"].path)
+    draft = str(dspark_file(block_size=6))
+    base = ["--plugins", "llama,dflash,dspark", "generate", "hello", "-m", model, "-n", "16", "--temp", "0"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--spec", "dspark", "--draft", draft, "--spec-n-max", "6", "--spec-p-min", "0.3",
+                        "--stats"]) == 0
+    out = capsys.readouterr()
+    assert out.out == plain
+    assert "per position [" in out.err
+    assert "dspark: pruned positions" in out.err and "mean conf accepted" in out.err and "mean conf rejected" in out.err
