@@ -34,9 +34,8 @@ SPEC_VENV ?= .venv-speculators
 test-ref-speculators: install
 	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
 	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers==5.19.0 \
-		safetensors loguru pydantic-settings openai hs-connectors==0.9.0 typer rich pytest numpy attrs pluggy
+		safetensors loguru pydantic-settings openai hs-connectors==0.9.0 typer rich numpy
 	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0
-	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e . $(foreach p,$(PLUGINS),-e $(p))
 	PLINTH_SPECULATORS_PYTHON=$(abspath $(SPEC_VENV))/bin/python $(BIN)/python -m pytest -q -m speculators
 
 test-peer: install
