@@ -148,3 +148,20 @@ def test_anchor_first_row_zero_predicts(targets, dspark_file):
         d = dr.draft(0, 5, history=[1, 2, 3], pos=3)
         assert len(d) == 5
     assert calls == [5, 6]
+
+
+def test_backbone_sinks_and_sliding_layers_change_the_draft(targets, dspark_file):
+    """The DSpark draft runs plinth-dflash's backbone as is: per-head sinks and sliding-window layers are read
+    and used (the logits move when they are present)."""
+    from plinth.speculative.base import TargetOutput
+    from plinth_dspark.drafter import make_dspark
+
+    f = np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32)
+    sinks = {f"blk.{i}.attn_sinks.weight": np.full(4, 1.5, dtype=np.float32) for i in range(2)}
+    outs = []
+    for kw in ({}, {"extra_tensors": sinks}, {"sliding_window": 3, "swa_pattern": [True, False]}):
+        dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(seed=2, **kw))})
+        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.arange(9), positions=np.arange(9),
+                                features={1: f, 3: f}))
+        outs.append(dr.block_outputs(0, 7, 9, 5)["logits"])
+    assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[0], outs[2])

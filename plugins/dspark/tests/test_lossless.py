@@ -3,6 +3,7 @@ layouts, with and without a reduced vocabulary and a confidence head; pruning ne
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
@@ -12,6 +13,10 @@ VARIANTS = {
     "reduced-vocab": dict(draft_vocab=64),
     "no-conf-head": dict(conf=False, has_confidence_head=False),
     "conf-without-markov": dict(conf_with_markov=False, w2_scale=2.5),
+    # Nemotron-3.5-style per-head attention sinks and a per-layer sliding window in the draft backbone
+    "sinks-swa": dict(sliding_window=3, swa_pattern=[True, False],
+                      extra_tensors={f"blk.{i}.attn_sinks.weight": np.full(4, 0.5 - i, dtype=np.float32)
+                                     for i in range(2)}),
 }
 
 

@@ -107,16 +107,17 @@ def test_matches_speculators(tmp_path, golden, target):
 
 
 def speculators_python() -> str | None:
-    exe = os.environ.get("PLINTH_SPECULATORS_PYTHON") or str(Path(__file__).parents[3] / ".venv-speculators" / "bin"
-                                                            / "python")
-    return exe if Path(exe).exists() else None
+    """The speculators environment's interpreter, from PLINTH_SPECULATORS_PYTHON (set by make test-ref-speculators);
+    the live tests take a minute or two, so they never run by accident."""
+    exe = os.environ.get("PLINTH_SPECULATORS_PYTHON")
+    return exe if exe and Path(exe).exists() else None
 
 
 @pytest.mark.speculators
 def test_live_speculators_rebuilds_the_golden_file(tmp_path):
     exe = speculators_python()
     if exe is None:
-        pytest.skip("no speculators environment (make test-ref-speculators)")
+        pytest.skip("no speculators environment: make test-ref-speculators (sets PLINTH_SPECULATORS_PYTHON)")
     out = tmp_path / "golden.npz"
     subprocess.run([exe, str(SCRIPT), str(out), "--check-training"], check=True, timeout=600,
                    env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
@@ -169,7 +170,7 @@ def test_plinth_dflash_matches_speculators_dflash_and_dflash2(tmp_path, target):
 def test_live_speculators_rebuilds_the_dflash_golden_file(tmp_path):
     exe = speculators_python()
     if exe is None:
-        pytest.skip("no speculators environment (make test-ref-speculators)")
+        pytest.skip("no speculators environment: make test-ref-speculators (sets PLINTH_SPECULATORS_PYTHON)")
     out = tmp_path / "golden.npz"
     subprocess.run([exe, str(SCRIPT), str(out), "--dflash"], check=True, timeout=600,
                    env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
