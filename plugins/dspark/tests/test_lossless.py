@@ -106,7 +106,7 @@ def test_lossless_on_a_hybrid_nemotron_h_target(tmp_path):
     reg = make_registry(plugin)
     md = tiny.metadata("M*EM-E", vocab=True, n_embd=48, top_k=[0, 0, 2, 0, 0, 3], n_ff_exp=[0, 0, 16, 0, 0, 24])
     model = load_model(tiny.write(tmp_path / "hybrid.gguf", reg, md, seed=11), registry=reg)
-    assert model.graph.recurrent
+    assert model.new_context().recurrent
     path = str(write_tiny_dspark(tmp_path / "d.gguf", n_vocab=257, mask_token=255, n_embd=48, n_head=4, n_head_kv=2,
                                  taps=(2, 6), block_size=6))
     for opts in ({}, {"p_min": 0.4}):
