@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--rates", default="0.7,0.9")
-    ap.add_argument("--p-min", type=float, default=0.5)
+    ap.add_argument("--p-min", type=float, default=None,
+                    help="pruning threshold (default: the median confidence of a probe draft, so about half the "
+                    "positions of a draft fall below it)")
     ap.add_argument("--e2e-block", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -105,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     # end to end: anchor-first DSpark, n_max = B
     p_e2e = write_tiny_dspark(tmp / "dspark-e2e.gguf", seed=1, rank=args.rank, head_scale=args.head_scale,
                              **{**geo, "block_size": args.e2e_block})
+    if args.p_min is None:
+        probe = make_dspark(model, {"draft": str(p_e2e)})
+        probe.begin(0, prompt)
+        probe.process(TargetOutput(seq=0, kind="prefill", tokens=np.asarray(prompt),
+                                   positions=np.arange(len(prompt)), features=out.features))
+        args.p_min = round(float(np.median(probe.draft(0, args.e2e_block, history=history, pos=pos).confidences)), 3)
     plain = Generator(model)
     t0 = CLOCK()
     plain.generate(prompt, args.tokens)

@@ -83,10 +83,10 @@ class DSparkDrafter(DFlashDrafter):
     def run_block(self, seq: int, anchor: int, pos: int, n: int) -> MarkovOutput:
         """Heads' output for ``n`` prediction rows of one block at ``pos`` (no cache change)."""
         s = self.ds.first_row
-        hidden = self.block_hidden(seq, anchor, pos, n - 1 + s)  # [n + s, E]
-        z = self.graph.logits(hidden)  # [n + s, V_d]
+        hidden = self.block_hidden(seq, anchor, pos, n - 1 + s)[s:]  # [n, E]: the prediction rows only
+        z = self.graph.logits(hidden)  # [n, V_d] (1+N: no head product for the anchor row)
         return markov_chain(z, hidden, [anchor], 1, w1=self.w1, w2=self.w2, d2t=self.d2t, conf_w=self.conf_w,
-                            conf_b=self.conf_b, first_row=s, max_block=self.hp.block_size, xp=self.xp)
+                            conf_b=self.conf_b, first_row=0, max_block=self.hp.block_size, xp=self.xp)
 
     def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
         n = min(int(n_max), self.n_max)
