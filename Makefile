@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-ref-speculators test-peer test-gpu bench clean
+.PHONY: install demo test test-ref test-ref-speculators test-ref-mlx-dspark test-peer test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ test-ref-speculators: install
 	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0
 	PLINTH_SPECULATORS_PYTHON=$(abspath $(SPEC_VENV))/bin/python $(BIN)/python -m pytest -q -m speculators
 
+# the second DSpark oracle: mlx-dspark on mlx's CPU build, in its own venv
+MLX_VENV ?= .venv-mlx
+test-ref-mlx-dspark: install
+	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "mlx[cpu]==0.32.4" mlx-dspark==0.20.3 numpy
+	PLINTH_MLX_DSPARK_PYTHON=$(abspath $(MLX_VENV))/bin/python $(BIN)/python -m pytest -q -m mlx_dspark
+
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
 	$(BIN)/python -m pytest -q -m peer
@@ -50,4 +57,4 @@ bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
 
 clean:
-	rm -rf $(VENV) $(SPEC_VENV)
+	rm -rf $(VENV) $(SPEC_VENV) $(MLX_VENV)

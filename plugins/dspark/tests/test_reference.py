@@ -178,3 +178,15 @@ def test_live_speculators_rebuilds_the_dflash_golden_file(tmp_path):
     old, _ = load_golden(DFLASH_GOLDEN)
     for k in old:
         np.testing.assert_allclose(new[k].astype(np.float64), old[k].astype(np.float64), atol=TOL, err_msg=k)
+
+
+@pytest.mark.mlx_dspark
+def test_mlx_dspark_agrees_with_the_golden_file():
+    """The second, independent oracle (mlx-dspark 0.20.3 on mlx[cpu] 0.32.4) on the same 24 cases."""
+    exe = os.environ.get("PLINTH_MLX_DSPARK_PYTHON")
+    if not exe or not Path(exe).exists():
+        pytest.skip("no mlx-dspark environment: make test-ref-mlx-dspark (sets PLINTH_MLX_DSPARK_PYTHON)")
+    script = Path(__file__).parents[1] / "scripts" / "check_mlx_dspark.py"
+    res = subprocess.run([exe, str(script), str(GOLDEN)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "24/24 cases agree" in res.stdout
