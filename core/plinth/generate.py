@@ -100,7 +100,7 @@ class Generator:
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
         """Generated token ids, one at a time (end-of-generation tokens are not yielded)."""
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
-        ctx = self.model.new_context()
+        ctx = self.context = self.model.new_context()
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
         self.tokens_out = []
