@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="dspark",
-        api_version="1.0",
+        api_version="2.0",
         drafters={"dspark": "plinth_dspark.drafter:make_dspark"},
         converters={
             "Qwen3DSparkModel": "plinth_dspark.convert:DeepSpecConverter",
