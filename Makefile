@@ -11,7 +11,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-peer test-gpu test-fuzz test-browser bench clean
+.PHONY: install demo test test-ref test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,23 @@ test: install
 test-ref: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[ref]"
 	$(BIN)/python -m pytest -q -m ref
+
+# speculators pins transformers<=5.19.0 (the [ref] extra has 5.24.0): its own venv, --no-deps, and a stub
+# module for `datasets` (imported through its eagle3 package, unused by the inference pass).
+SPEC_VENV ?= .venv-speculators
+test-ref-speculators: install
+	test -x $(SPEC_VENV)/bin/python || $(PYTHON) -m venv $(SPEC_VENV)
+	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check torch==2.13.0 transformers==5.19.0 \
+		safetensors loguru pydantic-settings openai hs-connectors==0.9.0 typer rich numpy
+	$(SPEC_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps speculators==0.9.0
+	PLINTH_SPECULATORS_PYTHON=$(abspath $(SPEC_VENV))/bin/python $(BIN)/python -m pytest -q -m speculators
+
+# the second DSpark oracle: mlx-dspark on mlx's CPU build, in its own venv
+MLX_VENV ?= .venv-mlx
+test-ref-mlx-dspark: install
+	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "mlx[cpu]==0.32.4" mlx-dspark==0.20.3 numpy
+	PLINTH_MLX_DSPARK_PYTHON=$(abspath $(MLX_VENV))/bin/python $(BIN)/python -m pytest -q -m mlx_dspark
 
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
@@ -49,4 +66,4 @@ bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SPEC_VENV) $(MLX_VENV)

@@ -93,6 +93,8 @@ class SpecStats(GenerationStats):
     verify_s: float = 0.0
     rollback_s: float = 0.0
     synthetic: bool = False
+    # name -> extra figures a drafter reports through an optional ``figures() -> dict[str, float]``
+    drafter_figures: dict[str, dict[str, float]] = attrs.field(factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -128,7 +130,7 @@ class SpecStats(GenerationStats):
             "n_drafts": self.n_drafts, "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
             "acceptance_rate": self.acceptance_rate, "tau": self.tau, "per_position": self.per_position,
             "histogram": dict(sorted(self.histogram.items())), "by_drafter": dict(self.by_drafter),
-            "synthetic": self.synthetic,
+            "synthetic": self.synthetic, "drafter_figures": dict(self.drafter_figures),
         }
 
     def summary(self) -> str:
@@ -139,7 +141,9 @@ class SpecStats(GenerationStats):
                 f"speculative{note}: {self.n_drafts} drafts in {self.n_steps} steps, {self.n_accepted}/"
                 f"{self.n_drafted} drafted tokens accepted (rate {self.acceptance_rate:.3f}), tau {self.tau:.2f}; "
                 f"per position [{per}]; accepted-length histogram {{{hist}}}; time draft {self.draft_s:.2f} s, "
-                f"verify {self.verify_s:.2f} s, rollback {self.rollback_s:.2f} s")
+                f"verify {self.verify_s:.2f} s, rollback {self.rollback_s:.2f} s"
+                + "".join(f"\n{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figs.items())
+                          for name, figs in self.drafter_figures.items()))
 
 
 def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecConfig, seq: int,
@@ -329,6 +333,10 @@ class SpeculativeGenerator(Generator):
         finally:
             stats.decode_s = stats.draft_s + stats.verify_s + stats.rollback_s
             stats.wall_s = time.perf_counter() - t_start
+            for name, d in zip(self.names, self.drafters):
+                figures = getattr(d, "figures", None)
+                if figures is not None:
+                    stats.drafter_figures[name] = dict(figures())
             for d in self.drafters:
                 end = getattr(d, "end", None)
                 if end is not None:

@@ -238,6 +238,60 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, kind: str) -> dic
     return md
 
 
+#: speculators (vllm-project/speculators, SpecForge exports) top-level keys the flat reading understands
+SPECULATORS_KEYS = {
+    "speculators_model_type", "speculators_version", "speculators_config", "architectures", "transformer_layer_config",
+    "draft_vocab_size", "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
+    "sliding_window_non_causal", "sample_from_anchor", "torch_dtype", "dtype", "transformers_version",
+    "has_no_defaults_at_init", "auto_map", "markov_rank", "markov_head_type", "enable_confidence_head",
+    "confidence_head_with_markov", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+    "output_multiplier", "final_logit_softcapping", "tie_word_embeddings", "model_type",
+}
+
+
+def is_speculators_config(cfg: Mapping[str, Any]) -> bool:
+    return "transformer_layer_config" in cfg
+
+
+def flatten_speculators_config(cfg: Mapping[str, Any], model_dir: Any, extra_keys: Any = ()) -> dict[str, Any]:
+    """A speculators-format config (backbone under ``transformer_layer_config``, taps in
+    ``aux_hidden_state_layer_ids``, ``mask_token_id``, ``block_size``, ``draft_vocab_size``) as the flat z-lab
+    shape :func:`config_to_metadata` reads. ``extra_keys``: more top-level keys the caller handles itself."""
+    unknown = sorted(k for k in cfg if k not in SPECULATORS_KEYS and k not in extra_keys)
+    if unknown:
+        raise _refuse(model_dir, f"speculators config keys {unknown} are not understood")
+    flat = dict(cfg["transformer_layer_config"])
+    d: dict[str, Any] = {}
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if ids is None:
+        raise _refuse(model_dir, "a speculators draft needs aux_hidden_state_layer_ids (the target taps)")
+    d["target_layer_ids"] = [int(i) for i in ids]
+    if cfg.get("block_size") is not None:
+        d["block_size"] = int(cfg["block_size"])
+    if cfg.get("mask_token_id") is None:
+        raise _refuse(model_dir, "no mask_token_id in the speculators config")
+    d["mask_token_id"] = int(cfg["mask_token_id"])
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            d[key] = cfg[key]
+    if cfg.get("sliding_window_non_causal") is not None and any(
+            t == "sliding_attention" for t in flat.get("layer_types") or ()):
+        flat["is_causal"] = not bool(cfg["sliding_window_non_causal"])
+    flat.pop("dflash_config", None)
+    flat["dflash_config"] = d
+    flat["architectures"] = list(cfg.get("architectures") or [])
+    return flat
+
+
+def speculators_d2t(d2t_offsets: np.ndarray, vocab: int, model_dir: Any) -> np.ndarray:
+    """speculators' d2t holds offsets (target = draft + d2t[draft]); GGUF ``d2t`` holds absolute target ids."""
+    ids = np.arange(d2t_offsets.shape[0], dtype=np.int64) + d2t_offsets.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise _refuse(model_dir, f"d2t maps draft ids outside the target vocabulary 0..{vocab - 1}")
+    return ids
+
+
 def _truthy(v: Any) -> bool:
     return str(v).lower() in ("1", "true", "yes", "on")
 
@@ -248,6 +302,14 @@ class DFlashConverter:
 
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> None:
         cfg = read_config(model_dir)
+        if is_speculators_config(cfg):
+            if cfg.get("sample_from_anchor"):
+                raise _refuse(model_dir, "sample_from_anchor = true: a DFlash draft here drafts from the 1+N "
+                              "bonus-anchor block only (re-export with sample_from_anchor = false)")
+            if int(cfg.get("draft_vocab_size") or cfg["transformer_layer_config"]["vocab_size"]) != int(
+                    cfg["transformer_layer_config"]["vocab_size"]):
+                raise _refuse(model_dir, "a reduced draft vocabulary (d2t) is not supported")
+            cfg = flatten_speculators_config(cfg, model_dir)
         md = config_to_metadata(cfg, model_dir, self.kind)
         st = SafetensorsDir(model_dir)
         tensors: dict[str, np.ndarray] = {}

@@ -51,7 +51,9 @@ class DFlashDrafter(BaseDrafter):
     """A DFlash / DFlash2 / LiLiCorr draft (one loaded ``dflash`` GGUF) serving any number of sequences."""
 
     def __init__(self, target: Any, draft: DraftFile, *, n_min: int = 0, p_min: float = 0.0,
-                 n_max: int | None = None) -> None:
+                 n_max: int | None = None, head_rows: int | None = None) -> None:
+        """head_rows: rows the output head must have (default the target's vocabulary; a subclass drafting over
+        a reduced vocabulary passes its own size and maps ids itself)."""
         hp = draft.hparams
         self.hp = hp
         self.name = hp.kind
@@ -84,10 +86,10 @@ class DFlashDrafter(BaseDrafter):
             head, self.head_source = w[C.T_TOKEN_EMBD], "tied"
         else:
             head, self.head_source = view.head_weight, "target"
-        for what, arr in (("token embedding", embed), ("output head", head)):
-            if int(arr.shape[0]) != n_vocab:
-                raise UserError(f"{src}: the draft's {what} has {arr.shape[0]} rows, the target's vocabulary "
-                                f"{n_vocab}; a DFlash draft proposes target ids")
+        for what, arr, rows in (("token embedding", embed, n_vocab), ("output head", head, head_rows or n_vocab)):
+            if int(arr.shape[0]) != rows:
+                raise UserError(f"{src}: the draft's {what} has {arr.shape[0]} rows, expected {rows} (the "
+                                f"target's vocabulary is {n_vocab}); a DFlash draft proposes target ids")
         for name in (C.T_SEL_PRED, C.T_SEL_SUCC):
             if name in w and int(w[name].shape[0]) != n_vocab:
                 raise UserError(f"{src}: '{name}' has {w[name].shape[0]} rows, the target's vocabulary {n_vocab}")

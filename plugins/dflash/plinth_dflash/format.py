@@ -16,7 +16,7 @@ else is DFlash.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import numpy as np
@@ -255,6 +255,12 @@ def lilicorr_specs(hp: DFlashHParams) -> list[TensorSpec]:
     return specs
 
 
+def _merge_specs(base: list[TensorSpec], extra: list[TensorSpec]) -> list[TensorSpec]:
+    """``extra`` replaces base specs of the same name (e.g. a reduced-vocabulary ``output.weight``)."""
+    names = {s.name for s in extra}
+    return [s for s in base if s.name not in names] + list(extra)
+
+
 def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
     """Names and numpy-order shapes the file must hold (``.scale`` companions are optional)."""
     e, n_in = hp.n_embd, hp.n_taps * hp.n_embd
@@ -315,7 +321,16 @@ class DraftFile:
     tensor_types: dict[str, str]
 
 
-def load_draft(path: str | Path, backend: Any) -> DraftFile:
+#: ``extension(hp, present) -> specs``: extra tensors a plugin built on this format claims
+#: (``present``: name -> (shape, GGML type) of every tensor in the file).
+DraftExtension = Callable[[DFlashHParams, Mapping[str, tuple[tuple[int, ...], str]]], list[TensorSpec]]
+
+
+def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | None = None,
+               claimed: tuple[str, ...] = ()) -> DraftFile:
+    """Load a dflash GGUF. Extension point (plinth-dspark): ``claimed`` names tensors another plugin owns (they
+    neither decide the kind nor get refused, e.g. ``markov_w1.weight`` and ``d2t``), ``extension`` declares
+    them; they are checked and loaded like the backbone's (scales folded in; integer tensors kept as int64)."""
     from plinth.gguf import GGUFFile
     from plinth.gguf import quants
 
@@ -324,24 +339,26 @@ def load_draft(path: str | Path, backend: Any) -> DraftFile:
         raise DFlashFormatError(f"draft file {path} does not exist")
     gf = GGUFFile(path)
     md = dict(gf.metadata)
-    hp = load_hparams(md, str(path), gf.tensors.keys())
+    hp = load_hparams(md, str(path), [n for n in gf.tensors.keys() if n not in claimed])
     if hp.n_vocab is None:
         for name in (C.T_TOKEN_EMBD, C.T_OUTPUT, C.T_SEL_PRED):
             if name in gf.tensors:
                 hp = attrs.evolve(hp, n_vocab=int(gf.tensors[name].shape[0]))
                 break
-    specs = tensor_specs(hp)
+    present = {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()}
+    specs = tensor_specs(hp) if extension is None else _merge_specs(tensor_specs(hp), extension(hp, present))
     if hp.n_vocab is None:  # no vocabulary-sized tensor: nothing to check against -1
         specs = [s for s in specs if -1 not in s.shape]
-    present = {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()}
     found = check_tensors(specs, present, str(path))
-    if C.T_D2T in gf.tensors:
+    if C.T_D2T in gf.tensors and C.T_D2T not in claimed:
         raise DFlashFormatError(f"{path}: the draft has a reduced vocabulary ('d2t'); plinth-dflash drafts over the "
                                 "target's full vocabulary only (re-convert with the full lm_head)")
 
     def f32(name: str) -> np.ndarray:
         info = gf.tensors[name]
         raw = gf.raw(name)
+        if info.type_name in ("I64", "I32"):
+            return np.asarray(raw, dtype=np.int64)
         arr = raw if info.type_name == "F32" else quants.dequantize(raw, info.ggml_type, info.shape)
         return np.asarray(arr, dtype=np.float32)
 
@@ -358,7 +375,8 @@ def load_draft(path: str | Path, backend: Any) -> DraftFile:
             if s.size != 1:
                 raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' has {s.size} elements, expected 1")
             arr = arr * s[0]
-        weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=np.float32))
+        weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=arr.dtype if arr.dtype == np.int64
+                                                                  else np.float32))
     if hp.tied and C.T_TOKEN_EMBD not in weights:
         raise DFlashFormatError(f"{path}: '{C.ARCH}.{C.KEY_TIED}' is true but the draft has no "
                                 f"'{C.T_TOKEN_EMBD}' to tie its head to")

@@ -1,0 +1,1 @@
+"""plinth-dspark: the DSpark drafter on top of plinth-dflash."""

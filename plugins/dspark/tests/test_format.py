@@ -1,0 +1,167 @@
+"""The DSpark format: detection, keys, tensors, and the one-line named errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def test_detection_and_defaults(targets, dspark_file):
+    from plinth_dspark.drafter import make_dspark
+
+    dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(block_size=6))})
+    assert dr.name == "dspark"
+    assert dr.ds.sample_from_anchor and dr.ds.has_confidence_head  # missing keys mean true
+    assert dr.ds.rank == 16 and dr.max_block == 6 and dr.requirements().max_draft == 6
+    dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(block_size=6, sample_from_anchor=False))})
+    assert dr.max_block == 5 and dr.n_max == 5
+
+
+def test_plain_dflash_refers_dspark_files_here(targets, dspark_file):
+    from plinth.errors import UserError
+    from plinth_dflash.drafter import make_dflash
+
+    with pytest.raises(UserError, match="plinth-dspark"):
+        make_dflash(targets["qwen3"], {"draft": str(dspark_file())})
+
+
+def test_dspark_refuses_plain_dflash(targets, tmp_path):
+    from plinth_dflash.testkit import write_tiny_draft
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.format import DSparkFormatError
+
+    p = write_tiny_draft(tmp_path / "d.gguf", "dflash", n_vocab=257, mask_token=255, taps=(1, 3))
+    with pytest.raises(DSparkFormatError, match="not a DSpark draft"):
+        make_dspark(targets["qwen3"], {"draft": str(p)})
+
+
+def one_line(exc) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_markov_w1_rows_must_be_the_target_vocabulary(targets, dspark_file):
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.format import DSparkFormatError
+
+    bad = np.zeros((200, 16), dtype=np.float32)
+    with pytest.raises(DSparkFormatError) as exc:
+        make_dspark(targets["qwen3"], {"draft": str(dspark_file(extra_tensors={"markov_w1.weight": bad}))})
+    assert "'markov_w1.weight' has 200 rows, the target's vocabulary 257" in one_line(exc)
+
+
+def test_d2t_out_of_range(targets, dspark_file):
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.format import DSparkFormatError
+
+    d2t = np.arange(64, dtype=np.int64)
+    d2t[5] = 999
+    with pytest.raises(DSparkFormatError) as exc:
+        make_dspark(targets["qwen3"], {"draft": str(dspark_file(draft_vocab=64, extra_tensors={"d2t": d2t}))})
+    assert "'d2t' maps draft id 5 to 999, outside the target's vocabulary 0..256" in one_line(exc)
+
+
+def test_unequal_blocks_are_refused_and_long_blocks_skip_the_head():
+    from plinth_dspark.heads import BlockShapeError, markov_chain
+
+    rng = np.random.default_rng(0)
+    z, h = rng.standard_normal((7, 10)).astype(np.float32), rng.standard_normal((7, 4)).astype(np.float32)
+    w1, w2 = rng.standard_normal((10, 3)), rng.standard_normal((10, 3))
+    with pytest.raises(BlockShapeError) as exc:
+        markov_chain(z, h, [1, 2], 2, w1=w1, w2=w2, xp=np)
+    assert "7 rows do not split into 2 equal blocks" in one_line(exc)
+    out = markov_chain(z, h, [1], 1, w1=w1, w2=w2, max_block=4, xp=np)  # 7 > trained block 4: no bias
+    np.testing.assert_array_equal(out.logits[0], z)
+
+
+def test_markov_chain_vectorised_over_blocks_matches_the_formula():
+    """Two blocks at once equal two single-block chains, and each row is Z + w2 . w1[prev] with the greedy prev."""
+    from plinth_dspark.heads import markov_chain
+
+    rng = np.random.default_rng(1)
+    v, vd, r, e, b = 30, 12, 4, 6, 5
+    d2t = np.sort(rng.choice(v, vd, replace=False))
+    w1, w2 = rng.standard_normal((v, r)), rng.standard_normal((vd, r))
+    cw, cb = rng.standard_normal((1, e + r)), np.array([0.3])
+    z, h = rng.standard_normal((2 * b, vd)), rng.standard_normal((2 * b, e))
+    both = markov_chain(z, h, [3, 7], 2, w1=w1, w2=w2, d2t=d2t, conf_w=cw, conf_b=cb, first_row=1, xp=np)
+    for j, anchor in enumerate((3, 7)):
+        one = markov_chain(z[j * b:(j + 1) * b], h[j * b:(j + 1) * b], [anchor], 1, w1=w1, w2=w2, d2t=d2t,
+                           conf_w=cw, conf_b=cb, first_row=1, xp=np)
+        np.testing.assert_allclose(both.logits[j], one.logits[0])
+        np.testing.assert_array_equal(both.tokens[j], one.tokens[0])
+        prev = anchor
+        for i in range(b - 1):
+            row = z[j * b + 1 + i] + w2 @ w1[prev]
+            np.testing.assert_allclose(one.logits[0, i], row, rtol=1e-12)
+            c = 1 / (1 + np.exp(-(cw[0] @ np.concatenate([h[j * b + 1 + i], w1[prev]]) + cb[0])))
+            np.testing.assert_allclose(one.conf[0, i], c, rtol=1e-12)
+            prev = int(d2t[np.argmax(row)])
+            assert one.tokens[0, i] == prev
+
+
+def test_no_confidence_head_with_p_min_is_refused(targets, dspark_file):
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.format import DSparkFormatError
+
+    path = str(dspark_file(conf=False, has_confidence_head=False))
+    make_dspark(targets["qwen3"], {"draft": path})
+    with pytest.raises(DSparkFormatError) as exc:
+        make_dspark(targets["qwen3"], {"draft": path, "p_min": 0.5})
+    assert "set --spec-p-min 0" in one_line(exc)
+    # a declared head that the file lacks is a named error too
+    with pytest.raises(DSparkFormatError, match="has_confidence_head"):
+        make_dspark(targets["qwen3"], {"draft": str(dspark_file(conf=False))})
+
+
+def test_w2_scale_is_folded_in(targets, dspark_file):
+    """markov_w2 stored as w2 / s with markov_w2.scale = s drafts exactly like the unscaled file."""
+    from plinth_dspark.drafter import make_dspark
+    from plinth.speculative.base import TargetOutput
+
+    outs = []
+    for scale in (None, 3.0):
+        dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(w2_scale=scale, seed=4))})
+        f = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.arange(5), positions=np.arange(5),
+                                features={1: f, 3: f}))
+        outs.append(dr.block_outputs(0, 7, 5, 6))
+    np.testing.assert_allclose(outs[0]["logits"], outs[1]["logits"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
+
+
+def test_anchor_first_row_zero_predicts(targets, dspark_file):
+    """Anchor-first: n drafts from a block of n rows (row 0 is a prediction); 1+N: n + 1 rows, row 0 skipped."""
+    from plinth_dspark.drafter import make_dspark
+
+    calls = []
+    for anchor_first in (True, False):
+        dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(sample_from_anchor=anchor_first))})
+        real = dr.block_hidden
+
+        def spy(seq, anchor, pos, n, real=real):
+            calls.append(n + 1)
+            return real(seq, anchor, pos, n)
+
+        dr.block_hidden = spy
+        d = dr.draft(0, 5, history=[1, 2, 3], pos=3)
+        assert len(d) == 5
+    assert calls == [5, 6]
+
+
+def test_backbone_sinks_and_sliding_layers_change_the_draft(targets, dspark_file):
+    """The DSpark draft runs plinth-dflash's backbone as is: per-head sinks and sliding-window layers are read
+    and used (the logits move when they are present)."""
+    from plinth.speculative.base import TargetOutput
+    from plinth_dspark.drafter import make_dspark
+
+    f = np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32)
+    sinks = {f"blk.{i}.attn_sinks.weight": np.full(4, 1.5, dtype=np.float32) for i in range(2)}
+    outs = []
+    for kw in ({}, {"extra_tensors": sinks}, {"sliding_window": 3, "swa_pattern": [True, False]}):
+        dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(seed=2, **kw))})
+        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.arange(9), positions=np.arange(9),
+                                features={1: f, 3: f}))
+        outs.append(dr.block_outputs(0, 7, 9, 5)["logits"])
+    assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[0], outs[2])
