@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import attrs
 import numpy as np
 
-from plinth import ops
+from plinth import ops, quant
 from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
 from plinth.hparams import KeyReader, PerLayer
 from plinth.tensors import TensorSpec
@@ -225,7 +225,22 @@ class DecoderGraph:
         The names in ``weights`` become views of the stacked matrix (same values and shapes).
         """
         xp = self.xp
-        parts = [xp.asarray(self.w[n], dtype=xp.float32) for n in names]
+        stacked = quant.stack([self.w[n] for n in names])  # quantized weights stay quantized
+        if stacked is not None:
+            parts = [self.w[n] for n in names]
+            views = [stacked[o:o + p.shape[0]] for o, p in zip(_offsets(parts), parts)]
+            dense = Dense(stacked, transposed=False, bias=bias)
+        else:
+            parts = [xp.asarray(self.w[n], dtype=xp.float32) for n in names]
+            dense, views = self._dense_f32(parts, bias)
+        if isinstance(self.w, dict):
+            for n, v in zip(names, views):
+                self.w[n] = v
+        return dense
+
+    def _dense_f32(self, parts: list[Any], bias: Any) -> tuple[Dense, list[Any]]:
+        """float32 parts stacked in the layout BLAS runs fastest, and views of each part."""
+        xp = self.xp
         n_in, n_out = parts[0].shape[1], sum(p.shape[0] for p in parts)
         if n_out < n_in:
             w = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
@@ -240,10 +255,7 @@ class DecoderGraph:
                     w_t[:, o + r:o + r1] = p[r:r1].T
             views = [w_t[:, o:o + p.shape[0]].T for o, p in zip(_offsets(parts), parts)]
             dense = Dense(w_t, transposed=True, bias=bias)
-        if isinstance(self.w, dict):
-            for n, v in zip(names, views):
-                self.w[n] = v
-        return dense
+        return dense, views
 
     # -------------------------------------------------------------- pieces
 
