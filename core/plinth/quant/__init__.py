@@ -182,7 +182,9 @@ class QuantWeight:
         flat = rows.reshape(-1).astype(np.intp)
         out = np.empty((flat.size, self.shape[1]), dtype=np.float32)
         k = compiled()
-        if k is not None and self.raw16 is not None and flat.size:
+        if k is not None and self.raw16 is not None and flat.size and self.ggml_type in k.FAST_TYPES:
+            k.dequantize_fast(self.ggml_type, self.raw, self.raw16, flat, k.F16_TABLE, out)
+        elif k is not None and self.raw16 is not None and flat.size:
             k.dequantize_rows(self.ggml_type, self.qk, self.raw, self.raw16, flat, k.F16_TABLE,
                               k.FP4_VALUES, out)
         elif flat.size:

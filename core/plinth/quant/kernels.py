@@ -377,3 +377,108 @@ def matmul_fast(t: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray, f16: 
             else:
                 v = _dot_q6_k(row, row16, xr, f16, acc)
             out[r, o] = v
+
+
+# ---------------------------------------------------------------------------------------------
+# Row dequantizers for the same types (prompt tiles, verify batches, embedding rows): the
+# loops of the row dots with a store in place of the multiply-add.
+
+
+@njit(cache=True, fastmath=True)
+def _deq_row(t: int, row: np.ndarray, row16: np.ndarray, f16: np.ndarray, y: np.ndarray) -> None:
+    """y[:] = weight row (type t in FAST_TYPES) as float32."""
+    n = y.shape[0]
+    if t == Q4_0 or t == Q4_1:
+        bs = 20 if t == Q4_1 else 18
+        for ib in range(n // 32):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            m = f16[row16[(o >> 1) + 1]] if t == Q4_1 else np.float32(-8.0) * d
+            qb = row[o + bs - 16:o + bs]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(16):
+                yb[j] = np.float32(qb[j] & 0xF) * d + m
+                yb[j + 16] = np.float32(qb[j] >> 4) * d + m
+    elif t == Q5_0 or t == Q5_1:
+        bs = 24 if t == Q5_1 else 22
+        for ib in range(n // 32):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            m = f16[row16[(o >> 1) + 1]] if t == Q5_1 else np.float32(-16.0) * d
+            h0 = o + bs - 20
+            qh = (np.uint32(row[h0]) | (np.uint32(row[h0 + 1]) << 8)
+                  | (np.uint32(row[h0 + 2]) << 16) | (np.uint32(row[h0 + 3]) << 24))
+            qb = row[o + bs - 16:o + bs]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(16):
+                lo = np.uint32(qb[j] & 0xF) | (((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+                hi = np.uint32(qb[j] >> 4) | (((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+                yb[j] = np.float32(lo) * d + m
+                yb[j + 16] = np.float32(hi) * d + m
+    elif t == Q8_0:
+        for ib in range(n // 32):
+            o = ib * 34
+            d = f16[row16[o >> 1]]
+            qb = row[o + 2:o + 34]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(32):
+                yb[j] = np.float32(np.int8(qb[j])) * d
+    elif t == Q4_K or t == Q5_K:
+        five = t == Q5_K
+        bs = 176 if five else 144
+        for ib in range(n // 256):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            dmin = f16[row16[(o >> 1) + 1]]
+            qh = row[o + 16:o + 48]
+            q0 = o + (48 if five else 16)
+            for c in range(4):
+                s1, m1 = _k_scale_min(row, o + 4, 2 * c)
+                s2, m2 = _k_scale_min(row, o + 4, 2 * c + 1)
+                d1 = d * np.float32(s1)
+                d2 = d * np.float32(s2)
+                n1 = dmin * np.float32(m1)
+                n2 = dmin * np.float32(m2)
+                qb = row[q0 + 32 * c:q0 + 32 * c + 32]
+                yb = y[ib * 256 + 64 * c:ib * 256 + 64 * c + 64]
+                if five:
+                    sh1 = np.uint32(2 * c)
+                    sh2 = np.uint32(2 * c + 1)
+                    for l in range(32):
+                        h = np.uint32(qh[l])
+                        a = np.uint32(qb[l] & 0xF) | (((h >> sh1) & np.uint32(1)) << np.uint32(4))
+                        b = np.uint32(qb[l] >> 4) | (((h >> sh2) & np.uint32(1)) << np.uint32(4))
+                        yb[l] = np.float32(a) * d1 - n1
+                        yb[l + 32] = np.float32(b) * d2 - n2
+                else:
+                    for l in range(32):
+                        yb[l] = np.float32(qb[l] & 0xF) * d1 - n1
+                        yb[l + 32] = np.float32(qb[l] >> 4) * d2 - n2
+    else:  # Q6_K
+        for ib in range(n // 256):
+            o = ib * 210
+            d = f16[row16[(o + 208) >> 1]]
+            for half in range(2):
+                ql = row[o + 64 * half:o + 64 * half + 64]
+                qh = row[o + 128 + 32 * half:o + 128 + 32 * half + 32]
+                sc = o + 192 + 8 * half
+                yb = y[ib * 256 + 128 * half:ib * 256 + 128 * half + 128]
+                for i in range(2):
+                    d1 = d * np.float32(np.int8(row[sc + i]))
+                    d2 = d * np.float32(np.int8(row[sc + i + 2]))
+                    d3 = d * np.float32(np.int8(row[sc + i + 4]))
+                    d4 = d * np.float32(np.int8(row[sc + i + 6]))
+                    for l in range(16 * i, 16 * i + 16):
+                        h = np.int32(qh[l])
+                        yb[l] = d1 * np.float32((np.int32(ql[l] & 0xF) | ((h & 3) << 4)) - 32)
+                        yb[l + 32] = d2 * np.float32((np.int32(ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32)
+                        yb[l + 64] = d3 * np.float32((np.int32(ql[l] >> 4) | (((h >> 4) & 3) << 4)) - 32)
+                        yb[l + 96] = d4 * np.float32((np.int32(ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def dequantize_fast(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray, f16: np.ndarray,
+                    out: np.ndarray) -> None:
+    """out[k] = row ``rows[k]`` of W (type t in FAST_TYPES) as float32.  out: [len(rows), n_in]."""
+    for k in prange(rows.shape[0]):
+        _deq_row(t, raw[rows[k]], raw16[rows[k]], f16, out[k])
