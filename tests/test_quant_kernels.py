@@ -82,8 +82,15 @@ def test_stack_and_views_stay_quantized() -> None:
     x = np.random.default_rng(4).standard_normal((2, N_IN)).astype(np.float32)
     ref = x.astype(np.float64) @ np.concatenate([_reference(a, "Q4_K"), _reference(b, "Q4_K")]).T
     assert _rel_err(ops.linear(x, s), ref) < 1e-5
-    # mixed types do not stack into one quantized weight: the caller falls back to float32
-    assert quant.stack([wa, QuantWeight(_packed("Q8_0"), int(GGMLType.Q8_0), (N_OUT, N_IN))]) is None
+    # mixed types stack as parts that keep their own blocks
+    q8 = _packed("Q8_0")
+    mixed = quant.stack([wa, QuantWeight(q8, int(GGMLType.Q8_0), (N_OUT, N_IN))])
+    assert isinstance(mixed, quant.StackedWeight) and mixed.shape == (2 * N_OUT, N_IN)
+    ref = x.astype(np.float64) @ np.concatenate([_reference(a, "Q4_K"), _reference(q8, "Q8_0")]).T
+    assert _rel_err(ops.linear(x, mixed), ref) < 1e-5
+    assert np.array_equal(np.asarray(mixed[N_OUT:]), _reference(q8, "Q8_0").astype(np.float32))
+    # a plain array among the parts: the caller stacks float32 itself
+    assert quant.stack([wa, np.asarray(wb)]) is None
     with pytest.raises(TypeError, match="linear_t"):
         ops.linear_t(x, s)
 

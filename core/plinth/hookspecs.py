@@ -134,7 +134,11 @@ def plinth_arch_build(arch: str, hparams: Any, weights: Mapping[str, Any], backe
     Args:
         hparams: the object step 1 returned.
         weights: tensor name -> backend array (or quantized weight object), for
-            every declared tensor present in the file.
+            every declared tensor present in the file. On the numpy backend 2-D
+            tensors of the quantized types plinth has kernels for arrive as
+            :class:`plinth.quant.QuantWeight` ``[n_out, n_in]``: pass them to
+            ``ops.linear``, stack them with ``plinth.quant.stack``, gather rows with
+            ``w[ids]``; ``numpy.asarray(w)`` dequantizes the whole tensor.
         backend: the compute backend (array module ``backend.xp`` and its ops).
 
     Returns: a graph object whose ``forward(batch, context)`` turns a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..quant import QuantWeight
+from ..quant import WEIGHT_TYPES
 from ._xp import F32, array_module, as_f32
 from .activations import gelu, get_activation, relu2, silu
 
@@ -48,7 +48,7 @@ def linear_t(x: Any, w_t: Any, bias: Any = None) -> Any:
 
 def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
     """x @ w (transposed: w is [n_in, n_out]) or x @ w.T (w is [n_out, n_in]), plus bias."""
-    if isinstance(w, QuantWeight):
+    if isinstance(w, WEIGHT_TYPES):
         if transposed:
             raise TypeError("ops.linear_t takes a float32 [n_in, n_out] array; pass a QuantWeight to ops.linear")
         x = as_f32(x)

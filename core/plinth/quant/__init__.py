@@ -135,8 +135,11 @@ class QuantWeight:
         if qk == 1:  # F16 / BF16: 32-value blocks of 2-byte values
             qk, size = 32, 64
         self.qk = qk
-        raw = np.asarray(raw)
-        self.raw = raw.view(np.uint8).reshape(self.shape[0], -1)
+        raw = np.asarray(raw).view(np.uint8).reshape(self.shape[0], -1)
+        if raw.flags.writeable:  # one array type for the kernels (mapped files are read-only): one compile
+            raw = raw.view()
+            raw.flags.writeable = False
+        self.raw = raw
         if self.raw.shape[1] != self.shape[1] // qk * size:
             raise ValueError(f"QuantWeight: {self.raw.shape[1]} bytes a row do not hold {self.shape[1]} "
                              f"{self.type_name} values")
@@ -219,22 +222,86 @@ class QuantWeight:
         for o0 in range(0, self.shape[0], tile):
             o1 = min(self.shape[0], o0 + tile)
             w = self.take(np.arange(o0, o1))
-            np.matmul(x, w.T, out=out[:, o0:o1])
+            out[:, o0:o1] = x @ w.T  # (matmul into a strided out= slice leaves BLAS)
         return out
 
 
+class StackedWeight:
+    """Quantized weights of different types stacked on the output axis (Q4_K q with Q6_K v):
+    each part keeps its own blocks; the product is the parts' products side by side."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, parts: list[QuantWeight]) -> None:
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        self._starts = np.cumsum([0] + [p.shape[0] for p in parts])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"StackedWeight({', '.join(p.type_name for p in self.parts)}, shape={self.shape})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.concatenate([p.dequantize() for p in self.parts], axis=0)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice) and idx.step in (None, 1):
+            start, stop, _ = idx.indices(self.shape[0])
+            for p, s0 in zip(self.parts, self._starts):
+                if s0 <= start and stop <= s0 + p.shape[0]:
+                    return p[start - s0:stop - s0]
+        return np.asarray(self)[idx]
+
+    def matmul(self, x: np.ndarray) -> np.ndarray:
+        """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
+        return np.concatenate([p.matmul(x) for p in self.parts], axis=1)
+
+
+#: the weight objects ops.linear multiplies through their own ``matmul``
+WEIGHT_TYPES = (QuantWeight, StackedWeight)
+
+
 def stack(parts: list[Any]) -> Any:
-    """Weights ``[n_i, n_in]`` stacked on the output axis: a :class:`QuantWeight` when every part
-    is one of the same type, else None (the caller stacks float32 arrays its own way)."""
+    """Weights ``[n_i, n_in]`` stacked on the output axis as one weight object: a
+    :class:`QuantWeight` when every part is one of the same type, a :class:`StackedWeight`
+    when they are quantized with different types; None when any part is a plain array
+    (the caller stacks float32 arrays its own way)."""
     if not parts or not all(isinstance(p, QuantWeight) for p in parts):
         return None
-    t = parts[0].ggml_type
-    if any(p.ggml_type != t or p.shape[1] != parts[0].shape[1] for p in parts):
+    if any(p.shape[1] != parts[0].shape[1] for p in parts):
         return None
     if len(parts) == 1:
         return parts[0]
+    t = parts[0].ggml_type
+    if any(p.ggml_type != t for p in parts):
+        return StackedWeight(parts)
     raw = np.concatenate([p.raw for p in parts], axis=0)
     return QuantWeight(raw, t, (raw.shape[0], parts[0].shape[1]))
+
+
+def warm_up() -> float:
+    """Compile (or load from the on-disk cache) every kernel for every kept type; seconds taken."""
+    from ..gguf.constants import BLOCK_SIZES, GGMLType
+
+    t0 = time.perf_counter()
+    if compiled() is None:
+        return 0.0
+    for name in KEPT_TYPES:
+        qk, size = BLOCK_SIZES[GGMLType[name]]
+        n_in = 256
+        raw = np.zeros((2, n_in // max(qk, 32) * (64 if qk == 1 else size)), dtype=np.uint8)
+        w = QuantWeight(raw, int(GGMLType[name]), (2, n_in))
+        w.matmul(np.zeros((1, n_in), dtype=np.float32))
+        w.take([0])
+    return time.perf_counter() - t0
 
 
 def block_values(type_name: str) -> int:
