@@ -77,12 +77,13 @@ def test_stack_and_views_stay_quantized() -> None:
     t = int(GGMLType.Q4_K)
     wa, wb = QuantWeight(a, t, (N_OUT, N_IN)), QuantWeight(b, t, (N_OUT, N_IN))
     s = quant.stack([wa, wb])
-    assert isinstance(s, QuantWeight) and s.shape == (2 * N_OUT, N_IN)
+    assert isinstance(s, quant.StackedWeight) and s.shape == (2 * N_OUT, N_IN)
+    assert s[:N_OUT] is wa and quant.stack([wa]) is wa
     assert np.array_equal(np.asarray(s[N_OUT:]), np.asarray(wb))
     x = np.random.default_rng(4).standard_normal((2, N_IN)).astype(np.float32)
     ref = x.astype(np.float64) @ np.concatenate([_reference(a, "Q4_K"), _reference(b, "Q4_K")]).T
     assert _rel_err(ops.linear(x, s), ref) < 1e-5
-    # mixed types stack as parts that keep their own blocks
+    # mixed types stack too: each part keeps its own blocks
     q8 = _packed("Q8_0")
     mixed = quant.stack([wa, QuantWeight(q8, int(GGMLType.Q8_0), (N_OUT, N_IN))])
     assert isinstance(mixed, quant.StackedWeight) and mixed.shape == (2 * N_OUT, N_IN)

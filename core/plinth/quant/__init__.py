@@ -169,6 +169,8 @@ class QuantWeight:
         """Row slices stay quantized (a view); integer indices gather dequantized rows."""
         if isinstance(idx, slice):
             start, stop, step = idx.indices(self.shape[0])
+            if step == 1 and (start, stop) == (0, self.shape[0]):
+                return self
             if step == 1:
                 return QuantWeight(self.raw[start:stop], self.ggml_type, (max(0, stop - start), self.shape[1]))
         if isinstance(idx, (int, np.integer)):
@@ -227,8 +229,9 @@ class QuantWeight:
 
 
 class StackedWeight:
-    """Quantized weights of different types stacked on the output axis (Q4_K q with Q6_K v):
-    each part keeps its own blocks; the product is the parts' products side by side."""
+    """Quantized weights stacked on the output axis (fused QKV, gate/up; the parts may differ
+    in type, Q4_K q with Q6_K v): each part keeps its own blocks in the mapped file; the
+    product is the parts' products side by side."""
 
     ndim = 2
     dtype = np.dtype(np.float32)
@@ -270,21 +273,18 @@ WEIGHT_TYPES = (QuantWeight, StackedWeight)
 
 
 def stack(parts: list[Any]) -> Any:
-    """Weights ``[n_i, n_in]`` stacked on the output axis as one weight object: a
-    :class:`QuantWeight` when every part is one of the same type, a :class:`StackedWeight`
-    when they are quantized with different types; None when any part is a plain array
-    (the caller stacks float32 arrays its own way)."""
+    """Quantized weights ``[n_i, n_in]`` stacked on the output axis as one weight object
+    (:class:`StackedWeight`; one part comes back as itself); None when any part is a plain
+    array (the caller stacks float32 arrays its own way)."""
     if not parts or not all(isinstance(p, QuantWeight) for p in parts):
         return None
     if any(p.shape[1] != parts[0].shape[1] for p in parts):
         return None
     if len(parts) == 1:
         return parts[0]
-    t = parts[0].ggml_type
-    if any(p.ggml_type != t for p in parts):
-        return StackedWeight(parts)
-    raw = np.concatenate([p.raw for p in parts], axis=0)
-    return QuantWeight(raw, t, (raw.shape[0], parts[0].shape[1]))
+    # parts side by side, not one concatenated copy: a copy would double the resident set
+    # (the mapped file's pages stay resident next to it once they have been read)
+    return StackedWeight(parts)
 
 
 def warm_up() -> float:
