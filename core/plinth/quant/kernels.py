@@ -3,9 +3,10 @@
 Every kernel reads a weight as stored in the file: ``raw`` is the tensor's bytes as
 ``uint8`` rows ``[n_out, row_bytes]`` (a memory-mapped view) and ``raw16`` the same
 bytes viewed as ``uint16`` (every block size of the supported types is even, and every
-f16 field sits at an even offset). One block (32 or 256 values) is decoded into a small
-per-thread buffer and then multiplied with every activation row, so a batch of m rows
-reads each weight block once.
+f16 field sits at an even offset). ``matmul_fast`` (the eight block types) multiplies each
+value as it is unpacked; ``matmul_rows`` (MXFP4, F16, BF16) decodes a 32-value block into a
+small per-thread buffer first. Either way a weight row is read from memory once for all m
+activation rows (it stays in L1).
 
 Block layouts (ggml): Q4_0 ``d:f16, qs[16]``; Q4_1 ``d, m, qs[16]``; Q5_0 ``d, qh:u32,
 qs[16]``; Q5_1 ``d, m, qh, qs[16]``; Q8_0 ``d, qs:i8[32]``; Q4_K ``d, dmin, scales[12],
@@ -50,104 +51,9 @@ def _k_scale_min(sc: np.ndarray, base: int, j: int) -> tuple[int, int]:
 @njit(cache=True, inline="always")
 def _decode_block(t: int, row: np.ndarray, row16: np.ndarray, ib: int, f16: np.ndarray,
                   fp4: np.ndarray, buf: np.ndarray, bufu: np.ndarray) -> None:
-    """Decode block ``ib`` of one weight row (type code ``t``) into ``buf`` (32 or 256 floats)."""
-    if t == Q4_1 or t == Q4_0:
-        bs = 20 if t == Q4_1 else 18
-        o = ib * bs
-        d = f16[row16[o >> 1]]
-        if t == Q4_1:
-            m = f16[row16[(o >> 1) + 1]]
-            q = o + 4
-            for j in range(16):
-                v = row[q + j]
-                buf[j] = np.float32(v & 0xF) * d + m
-                buf[j + 16] = np.float32(v >> 4) * d + m
-        else:
-            q = o + 2
-            for j in range(16):
-                v = row[q + j]
-                buf[j] = np.float32(np.int32(v & 0xF) - 8) * d
-                buf[j + 16] = np.float32(np.int32(v >> 4) - 8) * d
-    elif t == Q8_0:
-        o = ib * 34
-        d = f16[row16[o >> 1]]
-        for j in range(32):
-            buf[j] = np.float32(np.int8(row[o + 2 + j])) * d
-    elif t == Q5_0 or t == Q5_1:
-        bs = 24 if t == Q5_1 else 22
-        o = ib * bs
-        d = f16[row16[o >> 1]]
-        h0 = 4 if t == Q5_1 else 2
-        qh = (np.uint32(row[o + h0]) | (np.uint32(row[o + h0 + 1]) << 8)
-              | (np.uint32(row[o + h0 + 2]) << 16) | (np.uint32(row[o + h0 + 3]) << 24))
-        q = o + h0 + 4
-        if t == Q5_1:
-            m = f16[row16[(o >> 1) + 1]]
-            for j in range(16):
-                v = row[q + j]
-                lo = np.int32(v & 0xF) | np.int32(((qh >> j) & 1) << 4)
-                hi = np.int32(v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                buf[j] = np.float32(lo) * d + m
-                buf[j + 16] = np.float32(hi) * d + m
-        else:
-            for j in range(16):
-                v = row[q + j]
-                lo = np.int32(v & 0xF) | np.int32(((qh >> j) & 1) << 4)
-                hi = np.int32(v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                buf[j] = np.float32(lo - 16) * d
-                buf[j + 16] = np.float32(hi - 16) * d
-    elif t == Q4_K or t == Q5_K:
-        bs = 176 if t == Q5_K else 144
-        o = ib * bs
-        d = f16[row16[o >> 1]]
-        dmin = f16[row16[(o >> 1) + 1]]
-        sc = o + 4
-        qh = o + 16
-        q = o + 16 + (32 if t == Q5_K else 0)
-        for c in range(4):
-            s1, m1 = _k_scale_min(row, sc, 2 * c)
-            s2, m2 = _k_scale_min(row, sc, 2 * c + 1)
-            d1 = d * np.float32(s1)
-            d2 = d * np.float32(s2)
-            n1 = dmin * np.float32(m1)
-            n2 = dmin * np.float32(m2)
-            y = c * 64
-            qc = q + c * 32
-            if t == Q5_K:
-                u1 = 1 << (2 * c)
-                u2 = 2 << (2 * c)
-                for l in range(32):
-                    v = row[qc + l]
-                    h = row[qh + l]
-                    a = np.int32(v & 0xF) + (16 if (h & u1) != 0 else 0)
-                    b = np.int32(v >> 4) + (16 if (h & u2) != 0 else 0)
-                    buf[y + l] = d1 * np.float32(a) - n1
-                    buf[y + 32 + l] = d2 * np.float32(b) - n2
-            else:
-                for l in range(32):
-                    v = row[qc + l]
-                    buf[y + l] = d1 * np.float32(v & 0xF) - n1
-                    buf[y + 32 + l] = d2 * np.float32(v >> 4) - n2
-    elif t == Q6_K:
-        o = ib * 210
-        d = f16[row16[(o + 208) >> 1]]
-        for half in range(2):
-            ql = o + half * 64
-            qh = o + 128 + half * 32
-            sc = o + 192 + half * 8
-            y = half * 128
-            for l in range(32):
-                i = l // 16
-                h = row[qh + l]
-                q1 = (np.int32(row[ql + l] & 0xF) | np.int32((h & 3) << 4)) - 32
-                q2 = (np.int32(row[ql + l + 32] & 0xF) | np.int32(((h >> 2) & 3) << 4)) - 32
-                q3 = (np.int32(row[ql + l] >> 4) | np.int32(((h >> 4) & 3) << 4)) - 32
-                q4 = (np.int32(row[ql + l + 32] >> 4) | np.int32(((h >> 6) & 3) << 4)) - 32
-                buf[y + l] = d * np.float32(np.int8(row[sc + i])) * np.float32(q1)
-                buf[y + l + 32] = d * np.float32(np.int8(row[sc + i + 2])) * np.float32(q2)
-                buf[y + l + 64] = d * np.float32(np.int8(row[sc + i + 4])) * np.float32(q3)
-                buf[y + l + 96] = d * np.float32(np.int8(row[sc + i + 6])) * np.float32(q4)
-    elif t == MXFP4:
+    """Decode 32-value block ``ib`` of one MXFP4, F16 or BF16 weight row into ``buf``
+    (the other types have their own vectorised loops below)."""
+    if t == MXFP4:
         o = ib * 17
         e = np.int32(row[o])
         d = np.float32(2.0 ** -128) if e == 0 else np.float32(np.ldexp(1.0, e - 128))
@@ -168,7 +74,7 @@ def _decode_block(t: int, row: np.ndarray, row16: np.ndarray, ib: int, f16: np.n
 @njit(cache=True, parallel=True, fastmath=True)
 def matmul_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray,
                 f16: np.ndarray, fp4: np.ndarray, out: np.ndarray, chunk: int) -> None:
-    """out[r, o] = sum_i x[r, i] * W[o, i] for a quantized W (type ``t``, ``qk`` values a block).
+    """out[r, o] = sum_i x[r, i] * W[o, i] for an MXFP4, F16 or BF16 W (``qk`` = 32 values a block).
 
     raw: uint8 [n_out, row_bytes];  raw16: the same bytes as uint16 [n_out, row_bytes // 2]
     x: float32 [m, n_in] (C-contiguous);  out: float32 [m, n_out]
