@@ -166,9 +166,10 @@ def test_test_kit_registry_is_isolated(plinth_registry, monkeypatch):
     monkeypatch.setenv("PLINTH_PLUGINS", "")  # ignored by the test kit
     plugin = ManifestPlugin(Manifest(name="intest", api_version="1.0", backends={"fake": "builtins:dict"}))
     reg = plinth_registry(plugin)
-    assert [r.name for r in reg.records] == ["plinth", "intest"]
+    assert [r.name for r in reg.records] == ["plinth", "plinth-testing", "intest"]
     assert reg.make_backend("fake", {"x": 1}) == {"x": 1}
     assert reg.make_backend("numpy").name == "numpy"
+    assert reg.make_backend("strict").name == "strict"  # the test kit's device stand-in
 
 
 def test_manifest_provides_and_builtin():

@@ -19,7 +19,8 @@ from typing import Any, Iterable, Sequence
 import attrs
 import numpy as np
 
-from .context import Batch, ForwardOutput, KVCache
+from .cache import Cache
+from .context import Batch, ForwardOutput
 from .errors import UserError
 from .quant import QuantWeight
 from .tensors import TensorSpec, check_tensors, scale_name, unused_tensors
@@ -45,7 +46,8 @@ class Context:
                 raise ValueError(f"feature tap {t} out of range: layers are 0..{n_layer} (n_layer = {n_layer})")
         self.model = model
         self.pooling = pooling
-        self.cache = KVCache(n_layer, model.backend.xp)
+        layout = getattr(model.graph, "cache_layout", None)
+        self.cache = Cache(n_layer, model.backend.xp, layout() if layout is not None else None)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         for seq in np.unique(batch.seq_ids):
@@ -55,6 +57,7 @@ class Context:
                     f"context limit exceeded: sequence {int(seq)} would hold {n} tokens, "
                     f"the context holds {self.model.n_ctx} (raise it with n_ctx=...)"
                 )
+        self.cache.begin(batch.positions, batch.seq_ids)
         out = self.model.graph.forward(batch, self.cache, taps=self.taps, pooling=self.pooling)
         for seq in np.unique(batch.seq_ids):
             self.cache.observe(int(seq), int(batch.positions[batch.seq_ids == seq].max()) + 1)
@@ -62,8 +65,16 @@ class Context:
 
     @property
     def recurrent(self) -> bool:
-        """Whether the architecture keeps recurrent state (rollback needs snapshot + replay)."""
-        return bool(getattr(self.model.graph, "recurrent", False))
+        """Whether some layer keeps state that cannot be cut (rollback needs snapshot + replay)."""
+        if getattr(self.model.graph, "recurrent", False):  # a graph without a cache layout says so itself
+            return True
+        return any(k.rollback == "snapshot" for k in self.cache.kinds())
+
+    def rollback_plan(self, seq: int, start: int, end: int) -> str:
+        """How to undo rows ``start..end-1`` of ``seq`` about to be run: "cut" or "snapshot" (asks the cache)."""
+        if getattr(self.model.graph, "recurrent", False):
+            return "snapshot"
+        return self.cache.cut_plan(seq, start, end)
 
     def decode(self, tokens: Sequence[int], seq: int = 0, output: str = "last") -> ForwardOutput:
         """Append ``tokens`` to sequence ``seq`` after what it already holds."""
@@ -102,6 +113,15 @@ class Model:
 
             self._tokenizer = Tokenizer.from_metadata(self.metadata)
         return self._tokenizer
+
+    def target_view(self) -> Any:
+        """What a drafter may use of this model: :class:`plinth.graph.TargetView` (embedding, head, sizes)."""
+        make = getattr(self.graph, "target_view", None)
+        if make is None:
+            raise UserError(f"{self.path.name}: the {self.arch} graph (plugin {self.plugin}) declares no target_view(); "
+                            "drafters that share the embedding or LM head cannot use it (derive it from "
+                            "plinth.graph.BaseGraph or define target_view())")
+        return make()
 
     def new_context(self, *, taps: Iterable[int] = (), pooling: str = "none") -> Context:
         return Context(self, taps=taps, pooling=pooling)

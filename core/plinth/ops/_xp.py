@@ -10,11 +10,24 @@ import numpy
 F32 = numpy.float32
 
 
+_MODULES: dict[type, Any] = {}
+
+
+def register_array_module(array_type: type, module: Any) -> None:
+    """Make :func:`array_module` answer ``module`` for arrays of ``array_type`` (a device stand-in)."""
+    _MODULES[array_type] = module
+
+
 def array_module(*arrays: Any) -> Any:
-    """The array module (cupy or numpy) that owns the given arrays.
+    """The array module (cupy, numpy, or a registered one) that owns the given arrays.
 
     cupy is only consulted when it is already imported, so this never imports it.
     """
+    if _MODULES:
+        for a in arrays:
+            m = _MODULES.get(type(a))
+            if m is not None:
+                return m
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         for a in arrays:

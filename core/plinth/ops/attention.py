@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy
+
 from ._xp import F32, array_module, as_f32
 
 
@@ -14,6 +16,7 @@ def attention_mask(
     causal: bool = True,
     sliding_window: int | None = None,
     mask: Any = None,
+    xp: Any = None,
 ) -> Any:
     """Boolean visibility matrix (True = the query may attend to the key).
 
@@ -21,17 +24,21 @@ def attention_mask(
     causal: keep keys with k_pos <= q_pos.
     sliding_window: keep keys with q_pos - k_pos < sliding_window (a window of W keeps the
         current token and the W - 1 before it, as llama.cpp's standard SWA).
+    xp: the array module of the result (default: the one of the inputs). Positions on the
+        host are compared there and the matrix is copied to ``xp`` once.
     Returns [n_q, n_kv_tok] bool, or None when nothing is masked.
     """
-    xp = array_module(q_pos, k_pos, mask)
+    pm = array_module(q_pos, k_pos)
+    xp = xp or array_module(q_pos, k_pos, mask)
     vis = None
     if causal or sliding_window is not None:
-        d = xp.asarray(q_pos)[:, None] - xp.asarray(k_pos)[None, :]
+        d = pm.asarray(q_pos)[:, None] - pm.asarray(k_pos)[None, :]
         if causal:
             vis = d >= 0
         if sliding_window is not None:
             w = d < sliding_window
             vis = w if vis is None else (vis & w)
+        vis = xp.asarray(vis)
     if mask is not None:
         m = xp.asarray(mask, dtype=bool)
         vis = m if vis is None else (vis & m)
@@ -44,17 +51,25 @@ def attention_bias(
     causal: bool = True,
     sliding_window: int | None = None,
     mask: Any = None,
+    xp: Any = None,
 ) -> Any:
     """The additive score bias of :func:`attention_mask`: 0 where visible, -inf where hidden.
 
-    Returns [n_q, n_kv_tok] float32, or None when every query sees every key. Build it
-    once per forward and pass it as ``attention(..., bias=...)`` to every layer.
+    Returns [n_q, n_kv_tok] float32 of module ``xp`` (default: the inputs' module), or None
+    when every query sees every key. Build it once per forward and pass it as
+    ``attention(..., bias=...)`` to every layer. With host positions (a :class:`Batch`'s)
+    and no extra mask, the matrix is built on the host and copied to the device once;
+    nothing is read back from the device.
     """
-    vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask)
+    pm = array_module(q_pos, k_pos)
+    xp = xp or array_module(q_pos, k_pos, mask)
+    if mask is None and pm.__name__ == "numpy":
+        vis = attention_mask(q_pos, k_pos, causal, sliding_window, xp=pm)
+        if vis is None or vis.all():  # a host check: no device round trip
+            return None
+        return xp.asarray(numpy.where(vis, F32(0.0), F32(-numpy.inf)))
+    vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask, xp=xp)
     if vis is None:
-        return None
-    xp = array_module(vis)
-    if bool(vis.all()):
         return None
     return xp.where(vis, F32(0.0), F32(-xp.inf))
 
@@ -118,10 +133,11 @@ def attention(
     if causal or sliding_window is not None:
         if q_pos is None or k_pos is None:
             raise ValueError("attention: causal / sliding_window masking needs q_pos and k_pos")
-    vis = attention_mask(q_pos, k_pos, causal, sliding_window, mask)
-    if vis is not None:
-        # additive 0 / -inf bias, built once at [n_q, n_kv] and broadcast over heads in place
-        scores += xp.where(vis, F32(0.0), F32(-xp.inf))
+    # additive 0 / -inf bias, built once at [n_q, n_kv] and broadcast over heads in place
+    own = attention_bias(q_pos, k_pos, causal, sliding_window, mask, xp=xp) if (
+        causal or sliding_window is not None or mask is not None) else None
+    if own is not None:
+        scores += own
     if bias is not None:
         scores += as_f32(bias, xp)
 
@@ -129,7 +145,7 @@ def attention(
     if sinks is not None:
         sk = as_f32(sinks, xp).reshape(n_head_kv, g, 1, 1)
         m = xp.maximum(m, sk)
-    masked = vis is not None or bias is not None or not n_kv
+    masked = own is not None or bias is not None or not n_kv
     if masked:  # a query that sees no key has max -inf
         m = xp.where(xp.isfinite(m), m, F32(0.0))
     scores -= m

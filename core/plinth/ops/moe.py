@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy
 
 from ._xp import F32, array_module, as_f32
 from .activations import get_activation, sigmoid, softmax
@@ -105,6 +106,8 @@ def moe_ffn(
     x = as_f32(x, xp)
     fn = get_activation(act) if isinstance(act, str) else act
     n_tok, k = route.ids.shape
+    if xp is not numpy and n_tok * k <= GATHER_MAX_PAIRS:
+        return _moe_ffn_gathered(x, route, gate_exps, up_exps, down_exps, fn, xp)
     out = xp.zeros((n_tok, down_exps.shape[1]), dtype=F32)
     flat_ids = route.ids.reshape(-1)
     order = xp.argsort(flat_ids, kind="stable")
@@ -128,11 +131,39 @@ def moe_ffn(
     return out
 
 
+# On a device, batches of at most this many (token, expert) pairs (decode, speculative
+# verify) gather their experts' matrices instead of grouping tokens by expert: grouping
+# needs the expert ids on the host, a device round trip per layer.
+GATHER_MAX_PAIRS = 64
+
+
+def _moe_ffn_gathered(x: Any, route: MoeRoute, gate_exps: Any, up_exps: Any, down_exps: Any,
+                      fn: Any, xp: Any) -> Any:
+    """moe_ffn as batched products over the gathered (token, expert) pairs; reads nothing back.
+
+    x: [n_tokens, n_embd]; returns [n_tokens, n_embd].
+    """
+    n_tok, k = route.ids.shape
+    flat = route.ids.reshape(-1)  # [P] expert of each pair, P = n_tok * k
+    xe = xp.repeat(x, k, axis=0)[:, :, None]  # [P, n_embd, 1]: pair p is token p // k
+    up = xp.matmul(up_exps[flat], xe)[:, :, 0]  # [P, n_ff]
+    if gate_exps is None:
+        h = fn(up)
+    else:
+        h = fn(xp.matmul(gate_exps[flat], xe)[:, :, 0])
+        h *= up
+    ye = xp.matmul(down_exps[flat], h[:, :, None])[:, :, 0]  # [P, n_embd]
+    ye *= as_f32(route.weights, xp).reshape(-1)[:, None]
+    return ye.reshape(n_tok, k, -1).sum(axis=1)
+
+
 def _run_starts(sorted_ids: Any, xp: Any) -> tuple[list[int], list[int]]:
-    """Distinct values of a sorted int vector and where each run starts (as host ints)."""
+    """Distinct values of a sorted int vector and where each run starts (as host ints).
+
+    On a device the ids come back to the host in one transfer.
+    """
     if sorted_ids.shape[0] == 0:
         return [], []
-    change = xp.nonzero(sorted_ids[1:] != sorted_ids[:-1])[0] + 1
-    starts = [0] + [int(s) for s in (change.tolist() if hasattr(change, "tolist") else change)]
-    vals = sorted_ids[xp.asarray(starts)]
-    return [int(v) for v in vals.tolist()], starts
+    host = sorted_ids if xp is numpy else xp.asnumpy(sorted_ids)
+    starts = [0] + (numpy.nonzero(host[1:] != host[:-1])[0] + 1).tolist()
+    return host[starts].tolist(), starts

@@ -146,9 +146,14 @@ class RopeCache:
         self._cos, self._sin = rope_cos_sin(self.freqs, xp.arange(n))
 
     def __call__(self, positions: Any) -> tuple[Any, Any]:
-        """(cos, sin), each [n_tokens, n_rot // 2], for positions: [n_tokens] int."""
-        xp = array_module(self.freqs.inv_freq)
-        positions = xp.asarray(positions)
+        """(cos, sin), each [n_tokens, n_rot // 2], for positions: [n_tokens] int.
+
+        Host positions (a :class:`Batch`'s) are range-checked on the host and index the
+        device tables directly: no device round trip. Device positions cost one (their max).
+        """
+        if array_module(positions) is not numpy:  # device positions: the range check reads them back
+            positions = _to_numpy(positions)
+        positions = numpy.asarray(positions)
         if positions.size and int(positions.min()) < 0:
             raise ValueError("RopeCache: positions must be >= 0; use rope_cos_sin for negative positions")
         need = int(positions.max()) + 1 if positions.size else 0

@@ -45,7 +45,7 @@ class DraftModelDrafter(BaseDrafter):
         while n < limit and cached[n] == history[n]:
             n += 1
         if n < len(cached):
-            if ctx.recurrent:
+            if not ctx.cache.can_cut(seq, n):
                 ctx = self.ctx[seq] = self.model.new_context()
                 n = 0
             else:

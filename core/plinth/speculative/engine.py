@@ -230,7 +230,7 @@ class SpeculativeGenerator(Generator):
         if snap is not None:
             ctx.cache.restore(snap)
             ctx.forward(Batch.from_tokens(history[pos:], start=pos, seq=self.seq, output="none"))
-        elif not ctx.recurrent:
+        elif ctx.cache.can_cut(self.seq, n):
             ctx.cache.seq_rm(self.seq, n)
 
     # ------------------------------------------------------------------ loop
@@ -240,7 +240,6 @@ class SpeculativeGenerator(Generator):
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
         seq = self.seq
         ctx = self.context = model.new_context(taps=self.taps)
-        recurrent = ctx.recurrent
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
         self.tokens_out = []
@@ -280,7 +279,8 @@ class SpeculativeGenerator(Generator):
                 t0 = time.perf_counter()
                 batch = Batch.from_tokens([last, *draft.tokens], start=pos, seq=seq,
                                           output="all" if k else "last")
-                snap = ctx.cache.snapshot(seq) if (recurrent and k) else None
+                snap = ctx.cache.snapshot(seq) if k and ctx.rollback_plan(seq, pos, pos + k + 1) == "snapshot" \
+                    else None
                 out = ctx.forward(batch)
                 logits = np.asarray(model.backend.to_numpy(out.logits))
                 if cfg.synthetic_accept is not None and k:

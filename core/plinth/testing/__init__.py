@@ -17,38 +17,88 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .._version import PLUGIN_API_VERSION
 from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
+from . import strict
+from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_transfers
+from .strict import StrictBackend, count_transfers, to_host
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
+#: backends every contract test runs on: the CPU backend and the strict device stand-in
+CONTRACT_BACKENDS = ("numpy", "strict")
+
+#: the test kit's own plugin: the ``strict`` backend (strict device stand-in, see plinth.testing.strict)
+TESTKIT_PLUGIN = ManifestPlugin(Manifest(
+    name="plinth-testing",
+    api_version=PLUGIN_API_VERSION,
+    backends={"strict": "plinth.testing.strict:StrictBackend"},
+    description="test kit: the strict device stand-in backend",
+))
+
 __all__ = [
+    "CONTRACT_BACKENDS",
+    "SpecTransfers",
+    "StrictBackend",
+    "TESTKIT_PLUGIN",
     "check_prefill_then_decode",
+    "count_transfers",
+    "decode_step_transfers",
+    "make_backend",
+    "strict",
     "load_module",
     "make_registry",
     "plugin_from_manifest",
     "byte_vocab",
     "random_tensors",
+    "speculative_step_transfers",
     "tiny_metadata",
+    "to_host",
     "write_gguf",
     "write_synthetic_gguf",
 ]
 
 
+def make_backend(name: str = "numpy") -> Any:
+    """A backend by name without a registry: ``"numpy"``, ``"strict"`` (or ``"cupy"`` on a GPU)."""
+    if name == "strict":
+        return StrictBackend()
+    from ..backend import CupyBackend, NumpyBackend
+
+    if name == "numpy":
+        return NumpyBackend()
+    if name == "cupy":
+        return CupyBackend()
+    raise ValueError(f"unknown backend {name!r}; use numpy, strict or cupy")
+
+
 def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_prefill: int,
-                              atol: float = 1e-5) -> None:
+                              atol: float = 1e-5, backend: Any = None, max_decode_transfers: int = 0) -> None:
     """Contract: prefilling ``tokens[:n_prefill]`` then decoding the rest one token at a time
-    gives the logits of one full forward (within ``atol``), and those logits are finite."""
+    gives the logits of one full forward (within ``atol``), and those logits are finite.
+
+    ``backend``: the backend the graph was built on (default: ``graph.backend``, else numpy);
+    the caches live on it and logits come back through its ``to_numpy``. On the strict
+    backend a decode forward may make at most ``max_decode_transfers`` host round trips
+    (default 0: the graph itself reads nothing back; the caller's sampler reads the logits).
+    """
     import numpy as np
 
     from ..context import Batch, KVCache
 
-    full = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(n_layer)).logits
-    assert np.isfinite(np.asarray(full)).all(), "the full forward gives non-finite logits"
-    cache = KVCache(n_layer)
-    parts = [graph.forward(Batch.from_tokens(tokens[:n_prefill], output="all"), cache).logits]
+    backend = backend or getattr(graph, "backend", None) or make_backend("numpy")
+    xp, host = backend.xp, backend.to_numpy
+    full = host(graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(n_layer, xp)).logits)
+    assert np.isfinite(full).all(), "the full forward gives non-finite logits"
+    cache = KVCache(n_layer, xp)
+    parts = [host(graph.forward(Batch.from_tokens(tokens[:n_prefill], output="all"), cache).logits)]
     for i in range(n_prefill, len(tokens)):
-        parts.append(graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits)
+        with count_transfers() as n:
+            logits = graph.forward(Batch.from_tokens(tokens[i:i + 1], start=i), cache).logits
+        assert n.count <= max_decode_transfers, (
+            f"a decode forward made {n.count} host round trips (at most {max_decode_transfers}): {n.sites}")
+        parts.append(host(logits))
     np.testing.assert_allclose(np.concatenate(parts), full, atol=atol, rtol=0)
 
 
@@ -84,8 +134,8 @@ def plugin_from_manifest(manifest: Manifest) -> ManifestPlugin:
 
 
 def make_registry(*plugins: Any, builtin: bool = True, strict: bool = True,
-                  prefer: tuple[str, ...] = ()) -> PluginRegistry:
-    """A registry holding only ``plugins``.
+                  prefer: tuple[str, ...] = (), testkit: bool = True) -> PluginRegistry:
+    """A registry holding only ``plugins`` (and, with ``testkit``, the test kit's ``strict`` backend).
 
     Each item may be:
       * an installed entry-point name (``"llama"``): that entry point alone is loaded;
@@ -107,6 +157,8 @@ def make_registry(*plugins: Any, builtin: bool = True, strict: bool = True,
                             entry_points=[installed[n] for n in names], builtin=builtin)
     else:
         registry = discover(plugins=[], disable=(), strict=strict, prefer=prefer, entry_points=[], builtin=builtin)
+    if testkit:
+        registry.add(TESTKIT_PLUGIN, TESTKIT_PLUGIN.manifest.name, value="plinth.testing", strict=strict)
     for item in plugins:
         if isinstance(item, str):
             continue

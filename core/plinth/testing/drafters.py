@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..speculative.base import BaseDrafter, Draft, DrafterRequirements
+from .strict import to_host
 
 
 class OracleDrafter(BaseDrafter):
@@ -112,7 +113,7 @@ def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5, rtol: 
 
 
 def _close(what: str, x: Any, y: Any, atol: float, rtol: float) -> None:
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = to_host(x), to_host(y)
     if not x.size:
         return
     d = float(np.abs(x - y).max())

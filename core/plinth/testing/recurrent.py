@@ -78,7 +78,7 @@ class ToyRecurrentGraph:
     recurrent = True
 
     def __init__(self, hp: ToyRecurrentHParams, weights: Mapping[str, Any], backend: Any) -> None:
-        self.hp, self.w, self.xp = hp, weights, backend.xp
+        self.hp, self.w, self.xp, self.backend = hp, weights, backend.xp, backend
         self.decay = {il: 1.0 / (1.0 + self.xp.exp(-weights[f"blk.{il}.rec_a"]))
                       for il in range(hp.n_layer) if hp.is_recurrent(il)}
 

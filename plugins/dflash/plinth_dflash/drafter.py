@@ -40,21 +40,11 @@ class FeatureWarning(UserWarning):
 
 def sanitize_features(f: Any, xp: Any) -> tuple[Any, bool]:
     """NaN -> 0, +-inf and |x| > 65504 -> +-65504. f: [n, m]. Returns (clean f, whether anything changed)."""
-    bad = bool(xp.any(~xp.isfinite(f)) or xp.any(xp.abs(f) > F16_MAX))
+    bad = bool(xp.any(~(xp.abs(f) <= F16_MAX)))  # NaN, inf or beyond f16, in one device read
     if not bad:
         return f, False
     f = xp.nan_to_num(f, nan=0.0, posinf=F16_MAX, neginf=-F16_MAX)
     return xp.clip(f, -F16_MAX, F16_MAX), True
-
-
-def target_head(target: Any) -> Any:
-    head = target.weights.get("output.weight")
-    if head is None:
-        head = getattr(getattr(target, "graph", None), "output_weight", None)
-    if head is None:
-        raise UserError(f"the draft uses the target's LM head, but the target ({target.arch}) exposes none "
-                        "('output.weight' or graph.output_weight)")
-    return head
 
 
 class DFlashDrafter(BaseDrafter):
@@ -86,15 +76,14 @@ class DFlashDrafter(BaseDrafter):
         n_vocab = int(target.n_vocab)
         own_embd = w.get(C.T_TOKEN_EMBD)
         self.shares_embedding = own_embd is None
-        embed = own_embd if own_embd is not None else target.weights.get("token_embd.weight")
-        if embed is None:
-            raise UserError(f"{src}: the draft has no token_embd and the target exposes no 'token_embd.weight'")
+        view = target.target_view()  # the target's declared embedding, head and sizes
+        embed = own_embd if own_embd is not None else view.embed_table
         if C.T_OUTPUT in w:
             head, self.head_source = w[C.T_OUTPUT], "own"
         elif hp.tied:
             head, self.head_source = w[C.T_TOKEN_EMBD], "tied"
         else:
-            head, self.head_source = target_head(target), "target"
+            head, self.head_source = view.head_weight, "target"
         for what, arr in (("token embedding", embed), ("output head", head)):
             if int(arr.shape[0]) != n_vocab:
                 raise UserError(f"{src}: the draft's {what} has {arr.shape[0]} rows, the target's vocabulary "
@@ -104,7 +93,7 @@ class DFlashDrafter(BaseDrafter):
                 raise UserError(f"{src}: '{name}' has {w[name].shape[0]} rows, the target's vocabulary {n_vocab}")
         if not 0 <= hp.mask_token < n_vocab:
             raise UserError(f"{src}: mask token {hp.mask_token} is outside the vocabulary (0..{n_vocab - 1})")
-        self.target_embed = target.weights.get("token_embd.weight", embed)
+        self.target_embed = view.embed_table
         self.graph = DraftGraph(hp, w, self.xp, embed, head)
         self.cache = self.graph.new_cache()
         self._verify_start: dict[int, int] = {}

@@ -35,7 +35,7 @@ def test_requirements_and_tap_n_layer(drafter, targets):
     t = targets["qwen3"]
     # tap 3 == n_layer: the residual before output_norm (the target's logits are head(norm(tap 3)))
     h = ops.rms_norm(out.features[3][-1:], t.weights["output_norm.weight"], t.hparams.norm_eps)
-    np.testing.assert_allclose(ops.linear(h, t.graph.output_weight), out.logits, atol=1e-4)
+    np.testing.assert_allclose(ops.linear(h, t.target_view().head_weight), out.logits, atol=1e-4)
 
 
 def test_taps_outside_target_are_refused(drafter):
@@ -262,7 +262,7 @@ def test_head_selection(drafter, targets, draft_file, tmp_path):
     assert tied.head_source == "tied" and tied.graph.head is tied.draft_file.weights["token_embd.weight"]
     assert not tied.requirements().shares_embedding and not tied.requirements().shares_head
     shared = drafter()
-    assert shared.head_source == "target" and shared.graph.head is t.graph.output_weight
+    assert shared.head_source == "target" and shared.graph.head is t.target_view().head_weight
     # an own embedding without the tied flag does not become the head
     untied = drafter(own_embd=True)
     assert untied.head_source == "target" and untied.graph.embed_table is untied.draft_file.weights[

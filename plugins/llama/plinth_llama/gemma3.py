@@ -1,14 +1,15 @@
 """gemma3: a dense decoder with sliding-window layers and sandwich norms.
 
-* Input embeddings are scaled by sqrt(n_embd).
-* Each block normalises before and after attention and before and after the FFN
-  (GGUF stores Gemma's norm weights with the +1 already added).
-* Per-head RMSNorm on Q and K; NeoX RoPE; GeGLU FFN (tanh GELU).
-* Five of every six layers attend within ``attention.sliding_window`` and use the
-  local RoPE base (``rope.freq_base_swa``, 10000 when absent); every sixth layer is
-  global with ``rope.freq_base``.
+Per block (GGUF stores Gemma's norm weights with the +1 already added)::
+
+    h = x + post_attn_norm(attn(attn_norm(x)))    # per-head RMSNorm on Q and K, NeoX RoPE
+    x = h + post_ffw_norm(geglu_ffn(ffn_norm(h)))  # down(gelu_tanh(gate(h)) * up(h))
+
+* Input embeddings are scaled by sqrt(n_embd); the LM head is tied to them.
+* Five of every six layers attend within ``attention.sliding_window`` and use the local
+  RoPE base (``rope.freq_base_swa``, 10000 when absent); every sixth layer is global with
+  ``rope.freq_base``. ``rope.scaling.*`` applies to the global layers only.
 * Optional soft-capping of attention scores and final logits when the file sets it.
-* ``rope.scaling.*`` applies to the global layers only (the local ones keep plain RoPE).
 * Attention scale 1/sqrt(head_dim), except the 62-layer (27B) model, which was trained
   with 1/sqrt(n_embd / n_head) (its query_pre_attn_scalar; GGUF has no key for it).
 """
@@ -17,44 +18,70 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from plinth.hparams import KeyReader, PerLayer
-from plinth.tensors import TensorSpec
+import attrs
 
-from .decoder import DecoderGraph, DecoderHParams, read_common, tensor_specs
+from plinth import ops
+from plinth.graph import KeyReader, PerLayer, Rope, Step, TensorSpec, embed_rows
+
+from .llama import LlamaHParams, Qwen3Graph, Qwen3, read_hparams
 
 SWA_PERIOD = 6  # layers il with il % 6 < 5 use the sliding window
 
 
-class Gemma3:
-    name = "gemma3"
+@attrs.frozen
+class Gemma3HParams(LlamaHParams):
+    sliding_window: PerLayer = PerLayer([], "sliding_window")  # per layer, 0 = global attention
+    rope_base_local: float = 10000.0
+    attn_scale: float = 0.0
+    final_softcap: float = 0.0
+    attn_softcap: float = 0.0
 
-    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> DecoderHParams:
-        kw = read_common(metadata, source, self.name)
-        r = KeyReader(metadata, source, self.name)
+
+class Gemma3Graph(Qwen3Graph):  # Q/K norms and NeoX RoPE as qwen3
+    def __init__(self, hp: Gemma3HParams, weights: Mapping[str, Any], backend: Any) -> None:
+        super().__init__(hp, weights, backend, softcap=hp.final_softcap)
+        self.attn_scale = hp.attn_scale
+
+    def make_rope(self) -> Rope:
+        hp = self.hp
+        local = [w > 0 for w in hp.sliding_window]
+        return Rope(hp.n_rot, [hp.rope_base_local if s else hp.rope_base for s in local], self.xp, mode="neox",
+                    scaling=hp.rope_scaling, factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig,
+                    scaled=[not s for s in local])
+
+    def embed(self, batch: Any) -> Any:
+        return embed_rows(self.embed_table, batch, self.xp, scale=float(self.hp.n_embd) ** 0.5)
+
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        hp, w, eps, b = self.hp, self.w, self.hp.norm_eps, f"blk.{il}."
+        h = self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], eps), step,
+                           window=hp.sliding_window[il], soft_cap=hp.attn_softcap or None)
+        x = x + ops.rms_norm(h, w[b + "post_attention_norm.weight"], eps)
+        h = self.ffn(il, ops.rms_norm(x, w[b + "ffn_norm.weight"], eps), act=ops.gelu)
+        h = ops.rms_norm(h, w[b + "post_ffw_norm.weight"], eps)
+        h += x
+        return h
+
+
+class Gemma3(Qwen3):  # qwen3's tensors (Q/K norms) plus the post-norms
+    name = "gemma3"
+    graph = Gemma3Graph
+
+    def hparams(self, r: KeyReader) -> Gemma3HParams:
+        kw = read_hparams(r, norm_eps=1e-6, rope_base=1_000_000.0)
         n_layer = kw["n_layer"]
         window = r.get("attention.sliding_window", required=False, default=0)
         is_swa = [window > 0 and il % SWA_PERIOD < SWA_PERIOD - 1 for il in range(n_layer)]
-        base_global = r.get("rope.freq_base", float, required=False, default=1_000_000.0)
-        base_local = r.get("rope.freq_base_swa", float, required=False, default=10_000.0)
-        kw.update(
-            rope_mode="neox",
-            act="gelu",
-            qk_norm=True,
-            post_norms=True,
-            embd_scale=float(kw["n_embd"]) ** 0.5,
-            norm_eps=r.get("attention.layer_norm_rms_epsilon", float, required=False, default=1e-6),
-            sliding_window=PerLayer([window if s else 0 for s in is_swa], f"{self.name}.attention.sliding_window"),
-            rope_base=PerLayer([base_local if s else base_global for s in is_swa], f"{self.name}.rope.freq_base"),
+        head_dim = kw["head_dim"] if n_layer != 62 else kw["n_embd"] // kw["n_head"][0]  # 27B: see above
+        return Gemma3HParams(
+            **kw,
+            sliding_window=PerLayer([window if s else 0 for s in is_swa], r.key("attention.sliding_window")),
+            rope_base_local=r.get("rope.freq_base_swa", float, required=False, default=10_000.0),
+            attn_scale=1.0 / float(head_dim) ** 0.5,
             final_softcap=r.get("final_logit_softcapping", float, required=False, default=0.0),
             attn_softcap=r.get("attn_logit_softcapping", float, required=False, default=0.0),
-            rope_scaled=PerLayer([not s for s in is_swa], f"{self.name}.rope.scaling.type"),
         )
-        if n_layer == 62:  # Gemma-3 27B
-            kw["attn_scale"] = 1.0 / (kw["n_embd"] / kw["n_head"][0]) ** 0.5
-        return DecoderHParams(**kw)
 
-    def tensor_specs(self, hparams: DecoderHParams) -> list[TensorSpec]:
-        return tensor_specs(hparams)
-
-    def build(self, hparams: DecoderHParams, weights: Mapping[str, Any], backend: Any) -> DecoderGraph:
-        return DecoderGraph(hparams, weights, backend)
+    def layer_tensors(self, hp: Gemma3HParams, il: int) -> list[TensorSpec]:
+        return super().layer_tensors(hp, il) + [TensorSpec(f"blk.{il}.{n}.weight", (hp.n_embd,))
+                                                for n in ("post_attention_norm", "post_ffw_norm")]

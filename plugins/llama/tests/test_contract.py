@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import check_prefill_then_decode, random_tensors, tiny_metadata
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, random_tensors, tiny_metadata
 
 ARCHS = {
     "llama": {},
@@ -23,64 +23,75 @@ def registry(plinth_registry):
     return plinth_registry(plugin)
 
 
-def build(registry, arch, seed=0):
+def build(registry, arch, seed=0, backend="numpy"):
     extra = dict(ARCHS[arch])
     n_layer = extra.pop("n_layer", 2)
     md = tiny_metadata(arch, n_layer=n_layer, **extra)
     hp = registry.arch_hparams(arch, md, f"tiny-{arch}.gguf")
     specs = registry.arch_tensors(arch, hp)
-    weights = random_tensors([s for s in specs if s.name != "output.weight"], seed=seed)
-    graph = registry.arch_build(arch, hp, weights, registry.make_backend("numpy"))
+    be = registry.make_backend(backend)
+    weights = {k: be.asarray(v) for k, v in
+               random_tensors([s for s in specs if s.name != "output.weight"], seed=seed).items()}
+    graph = registry.arch_build(arch, hp, weights, be)
     return hp, graph
 
 
 def run(graph, hp, batch):
-    return graph.forward(batch, KVCache(hp.n_layer))
+    return graph.forward(batch, KVCache(hp.n_layer, graph.xp))
 
 
+def logits(graph, hp, batch):
+    """Host logits of one forward on a fresh cache."""
+    return graph.backend.to_numpy(run(graph, hp, batch).logits)
+
+
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_prefill_then_decode_equals_full_forward(registry, arch):
-    hp, graph = build(registry, arch)
+def test_prefill_then_decode_equals_full_forward(registry, arch, backend):
+    hp, graph = build(registry, arch, backend=backend)
     tokens = np.random.default_rng(1).integers(0, hp.n_vocab, 12).tolist()
     check_prefill_then_decode(graph, hp.n_layer, tokens, 5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_two_sequences_in_one_batch_equal_separate_runs(registry, arch):
-    hp, graph = build(registry, arch)
+def test_two_sequences_in_one_batch_equal_separate_runs(registry, arch, backend):
+    hp, graph = build(registry, arch, backend=backend)
     rng = np.random.default_rng(2)
     a, b = rng.integers(0, hp.n_vocab, 9).tolist(), rng.integers(0, hp.n_vocab, 6).tolist()
-    la = run(graph, hp, Batch.from_tokens(a, output="all")).logits
-    lb = run(graph, hp, Batch.from_tokens(b, output="all")).logits
+    la = logits(graph, hp, Batch.from_tokens(a, output="all"))
+    lb = logits(graph, hp, Batch.from_tokens(b, output="all"))
     both = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
-    lab = run(graph, hp, both).logits
+    lab = logits(graph, hp, both)
     np.testing.assert_allclose(lab[:9], la, atol=1e-5, rtol=0)
     np.testing.assert_allclose(lab[9:], lb, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_mixed_token_and_embedding_rows_equal_token_rows(registry, arch):
-    hp, graph = build(registry, arch)
+def test_mixed_token_and_embedding_rows_equal_token_rows(registry, arch, backend):
+    hp, graph = build(registry, arch, backend=backend)
     tokens = np.random.default_rng(3).integers(0, hp.n_vocab, 8).tolist()
-    ref = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
-    table = graph.w["token_embd.weight"]
+    ref = logits(graph, hp, Batch.from_tokens(tokens, output="all"))
+    table = graph.backend.to_numpy(graph.w["token_embd.weight"])
     mixed = Batch.concat([Batch.from_tokens(tokens[:3], output="all"),
                           Batch.from_embeddings(table[tokens[3:6]], start=3, output="all"),
                           Batch.from_tokens(tokens[6:], start=6, output="all")])
-    np.testing.assert_allclose(run(graph, hp, mixed).logits, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits(graph, hp, mixed), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_outputs_only_where_asked_and_deterministic(registry, arch):
-    hp, graph = build(registry, arch)
+def test_outputs_only_where_asked_and_deterministic(registry, arch, backend):
+    hp, graph = build(registry, arch, backend=backend)
     tokens = list(range(10))
-    full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
+    full = logits(graph, hp, Batch.from_tokens(tokens, output="all"))
     mask = [i % 3 == 0 for i in range(10)]
     out = run(graph, hp, Batch.from_tokens(tokens, output=mask))
     assert out.logits.shape == (4, hp.n_vocab)
     np.testing.assert_array_equal(out.rows, [0, 3, 6, 9])
-    np.testing.assert_allclose(out.logits, full[mask], atol=1e-5, rtol=0)
-    np.testing.assert_array_equal(run(graph, hp, Batch.from_tokens(tokens, output="all")).logits, full)
+    np.testing.assert_allclose(graph.backend.to_numpy(out.logits), full[mask], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(logits(graph, hp, Batch.from_tokens(tokens, output="all")), full)
 
 
 def test_feature_taps_and_pooling_skip_the_lm_head(registry):
@@ -127,12 +138,14 @@ def test_gemma3_rope_scaling_on_global_layers_only_and_27b_scale(registry):
     md = tiny_metadata("gemma3", n_layer=7, attention__sliding_window=5, rope__scaling__type="linear",
                        rope__scaling__factor=8.0)
     hp = registry.arch_hparams("gemma3", md, "tiny-gemma3.gguf")
-    assert [hp.rope_scaled[il] for il in range(7)] == [False] * 5 + [True, False]
+    assert [hp.sliding_window[il] == 0 for il in range(7)] == [False] * 5 + [True, False]  # scaled: global only
     specs = registry.arch_tensors("gemma3", hp)
     graph = registry.arch_build("gemma3", hp, random_tensors(specs), registry.make_backend("numpy"))
     pos = np.arange(4)
-    local, glob = graph.rope[0](pos), graph.rope[5](pos)
-    assert graph.rope[0] is graph.rope[1] and graph.rope[0] is not graph.rope[5]
+    tables = graph.rope.tables
+    local, glob = tables[0](pos), tables[5](pos)
+    assert tables[0] is tables[1] and tables[0] is not tables[5]
+    assert tables[5] is not tables[6]  # same base as 5 would be, but not scaled
     assert not np.allclose(np.asarray(local[0]), np.asarray(glob[0]))
     assert hp.attn_scale == pytest.approx(1 / np.sqrt(hp.head_dim))
     md = tiny_metadata("gemma3", n_layer=62, n_embd=64, n_head=2, attention__key_length=16)

@@ -14,7 +14,7 @@ Per-layer experts (NVIDIA Puzzle): ``expert_feed_forward_length`` and ``expert_u
 scalar-or-array keys; ``n_ff_exp(il)`` and ``n_expert_used(il)`` read them per layer and refuse
 an out-of-range layer. A layer without its own expert width uses ``n_ff(il) / n_expert_used(il)``.
 
-Recurrent state lives in the KV cache (``get_state`` / ``set_state``): per Mamba layer and
+Recurrent state lives in the cache (a :class:`~plinth.graph.Recurrent` kind per Mamba layer): per Mamba layer and
 sequence a tuple ``(conv_state [K-1, conv_dim], ssm_state [H, P, N])`` of backend arrays, so
 the speculative engine's snapshot / restore makes any drafter lossless on these models.
 Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
@@ -28,11 +28,10 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, pool, run_layers
 from plinth.errors import UserError
-from plinth.hparams import HParamsError, KeyReader, PerLayer
+from plinth.graph import (KV, Architecture, BaseGraph, Batch, Cache, HParamsError, KeyReader, PerLayer, Recurrent,
+                          Step, TensorSpec, attend)
 from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
-from plinth.tensors import TensorSpec
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 KIND_OF_CHAR = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # the hparams.pattern letters
@@ -282,21 +281,13 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
 
 # ============================================================================ graph
 
-class NemotronHGraph:
-    """Forward of a Nemotron-H model over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+class NemotronHGraph(BaseGraph):
+    """Forward of a Nemotron-H model: ``x += mixer(rms_norm(x))`` per layer, the mixer by ``hp.kind(il)``."""
 
     def __init__(self, hp: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> None:
-        self.hp = hp
-        # Mamba layers keep state that cannot be cropped: the engine rolls back by snapshot + replay
-        self.recurrent = MAMBA in (hp.kind(il) for il in range(hp.n_layer))
-        self.backend = backend
-        self.xp = backend.xp
-        self.w = weights
-        self.output_weight = weights.get("output.weight")
-        if self.output_weight is None:
-            self.output_weight = weights["token_embd.weight"]
+        super().__init__(hp, weights, backend)
         xp = self.xp
-        # per Mamba layer: A = -exp(A_log) [H], D [H], conv taps [C, K], norm weight [d_inner]
+        # per Mamba layer: A = -exp(A_log) [H], D [H], norm weight [d_inner]
         self.ssm = {}
         for il in range(hp.n_layer):
             if hp.is_recurrent(il):
@@ -304,30 +295,33 @@ class NemotronHGraph:
                 self.ssm[il] = (xp.ascontiguousarray(weights[b + "ssm_a"].reshape(-1)),
                                 xp.ascontiguousarray(weights[b + "ssm_d"].reshape(-1)),
                                 weights[b + "ssm_norm.weight"].reshape(-1))
+        self.mixers = {MAMBA: self.mamba, ATTENTION: self.attention, MLP: self.mlp, MOE: self.moe}
 
-    # -------------------------------------------------------------- pieces
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        """Mamba layers keep a recurrent state (rollback by snapshot + replay), attention layers K/V."""
+        kinds = {MAMBA: lambda: (Recurrent(),), ATTENTION: lambda: (KV(),)}
+        return [kinds.get(self.hp.kind(il), tuple)() for il in range(self.hp.n_layer)]
 
-    def embed(self, batch: Batch) -> Any:
-        """Input rows: token embeddings, or the batch's own embeddings where ``is_embd``. [n_rows, n_embd]"""
-        xp = self.xp
-        x = self.w["token_embd.weight"][xp.asarray(batch.tokens)]
-        if batch.is_embd is not None and batch.is_embd.any():
-            x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
-        return x
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        h = ops.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], self.hp.norm_eps)
+        return x + self.mixers[self.hp.kind(il)](il, h, step)
 
-    def mamba(self, il: int, u: Any, batch: Batch, cache: KVCache, seq_rows: list) -> Any:
+    # -------------------------------------------------------------- mixers
+
+    def mamba(self, il: int, u: Any, step: Step) -> Any:
         """Mamba-2 mixer of layer ``il``. u: [n_rows, n_embd] (normed) -> [n_rows, n_embd]."""
         hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
         d_inner, h, p = hp.ssm_d_inner, hp.ssm_n_head, hp.ssm_head_dim
         g, n = hp.ssm_n_group, hp.ssm_d_state
         A, D, norm_w = self.ssm[il]
+        states = step.cache.state(il)
         proj = ops.linear(u, w[b + "ssm_in.weight"], w.get(b + "ssm_in.bias"))  # [n, 2 d_inner + 2GN + H]
         z = proj[:, :d_inner]
         xbc = proj[:, d_inner:d_inner + hp.ssm_conv_dim]
         dt_raw = proj[:, d_inner + hp.ssm_conv_dim:]
         y = xp.empty((u.shape[0], d_inner), dtype=xp.float32)
-        for seq, sel in seq_rows:
-            state = cache.get_state(il, seq)
+        for seq, sel in step.groups:
+            state = states.get(seq)
             conv_state, ssm_state = (None, None) if state is None else state
             conv = causal_conv1d(xbc[sel], w[b + "ssm_conv1d.weight"], w.get(b + "ssm_conv1d.bias"), conv_state)
             xbc_t = ops.silu(conv.y)
@@ -340,12 +334,12 @@ class NemotronHGraph:
                 out = ssm_step(x, dt, A, B, C, D, state=ssm_state)
             else:
                 out = ssm_scan(x, dt, A, B, C, D, state=ssm_state, chunk=SSM_CHUNK)
-            cache.set_state(il, seq, (conv.state, out.state))
+            states.set(seq, (conv.state, out.state))
             y[sel] = out.y.reshape(t, d_inner)
         y = gated_group_rms_norm(y, z, norm_w, g, hp.norm_eps)
         return ops.linear(y, w[b + "ssm_out.weight"], w.get(b + "ssm_out.bias"))
 
-    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list) -> Any:
+    def attention(self, il: int, x: Any, step: Step) -> Any:
         """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed)."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = x.shape[0]
@@ -354,20 +348,16 @@ class NemotronHGraph:
                                                                                     hp.head_dim)
         v = ops.linear(x, w[b + "attn_v.weight"], w.get(b + "attn_v.bias")).reshape(n, hp.n_head_kv[il],
                                                                                     hp.head_dim_v)
-        out = self.xp.empty((n, hp.n_head[il], hp.head_dim_v), dtype=self.xp.float32)
-        for seq, sel in seq_rows:
-            kc, vc, kpos = cache.update(il, seq, batch.positions[sel], k[sel], v[sel])
-            out[sel] = ops.attention(q[sel], kc, vc, q_pos=batch.positions[sel], k_pos=kpos, scale=hp.attn_scale,
-                                     causal=True)
+        out = attend(il, q, k, v, step, scale=hp.attn_scale)
         return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"], w.get(b + "attn_output.bias"))
 
-    def mlp(self, il: int, x: Any) -> Any:
+    def mlp(self, il: int, x: Any, step: Step | None = None) -> Any:
         """Dense ReLU² MLP (no gate). x: [n_rows, n_embd] -> [n_rows, n_embd]."""
         w, b = self.w, f"blk.{il}."
         h = ops.relu2(ops.linear(x, w[b + "ffn_up.weight"], w.get(b + "ffn_up.bias")))
         return ops.linear(h, w[b + "ffn_down.weight"], w.get(b + "ffn_down.bias"))
 
-    def moe(self, il: int, x: Any) -> Any:
+    def moe(self, il: int, x: Any, step: Step | None = None) -> Any:
         """Routed ReLU² experts (+ LatentMoE projections) plus the shared expert. x: [n_rows, n_embd]."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
         logits = ops.linear(x, w[b + "ffn_gate_inp.weight"])  # the router sees the full-width x
@@ -385,73 +375,36 @@ class NemotronHGraph:
 
     # -------------------------------------------------------------- forward
 
-    def _seq_rows(self, batch: Batch, cache: KVCache) -> list:
-        """(seq, row selector) per sequence; a recurrent model needs each sequence's rows in order."""
-        out = []
-        for seq in np.unique(batch.seq_ids):
-            seq = int(seq)
-            rows = np.nonzero(batch.seq_ids == seq)[0]
-            pos = batch.positions[rows]
-            if len(rows) > 1 and not np.all(np.diff(pos) == 1):
+    def step(self, batch: Batch, cache: Cache) -> Step:
+        """A recurrent state needs each sequence's rows in order, continuing where the state stands."""
+        step = super().step(batch, cache)
+        for seq, sel in step.groups:
+            pos = batch.positions[sel]
+            if len(pos) > 1 and not np.all(np.diff(pos) == 1):
                 raise UserError(f"{self.hp.arch}: sequence {seq}'s rows must have consecutive increasing positions "
                                 f"in a batch (got {pos.tolist()}); a recurrent state cannot skip or reorder tokens")
-            if self.hp.pattern.count("M"):
+            if "M" in self.hp.pattern:
                 start = cache.next_position(seq) if cache.has_state(seq) else 0
                 if int(pos[0]) != start:
                     raise UserError(
                         f"{self.hp.arch}: sequence {seq} continues at position {int(pos[0])}, but its recurrent "
-                        f"state stands at position {start}; drop rows with KVCache.restore(snapshot), not seq_rm")
-            sel = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
-            out.append((seq, sel))
-        return out
-
-    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
-                embeddings: bool = False) -> ForwardOutput:
-        """Run the batch; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
-        hp, w = self.hp, self.w
-        seq_rows = self._seq_rows(batch, cache)
-
-        def layer(il: int, x: Any) -> Any:
-            h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
-            kind = hp.kind(il)
-            if kind == MAMBA:
-                h = self.mamba(il, h, batch, cache, seq_rows)
-            elif kind == ATTENTION:
-                h = self.attention(il, h, batch, cache, seq_rows)
-            elif kind == MLP:
-                h = self.mlp(il, h)
-            else:
-                h = self.moe(il, h)
-            return x + h
-
-        x, features = run_layers(self.embed(batch), hp.n_layer, layer, cache, taps)
-        for seq, sel in seq_rows:  # where each sequence's state now stands (plinth.model.Context does the same)
-            cache.observe(seq, int(batch.positions[sel].max()) + 1)
-        rows = np.nonzero(batch.output)[0]
-        if pooling != "none":
-            normed = ops.rms_norm(x, w["output_norm.weight"], hp.norm_eps)
-            pooled, seqs = pool(normed, batch, pooling, self.xp)
-            return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
-        h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
-        logits = ops.linear(h, self.output_weight)
-        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+                        f"state stands at position {start}; drop rows with Cache.restore(snapshot), not seq_rm")
+        return step
 
 
 # ============================================================================ architectures
 
-class NemotronH:
+class NemotronH(Architecture):
     """``nemotron_h``: Mamba-2 + attention + dense ReLU² MLP layers."""
 
     name = "nemotron_h"
+    graph = NemotronHGraph
 
-    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> NemotronHParams:
-        return load_hparams(metadata, source, self.name)
+    def hparams(self, r: KeyReader) -> NemotronHParams:
+        return load_hparams(r.metadata, r.source, self.name)
 
-    def tensor_specs(self, hparams: NemotronHParams) -> list[TensorSpec]:
-        return tensor_specs(hparams)
-
-    def build(self, hparams: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> NemotronHGraph:
-        return NemotronHGraph(hparams, weights, backend)
+    def tensors(self, hp: NemotronHParams) -> list[TensorSpec]:
+        return tensor_specs(hp)
 
 
 class NemotronHMoE(NemotronH):

@@ -15,7 +15,7 @@ import pytest
 from plinth.context import Batch, KVCache
 from plinth.errors import UserError
 from plinth.testing.drafters import assert_caches_equal
-from plinth.testing import check_prefill_then_decode, load_module
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, load_module
 
 
 tiny = load_module(Path(__file__).parent / "tiny.py")
@@ -35,36 +35,43 @@ def registry(plinth_registry):
     return plinth_registry(plugin)
 
 
-def build(registry, name, seed=0):
-    return tiny.build(registry, tiny.metadata(**PATTERNS[name]), seed)
+def build(registry, name, seed=0, backend="numpy"):
+    return tiny.build(registry, tiny.metadata(**PATTERNS[name]), seed, backend=backend)
 
 
 def run(graph, hp, batch):
-    return graph.forward(batch, KVCache(hp.n_layer))
+    return graph.forward(batch, KVCache(hp.n_layer, graph.xp))
+
+
+def host(graph, array):
+    return graph.backend.to_numpy(array)
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_pattern_read_from_the_per_layer_arrays(registry, name):
     hp, graph, _ = build(registry, name)
     assert hp.pattern == PATTERNS[name]["pattern"]
-    assert graph.recurrent is True
+    kinds = {"M": ("Recurrent",), "*": ("KV",), "-": (), "E": ()}
+    assert [tuple(type(k).__name__ for k in ks) for ks in graph.cache_layout()] == [kinds[c] for c in hp.pattern]
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("name", sorted(PATTERNS))
-def test_prefill_then_decode_equals_full_forward(registry, name):
-    hp, graph, _ = build(registry, name)
+def test_prefill_then_decode_equals_full_forward(registry, name, backend):
+    hp, graph, _ = build(registry, name, backend=backend)
     tokens = np.random.default_rng(1).integers(0, hp.n_vocab, 80).tolist()
     check_prefill_then_decode(graph, hp.n_layer, tokens, 70, atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("name", ["mamba", "latent"])
-def test_token_by_token_decode_equals_chunked_prefill(registry, name):
-    hp, graph, _ = build(registry, name)
+def test_token_by_token_decode_equals_chunked_prefill(registry, name, backend):
+    hp, graph, _ = build(registry, name, backend=backend)
     tokens = np.random.default_rng(2).integers(0, hp.n_vocab, 70).tolist()  # > one SSD chunk (64)
-    full_cache = KVCache(hp.n_layer)
-    full = graph.forward(Batch.from_tokens(tokens, output="all"), full_cache).logits
-    cache = KVCache(hp.n_layer)
-    steps = [graph.forward(Batch.from_tokens([t], start=i), cache).logits for i, t in enumerate(tokens)]
+    full_cache = KVCache(hp.n_layer, graph.xp)
+    full = host(graph, graph.forward(Batch.from_tokens(tokens, output="all"), full_cache).logits)
+    cache = KVCache(hp.n_layer, graph.xp)
+    steps = [host(graph, graph.forward(Batch.from_tokens([t], start=i), cache).logits) for i, t in enumerate(tokens)]
     np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-4, rtol=0)
     assert_caches_equal(cache, full_cache, atol=1e-4)  # same conv and SSM states either way
 
@@ -87,34 +94,38 @@ def test_uneven_prefill_chunks_and_chunk_length_do_not_matter(registry, monkeypa
                                atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("name", ["hybrid", "latent"])
-def test_two_sequences_in_one_batch_equal_separate_runs(registry, name):
-    hp, graph, _ = build(registry, name)
+def test_two_sequences_in_one_batch_equal_separate_runs(registry, name, backend):
+    hp, graph, _ = build(registry, name, backend=backend)
     rng = np.random.default_rng(4)
     a, b = rng.integers(0, hp.n_vocab, 9).tolist(), rng.integers(0, hp.n_vocab, 6).tolist()
-    la = run(graph, hp, Batch.from_tokens(a, output="all")).logits
-    lb = run(graph, hp, Batch.from_tokens(b, output="all")).logits
-    cache = KVCache(hp.n_layer)
+    la = host(graph, run(graph, hp, Batch.from_tokens(a, output="all")).logits)
+    lb = host(graph, run(graph, hp, Batch.from_tokens(b, output="all")).logits)
+    cache = KVCache(hp.n_layer, graph.xp)
     both = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
-    lab = graph.forward(both, cache).logits
+    lab = host(graph, graph.forward(both, cache).logits)
     np.testing.assert_allclose(lab[:9], la, atol=5e-5, rtol=0)
     np.testing.assert_allclose(lab[9:], lb, atol=5e-5, rtol=0)
     # then one decode step of both sequences in one batch, rows interleaved
     nxt = Batch.concat([Batch.from_tokens([5], start=6, seq=1), Batch.from_tokens([7], start=9, seq=0)])
-    two = graph.forward(nxt, cache).logits
-    np.testing.assert_allclose(two[1], run(graph, hp, Batch.from_tokens(a + [7])).logits[0], atol=5e-5, rtol=0)
-    np.testing.assert_allclose(two[0], run(graph, hp, Batch.from_tokens(b + [5])).logits[0], atol=5e-5, rtol=0)
+    two = host(graph, graph.forward(nxt, cache).logits)
+    np.testing.assert_allclose(two[1], host(graph, run(graph, hp, Batch.from_tokens(a + [7])).logits)[0],
+                               atol=5e-5, rtol=0)
+    np.testing.assert_allclose(two[0], host(graph, run(graph, hp, Batch.from_tokens(b + [5])).logits)[0],
+                               atol=5e-5, rtol=0)
 
 
-def test_mixed_token_and_embedding_rows_equal_token_rows(registry):
-    hp, graph, w = build(registry, "latent")
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_mixed_token_and_embedding_rows_equal_token_rows(registry, backend):
+    hp, graph, w = build(registry, "latent", backend=backend)
     tokens = np.random.default_rng(5).integers(0, hp.n_vocab, 8).tolist()
-    ref = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
+    ref = host(graph, run(graph, hp, Batch.from_tokens(tokens, output="all")).logits)
     table = w["token_embd.weight"]
     mixed = Batch.concat([Batch.from_tokens(tokens[:3], output="all"),
                           Batch.from_embeddings(table[tokens[3:6]], start=3, output="all"),
                           Batch.from_tokens(tokens[6:], start=6, output="all")])
-    np.testing.assert_allclose(run(graph, hp, mixed).logits, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(host(graph, run(graph, hp, mixed).logits), ref, atol=1e-5, rtol=0)
 
 
 def test_outputs_only_where_asked_taps_pooling_deterministic(registry):

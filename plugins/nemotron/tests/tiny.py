@@ -74,12 +74,14 @@ def weights(specs: Any, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def build(registry: Any, md: dict[str, Any], seed: int = 0) -> tuple[Any, Any, dict[str, np.ndarray]]:
-    """(hparams, graph, weights) of a tiny model, in memory."""
+def build(registry: Any, md: dict[str, Any], seed: int = 0,
+          backend: str = "numpy") -> tuple[Any, Any, dict[str, np.ndarray]]:
+    """(hparams, graph, host weights) of a tiny model, in memory; the graph's weights live on ``backend``."""
     arch = md["general.architecture"]
     hp = registry.arch_hparams(arch, md, f"tiny-{arch}.gguf")
     w = weights(registry.arch_tensors(arch, hp), seed)
-    graph = registry.arch_build(arch, hp, w, registry.make_backend("numpy"))
+    be = registry.make_backend(backend)
+    graph = registry.arch_build(arch, hp, {k: be.asarray(v) for k, v in w.items()}, be)
     return hp, graph, w
 
 

@@ -1,0 +1,835 @@
+"""The inference cache: per-layer cache kinds chosen by the architecture.
+
+A graph declares, per layer, what that layer keeps between forwards (its
+:meth:`cache_layout`): a tuple of *cache kinds*, possibly empty (an FFN-only
+layer), possibly several (an MLA latent plus DSA indexer keys). :class:`Cache`
+holds one instance of each per layer and, inside it, one entry per sequence.
+
+Kinds (all in :mod:`plinth.graph`):
+
+==================  ==========================================  ==============
+kind                what it keeps per sequence                  rollback
+==================  ==========================================  ==============
+:class:`KV`         keys and values per position                cut
+:class:`Latent`     MLA latent ``c_kv`` and ``k_rope``          cut
+:class:`IndexerKeys` DSA indexer keys per position              cut
+:class:`SharedKV`   nothing: reads an earlier layer's K/V       (the owner's)
+:class:`CompressedKV` one row per ``ratio`` positions, plus a   cut at block
+                    raw sliding window                          boundaries, else
+                                                                snapshot
+:class:`Recurrent`  one state (Mamba2 conv + SSM)               snapshot
+==================  ==========================================  ==============
+
+Every kind supports ``seq_rm`` (where it can: see :meth:`CacheKind.can_cut`),
+``seq_cp``, ``snapshot`` / ``restore``, ``clear`` and reports its bytes. Writes
+made during a forward are *pending* until :meth:`Cache.commit` (or dropped by
+:meth:`Cache.rollback_pending` when a layer raises), so a failed forward leaves
+the cache as it was.
+
+Speculative decoding asks the cache, not the architecture, how to undo a verify
+batch: :meth:`Cache.can_cut` says whether cutting at some position works after
+rows ``start..end-1`` are added; when it does not, the engine takes a
+:meth:`Cache.snapshot` before the batch and restores and replays after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+import attrs
+import numpy as np
+
+_BIG = np.iinfo(np.int64).max
+
+
+def _copy(v: Any) -> Any:
+    if isinstance(v, tuple):
+        return tuple(_copy(x) for x in v)
+    return v.copy() if hasattr(v, "copy") else v
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, (tuple, list)):
+        return sum(_nbytes(x) for x in v)
+    return int(getattr(v, "nbytes", 0))
+
+
+# ============================================================================ base
+
+
+class CacheKind:
+    """What one layer keeps of every sequence. Subclasses implement the storage.
+
+    ``kind``: the name reported by ``plinth info`` / ``--stats`` ("kv", "latent", ...).
+    ``rollback``: "cut" (rows can be dropped at any position), "block" (only at some
+    positions: :meth:`can_cut` decides), "snapshot" (never: restore a snapshot and replay)
+    or "none" (the kind holds nothing of its own).
+    """
+
+    kind: ClassVar[str] = "?"
+    rollback: ClassVar[str] = "cut"
+
+    def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
+        """Called once by :class:`Cache`: the array module, this kind's layer and its cache."""
+        self.xp = xp
+        self.layer = layer
+        self.cache = cache
+
+    # each method below works on one sequence; ``seq=None`` in clear means every sequence
+    def can_cut(self, seq: int, p: int) -> bool:
+        """Whether :meth:`seq_rm` ``(seq, p, None)`` would succeed now."""
+        return True
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
+        raise NotImplementedError
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        raise NotImplementedError
+
+    def snapshot(self, seq: int) -> Any:
+        raise NotImplementedError
+
+    def restore(self, seq: int, snap: Any) -> None:
+        raise NotImplementedError
+
+    def clear(self, seq: int | None = None) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        pass
+
+    def rollback_pending(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+    def holds(self, seq: int) -> bool:
+        """Whether anything of ``seq`` is stored here."""
+        return False
+
+
+# ============================================================================ rows
+
+
+class Rows(CacheKind):
+    """Per-position rows: one or more named arrays ``[n_cached, *shape]`` plus their positions.
+
+    Storage grows by doubling, so appending one token is amortised O(1). Rows written
+    by :meth:`append` are visible to the forward that wrote them and become part of the
+    cache at commit. Any range of positions can be dropped (rollback "cut").
+    """
+
+    kind = "rows"
+    fields: tuple[str, ...] = ("rows",)
+
+    def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
+        super().bind(xp, layer, cache)
+        self._buf: dict[int, list[Any]] = {}  # seq -> one buffer per field
+        self._pos: dict[int, np.ndarray] = {}
+        self._len: dict[int, int] = {}
+        self._pending: dict[int, int] = {}
+
+    def holds(self, seq: int) -> bool:
+        return self._len.get(seq, 0) > 0
+
+    def length(self, seq: int) -> int:
+        """Committed rows of ``seq``."""
+        return self._len.get(seq, 0)
+
+    def positions(self, seq: int) -> np.ndarray:
+        n = self._pending.get(seq, self._len.get(seq, 0))
+        return self._pos[seq][:n] if seq in self._pos else np.zeros(0, np.int64)
+
+    def get(self, seq: int) -> tuple[Any, ...]:
+        """Every field of ``seq`` (views, including this forward's rows), then positions."""
+        n = self._pending.get(seq, self._len.get(seq, 0))
+        if seq not in self._buf:
+            return tuple(None for _ in self.fields) + (np.zeros(0, np.int64),)
+        return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
+
+    def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
+        """Add rows of ``seq`` at ``positions`` ([n]); ``arrays`` one per field, [n, *shape].
+
+        Returns every field's rows so far (views) and their positions.
+        """
+        xp = self.xp
+        n_old = self._pending.get(seq, self._len.get(seq, 0))
+        n_new = n_old + len(positions)
+        bufs = self._buf.get(seq)
+        if bufs is None or bufs[0].shape[0] < n_new:
+            cap = max(n_new, 2 * (bufs[0].shape[0] if bufs is not None else 0), 16)
+            grown = [xp.empty((cap,) + tuple(a.shape[1:]), dtype=xp.float32) for a in arrays]
+            pos = np.zeros(cap, np.int64)
+            if bufs is not None:
+                for g, b in zip(grown, bufs):
+                    g[:n_old] = b[:n_old]
+                pos[:n_old] = self._pos[seq][:n_old]
+            else:
+                self._len[seq] = 0
+            bufs = self._buf[seq] = grown
+            self._pos[seq] = pos
+        for b, a in zip(bufs, arrays):
+            b[n_old:n_new] = a
+        self._pos[seq][n_old:n_new] = positions
+        self._pending[seq] = n_new
+        return tuple(b[:n_new] for b in bufs) + (self._pos[seq][:n_new],)
+
+    def commit(self) -> None:
+        for seq, n in self._pending.items():
+            self._len[seq] = n
+        self._pending.clear()
+
+    def rollback_pending(self) -> None:
+        self._pending.clear()
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
+        if seq not in self._len:
+            return
+        n = self._len[seq]
+        pos = self._pos[seq][:n]
+        hi = _BIG if p1 is None else p1
+        keep = ~((pos >= p0) & (pos < hi))
+        if keep.all():
+            return
+        idx = np.nonzero(keep)[0]
+        m = len(idx)
+        if m == 0:
+            self.clear(seq)
+            return
+        if not (idx == np.arange(m)).all():  # rows removed below the end: compact
+            for b in self._buf[seq]:
+                b[:m] = b[idx]
+            self._pos[seq][:m] = pos[idx]
+        self._len[seq] = m
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.clear(dst)
+        if src in self._len:
+            n = self._len[src]
+            self._len[dst] = n
+            self._pos[dst] = self._pos[src][:n].copy()
+            self._buf[dst] = [b[:n].copy() for b in self._buf[src]]
+
+    def snapshot(self, seq: int) -> Any:
+        # rows after a snapshot are only ever appended, so the length is enough
+        return self._len.get(seq, 0)
+
+    def restore(self, seq: int, snap: Any) -> None:
+        if snap == 0:
+            self.clear(seq)
+        elif seq in self._len:
+            if self._len[seq] < snap:
+                raise ValueError(f"cannot restore sequence {seq} of layer {self.layer}: rows were removed "
+                                 "below the snapshot")
+            self._len[seq] = snap
+
+    def clear(self, seq: int | None = None) -> None:
+        for table in (self._buf, self._pos, self._len, self._pending):
+            if seq is None:
+                table.clear()
+            else:
+                table.pop(seq, None)
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached rows (not the spare capacity)."""
+        total = 0
+        for seq, bufs in self._buf.items():
+            n = self._len.get(seq, 0)
+            total += sum(int(b[:n].nbytes) for b in bufs) + 8 * n
+        return total
+
+
+class KV(Rows):
+    """Plain attention keys and values: K ``[n, n_head_kv, head_dim_k]``, V ``[n, n_head_kv, head_dim_v]``."""
+
+    kind = "kv"
+    fields = ("k", "v")
+
+    def update(self, seq: int, positions: np.ndarray, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
+        """Append this forward's rows of ``seq``; returns (K [n_total, ...], V [n_total, ...], positions)."""
+        return self.append(seq, positions, k, v)  # type: ignore[return-value]
+
+
+class Latent(Rows):
+    """An MLA latent: ``c_kv`` ``[n, kv_lora_rank]`` (normed) and the shared rotated key ``k_rope`` ``[n, d_rope]``."""
+
+    kind = "latent"
+    fields = ("c_kv", "k_rope")
+
+    def update(self, seq: int, positions: np.ndarray, c_kv: Any, k_rope: Any) -> tuple[Any, Any, np.ndarray]:
+        return self.append(seq, positions, c_kv, k_rope)  # type: ignore[return-value]
+
+
+class IndexerKeys(Rows):
+    """DSA lightning-indexer keys ``[n, index_head_dim]`` (used to pick the top-k positions to attend)."""
+
+    kind = "indexer"
+    fields = ("k",)
+
+    def update(self, seq: int, positions: np.ndarray, k: Any) -> tuple[Any, np.ndarray]:
+        return self.append(seq, positions, k)  # type: ignore[return-value]
+
+
+# ============================================================================ shared
+
+
+class SharedKV(CacheKind):
+    """A layer that reads the K/V (or latent) of an earlier layer ``source`` and keeps none of its own.
+
+    (Mistral Large 4's ``kv_sharing_modes`` "reuse"; with "reuse_but_indexer" the layer also
+    holds its own :class:`IndexerKeys`.) Its rollback is its source's.
+    """
+
+    kind = "shared"
+    rollback = "none"
+
+    def __init__(self, source: int) -> None:
+        self.source = source
+
+    def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
+        if not 0 <= self.source < layer:
+            raise ValueError(f"layer {layer} shares the cache of layer {self.source}, which is not an earlier layer")
+        super().bind(xp, layer, cache)
+
+    def owner(self, kind: type[Rows] = Rows) -> Any:
+        """The source layer's cache kind of type ``kind`` (following chains of sharing)."""
+        return self.cache.find(self.source, kind)
+
+    def get(self, seq: int) -> tuple[Any, ...]:
+        """The source layer's rows of ``seq`` (including the current forward's), then positions."""
+        return self.owner().get(seq)
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
+        pass
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        pass
+
+    def snapshot(self, seq: int) -> Any:
+        return None
+
+    def restore(self, seq: int, snap: Any) -> None:
+        pass
+
+    def clear(self, seq: int | None = None) -> None:
+        pass
+
+
+# ============================================================================ compressed
+
+
+class CompressedKV(CacheKind):
+    """Compressed KV blocks at ``ratio`` beside a raw sliding window (DeepSeek V4 CSA / HCA).
+
+    Per sequence it keeps ``raw`` rows ``[n, dim]`` of at least the last ``window``
+    positions (and the positions of the block being filled), and one ``block`` row
+    ``[dim_c]`` per complete block of ``ratio`` positions (its position is the block's
+    first). The architecture writes raw rows with :meth:`append_raw` and, when a block
+    is complete (:meth:`complete_blocks`), its compressed row with :meth:`append_block`.
+
+    Rollback: a cut at position ``p`` works when no compressed block straddles ``p`` and
+    the raw rows that the window at ``p`` needs are still held (``keep`` extra raw rows
+    beyond the window are retained for that); otherwise :meth:`can_cut` is False and the
+    engine restores a snapshot (which copies this kind's rows) and replays.
+    """
+
+    kind = "compressed"
+    rollback = "block"
+
+    def __init__(self, ratio: int, window: int, keep: int = 32) -> None:
+        if ratio < 1 or window < 0 or keep < 0:
+            raise ValueError(f"CompressedKV needs ratio >= 1, window >= 0, keep >= 0 (got {ratio}, {window}, {keep})")
+        self.ratio, self.window, self.keep = int(ratio), int(window), int(keep)
+
+    def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
+        super().bind(xp, layer, cache)
+        self.raw = Rows()
+        self.raw.fields = ("raw",)
+        self.blocks = Rows()
+        self.blocks.fields = ("block",)
+        self.raw.bind(xp, layer, cache)
+        self.blocks.bind(xp, layer, cache)
+        self._from: dict[int, int] = {}  # seq -> first position ever written (rows before it never existed)
+
+    def holds(self, seq: int) -> bool:
+        return self.raw.holds(seq) or self.blocks.holds(seq)
+
+    def append_raw(self, seq: int, positions: np.ndarray, rows: Any) -> tuple[Any, np.ndarray]:
+        """Add raw rows [n, dim] at consecutive ``positions``; returns the raw rows held (views) and positions."""
+        self._from.setdefault(seq, int(positions[0]) if len(positions) else 0)
+        return self.raw.append(seq, positions, rows)  # type: ignore[return-value]
+
+    def complete_blocks(self, seq: int) -> list[int]:
+        """Start positions of the blocks whose raw rows are all written but that are not compressed yet."""
+        raw_pos = self.raw.positions(seq)
+        if raw_pos.size == 0:
+            return []
+        blk_pos = self.blocks.positions(seq)
+        first = int(blk_pos[-1]) + self.ratio if blk_pos.size else (self._from.get(seq, 0) // self.ratio) * self.ratio
+        end = int(raw_pos.max()) + 1
+        return list(range(first, end - self.ratio + 1, self.ratio))
+
+    def raw_block(self, seq: int, start: int) -> Any:
+        """The raw rows [ratio, dim] of the block starting at ``start``."""
+        rows, pos = self.raw.get(seq)
+        sel = np.nonzero((pos >= start) & (pos < start + self.ratio))[0]
+        if len(sel) != self.ratio:
+            raise ValueError(f"layer {self.layer}: block at {start} of sequence {seq} is not fully held")
+        return rows[int(sel[0]):int(sel[-1]) + 1]
+
+    def append_block(self, seq: int, start: int, row: Any) -> None:
+        """Store the compressed row [dim_c] of the block starting at ``start``."""
+        self.blocks.append(seq, np.array([start], np.int64), row[None])
+
+    def get(self, seq: int) -> tuple[Any, np.ndarray, Any, np.ndarray]:
+        """(blocks [n_blocks, dim_c], their start positions, raw rows [n_raw, dim], their positions)."""
+        blocks, bpos = self.blocks.get(seq)
+        raw, rpos = self.raw.get(seq)
+        return blocks, bpos, raw, rpos
+
+    def commit(self) -> None:
+        self.raw.commit()
+        self.blocks.commit()
+        for seq in list(self.raw._len):  # drop raw rows neither the window nor a rollback can need
+            pos = self.raw.positions(seq)
+            if pos.size == 0:
+                continue
+            end = int(pos.max()) + 1
+            bpos = self.blocks.positions(seq)
+            filling = int(bpos[-1]) + self.ratio if bpos.size else 0
+            lo = min(end - self.window - self.keep, filling - self.keep)
+            if int(pos[0]) < lo:
+                self.raw.seq_rm(seq, 0, lo)
+
+    def rollback_pending(self) -> None:
+        self.raw.rollback_pending()
+        self.blocks.rollback_pending()
+
+    def can_cut(self, seq: int, p: int) -> bool:
+        bpos = self.blocks.positions(seq)
+        if bpos.size and ((bpos < p) & (bpos + self.ratio > p)).any():
+            return False  # a compressed block holds positions on both sides of p
+        rpos = self.raw.positions(seq)
+        need = max(self._from.get(seq, 0), min(p - self.window, (p // self.ratio) * self.ratio))
+        return not rpos.size or int(rpos[0]) <= need or int(rpos.max()) < need
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
+        if p1 is not None:
+            rpos = self.raw.positions(seq)
+            if rpos.size and int(rpos.max()) >= p1 and p0 < p1:
+                raise ValueError(f"layer {self.layer} (compressed KV) cannot drop positions {p0}..{p1} from the "
+                                 f"middle of sequence {seq}")
+        if p0 <= self._from.get(seq, 0):
+            self.clear(seq)
+            return
+        if not self.can_cut(seq, p0):
+            raise ValueError(f"layer {self.layer} (compressed KV, ratio {self.ratio}) cannot cut sequence {seq} "
+                             f"at position {p0}: take a snapshot() before the rows and restore() it instead")
+        self.raw.seq_rm(seq, p0, None)
+        self.blocks.seq_rm(seq, p0, None)
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.raw.seq_cp(src, dst)
+        self.blocks.seq_cp(src, dst)
+        if src in self._from:
+            self._from[dst] = self._from[src]
+
+    def snapshot(self, seq: int) -> Any:
+        # the raw window is trimmed at commit, so a snapshot copies what it holds
+        raw, rpos = self.raw.get(seq)
+        blocks, bpos = self.blocks.get(seq)
+        return (None if raw is None else raw.copy(), rpos.copy(), None if blocks is None else blocks.copy(),
+                bpos.copy(), self._from.get(seq))
+
+    def restore(self, seq: int, snap: Any) -> None:
+        raw, rpos, blocks, bpos, start = snap
+        self.clear(seq)
+        if start is None:
+            return
+        self._from[seq] = start
+        if len(rpos):
+            self.raw.append(seq, rpos, raw)
+        if len(bpos):
+            self.blocks.append(seq, bpos, blocks)
+        for part in (self.raw, self.blocks):
+            if seq in part._pending:
+                part._len[seq] = part._pending.pop(seq)
+
+    def clear(self, seq: int | None = None) -> None:
+        self.raw.clear(seq)
+        self.blocks.clear(seq)
+        if seq is None:
+            self._from.clear()
+        else:
+            self._from.pop(seq, None)
+
+    def nbytes(self) -> int:
+        return self.raw.nbytes() + self.blocks.nbytes()
+
+
+# ============================================================================ recurrent
+
+
+class Recurrent(CacheKind):
+    """One recurrent state per sequence (Mamba2: ``(conv_state [K-1, conv_dim], ssm_state [H, P, N])``).
+
+    The state after token t depends on every earlier token, so it cannot drop positions:
+    rollback is by snapshot (a copy of the state) and replay.
+    """
+
+    kind = "state"
+    rollback = "snapshot"
+
+    def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
+        super().bind(xp, layer, cache)
+        self._state: dict[int, Any] = {}
+        self._pending: dict[int, Any] = {}
+
+    def holds(self, seq: int) -> bool:
+        return seq in self._state
+
+    def get(self, seq: int) -> Any:
+        """The state of ``seq`` after the rows written so far (None before the first token)."""
+        if seq in self._pending:
+            return self._pending[seq]
+        return self._state.get(seq)
+
+    def set(self, seq: int, value: Any) -> None:
+        """The state after this forward's rows of ``seq`` (store new arrays; do not mutate the old)."""
+        self._pending[seq] = value
+
+    def commit(self) -> None:
+        self._state.update(self._pending)
+        self._pending.clear()
+
+    def rollback_pending(self) -> None:
+        self._pending.clear()
+
+    def can_cut(self, seq: int, p: int) -> bool:
+        return seq not in self._state or p <= 0
+
+    def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
+        if seq not in self._state:
+            return
+        if p0 <= 0 and p1 is None:
+            self.clear(seq)
+            return
+        raise ValueError(f"sequence {seq} holds recurrent state (layer {self.layer}), which cannot drop positions "
+                         f"{p0}..{'' if p1 is None else p1}; take a snapshot() before the rows and restore() it instead")
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        self.clear(dst)
+        if src in self._state:
+            self._state[dst] = _copy(self._state[src])
+
+    def snapshot(self, seq: int) -> Any:
+        return _copy(self._state[seq]) if seq in self._state else None
+
+    def restore(self, seq: int, snap: Any) -> None:
+        self._pending.pop(seq, None)
+        if snap is None:
+            self._state.pop(seq, None)
+        else:
+            self._state[seq] = snap
+
+    def clear(self, seq: int | None = None) -> None:
+        if seq is None:
+            self._state.clear()
+            self._pending.clear()
+        else:
+            self._state.pop(seq, None)
+            self._pending.pop(seq, None)
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(v) for v in self._state.values())
+
+
+# ============================================================================ the cache
+
+
+@attrs.frozen
+class CacheSnapshot:
+    """What :meth:`Cache.snapshot` saved of one sequence: its token positions and every kind's part."""
+
+    seq: int
+    n_cached: int
+    positions: np.ndarray
+    layers: dict[tuple[int, int], Any]
+    next_position: int = 0
+
+    @property
+    def states(self) -> dict[int, Any]:
+        """The recurrent states saved, by layer."""
+        return {il: v for (il, _), v in self.layers.items() if v is not None and not isinstance(v, int)}
+
+
+Layout = Sequence[Sequence[CacheKind]]
+
+
+class Cache:
+    """Every layer's cache kinds, and per sequence the positions of the tokens run so far.
+
+    ``layout``: per layer a sequence of :class:`CacheKind` instances (fresh ones: the cache
+    owns them), as a graph's ``cache_layout()`` returns. Without a layout every layer gets
+    a :class:`KV` and a :class:`Recurrent` on first use (the 1.x behaviour).
+    """
+
+    def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None) -> None:
+        self.n_layer = n_layer
+        self.xp = xp
+        self._lazy = layout is None
+        if layout is not None and len(layout) != n_layer:
+            raise ValueError(f"the cache layout has {len(layout)} layers, the model {n_layer}")
+        self.layers: list[list[CacheKind]] = [[] for _ in range(n_layer)]
+        for il, kinds in enumerate(layout or [()] * n_layer):
+            for kind in kinds:
+                self._add(il, kind)
+        self._pos: dict[int, np.ndarray] = {}  # seq -> positions of the tokens run (committed)
+        self._pending: dict[int, np.ndarray] = {}
+        self._seen: dict[int, int] = {}
+
+    def _add(self, il: int, kind: CacheKind) -> CacheKind:
+        kind.bind(self.xp, il, self)
+        self.layers[il].append(kind)
+        return kind
+
+    # -------------------------------------------------------------- the kinds
+
+    def find(self, il: int, kind: type) -> Any:
+        """Layer ``il``'s cache of type ``kind`` (a :class:`SharedKV` resolves to its source's)."""
+        for k in self.layers[il]:
+            if isinstance(k, kind):
+                return k
+        for k in self.layers[il]:
+            if isinstance(k, SharedKV):
+                return self.find(k.source, kind)
+        if self._lazy:
+            return self._add(il, kind())
+        raise KeyError(f"layer {il} keeps no {kind.__name__} cache (its layout: "
+                       f"{[type(k).__name__ for k in self.layers[il]] or 'nothing'})")
+
+    def kv(self, il: int) -> KV:
+        return self.find(il, KV)  # type: ignore[no-any-return]
+
+    def state(self, il: int) -> Recurrent:
+        return self.find(il, Recurrent)  # type: ignore[no-any-return]
+
+    def kinds(self) -> Iterable[CacheKind]:
+        for kinds in self.layers:
+            yield from kinds
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes held per kind name ("kv", "latent", "state", ...), over every layer and sequence."""
+        out: dict[str, int] = {}
+        for k in self.kinds():
+            out[k.kind] = out.get(k.kind, 0) + k.nbytes()
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_kind().values())
+
+    # -------------------------------------------------------------- tokens
+
+    def begin(self, positions: np.ndarray, seq_ids: np.ndarray) -> None:
+        """A forward starts: these (position, sequence) rows are being added."""
+        for seq in np.unique(seq_ids):
+            seq = int(seq)
+            self._pending[seq] = positions[seq_ids == seq]
+
+    def seqs(self) -> list[int]:
+        return sorted(set(self._pos) | {s for s, _ in self._seen.items()})
+
+    def n_cached(self, seq: int) -> int:
+        """Tokens of ``seq`` in the cache."""
+        return len(self._pos.get(seq, ()))
+
+    def positions(self, seq: int) -> np.ndarray:
+        return self._pos.get(seq, np.zeros(0, np.int64))
+
+    def next_position(self, seq: int) -> int:
+        pos = self._pos.get(seq)
+        if pos is not None and pos.size:
+            return int(pos.max()) + 1
+        return int(self._seen.get(seq, 0))
+
+    def observe(self, seq: int, next_position: int) -> None:
+        """Record that ``seq`` has been run up to ``next_position`` (kept for 1.x graphs)."""
+        if next_position > self._seen.get(seq, 0):
+            self._seen[seq] = next_position
+
+    def holds_state(self, seq: int | None = None) -> bool:
+        """Whether ``seq`` (any when None) has something that cannot be cut (a recurrent state)."""
+        for k in self.kinds():
+            if k.rollback == "snapshot" and (any(k.holds(s) for s in self.seqs()) if seq is None else k.holds(seq)):
+                return True
+        return False
+
+    has_state = holds_state
+
+    # -------------------------------------------------------------- 1.x conveniences
+
+    def update(self, layer: int, seq: int, positions: np.ndarray, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
+        """Append K/V rows of ``seq`` to ``layer``'s :class:`KV` and return all of them (see :meth:`KV.update`)."""
+        if seq not in self._pending:
+            self._pending[seq] = np.asarray(positions)
+        return self.kv(layer).update(seq, positions, k, v)
+
+    def layer_kv(self, layer: int, seq: int) -> tuple[Any, Any] | None:
+        for k in self.layers[layer]:
+            if isinstance(k, KV) and k.holds(seq):
+                kk, vv, _ = k.get(seq)
+                return kk, vv
+        return None
+
+    def get_state(self, layer: int, seq: int) -> Any:
+        return self.state(layer).get(seq)
+
+    def set_state(self, layer: int, seq: int, value: Any) -> None:
+        self.state(layer).set(seq, value)
+
+    def states(self, seq: int) -> dict[int, Any]:
+        """The committed recurrent states of ``seq`` by layer."""
+        return {k.layer: k._state[seq] for k in self.kinds() if isinstance(k, Recurrent) and seq in k._state}
+
+    # -------------------------------------------------------------- forward unit
+
+    def commit(self) -> None:
+        """End of a forward: everything written becomes part of the cache."""
+        for k in self.kinds():
+            k.commit()
+        for seq, pos in self._pending.items():
+            old = self._pos.get(seq)
+            self._pos[seq] = pos.copy() if old is None or not old.size else np.concatenate([old, pos])
+            self._seen[seq] = max(self._seen.get(seq, 0), int(pos.max()) + 1 if pos.size else 0)
+        self._pending.clear()
+
+    def rollback_pending(self) -> None:
+        """Drop what a forward that failed half way wrote."""
+        for k in self.kinds():
+            k.rollback_pending()
+        self._pending.clear()
+
+    # -------------------------------------------------------------- rollback
+
+    def can_cut(self, seq: int, p: int) -> bool:
+        """Whether ``seq_rm(seq, p)`` (drop positions >= p) works on every layer now."""
+        return all(k.can_cut(seq, p) for k in self.kinds())
+
+    def cut_plan(self, seq: int, start: int, end: int) -> str:
+        """How to undo rows ``start..end-1`` about to be added: "cut" or "snapshot".
+
+        "cut" when every kind will be able to drop positions from any ``p`` in ``start+1..end-1``
+        after those rows are written (a compressed kind checks whether a block would complete
+        in between); "snapshot" otherwise.
+        """
+        for k in self.kinds():
+            if k.rollback == "snapshot" and (k.holds(seq) or end > start):
+                return "snapshot"
+            if k.rollback == "block":
+                assert isinstance(k, CompressedKV)
+                for p in range(start + 1, end):
+                    b = (p // k.ratio) * k.ratio
+                    if b < p and b + k.ratio <= end:  # the block around p is completed by this batch
+                        return "snapshot"
+                    if max(0, min(p - k.window, b)) < end - k.window - k.keep:
+                        return "snapshot"  # the raw rows the window at p needs may be trimmed
+        return "cut"
+
+    def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:
+        """Remove the cached positions ``p0 <= position < p1`` (p1 None = to the end) of ``seq``."""
+        pos = self._pos.get(seq)
+        if pos is None and seq not in self._seen:
+            return
+        if pos is None:
+            pos = np.zeros(0, np.int64)
+        hi = _BIG if p1 is None else p1
+        keep = ~((pos >= p0) & (pos < hi))
+        if keep.all() and not (p0 <= 0 and p1 is None):
+            return
+        # kinds that may refuse go first, so a refusal leaves every layer as it was
+        for k in sorted(self.kinds(), key=lambda k: k.rollback == "cut"):
+            k.seq_rm(seq, p0, p1)
+        if not keep.any():
+            self.clear(seq)
+            return
+        self._pos[seq] = pos[keep]
+        self._seen[seq] = int(pos[keep].max()) + 1
+
+    def seq_cp(self, src: int, dst: int) -> None:
+        """Make ``dst`` a copy of ``src`` (replacing whatever ``dst`` held)."""
+        self.clear(dst)
+        for k in self.kinds():
+            k.seq_cp(src, dst)
+        if src in self._pos:
+            self._pos[dst] = self._pos[src].copy()
+        if src in self._seen:
+            self._seen[dst] = self._seen[src]
+
+    def snapshot(self, seq: int) -> CacheSnapshot:
+        """Save ``seq`` (its rows' lengths, copies of its states and compressed blocks; on the backend)."""
+        return CacheSnapshot(seq=seq, n_cached=self.n_cached(seq), positions=self.positions(seq).copy(),
+                             layers={(il, j): k.snapshot(seq) for il, kinds in enumerate(self.layers)
+                                     for j, k in enumerate(kinds)},
+                             next_position=self.next_position(seq))
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Put ``snap.seq`` back as it was at :meth:`snapshot` (rows added since are dropped).
+
+        Only rows appended after the snapshot may be dropped: the cache must not have been
+        edited below ``snap.n_cached`` in between.
+        """
+        seq = snap.seq
+        pos = self.positions(seq)
+        if len(pos) < snap.n_cached or not np.array_equal(pos[: snap.n_cached], snap.positions):
+            raise ValueError(f"cannot restore sequence {seq}: the cache changed below the snapshot")
+        for il, kinds in enumerate(self.layers):
+            for j, k in enumerate(kinds):
+                if (il, j) in snap.layers:
+                    k.restore(seq, snap.layers[(il, j)])
+                else:  # a kind added after the snapshot (lazy layout)
+                    k.clear(seq)
+        self._pending.pop(seq, None)
+        if snap.n_cached:
+            self._pos[seq] = snap.positions.copy()
+        else:
+            self._pos.pop(seq, None)
+        self._seen[seq] = snap.next_position
+        if not snap.n_cached and not snap.next_position:
+            self._seen.pop(seq, None)
+
+    def clear(self, seq: int | None = None) -> None:
+        for k in self.kinds():
+            k.clear(seq)
+        for table in (self._pos, self._pending, self._seen):
+            if seq is None:
+                table.clear()
+            else:
+                table.pop(seq, None)
+
+
+KVCache = Cache  # the 1.x name
+
+
+def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: Cache,
+               taps: Sequence[int] = ()) -> tuple[Any, dict[int, Any]]:
+    """``x = layer(il, x)`` for every layer, as one unit of work on ``cache``.
+
+    What the layers write becomes part of the cache at the end (:meth:`Cache.commit`),
+    or is dropped if a layer raises. Returns the final residual and the feature taps asked
+    for: the input of layer k for each tap k, and for tap ``n_layer`` the residual before
+    the final norm.
+    """
+    features: dict[int, Any] = {}
+    try:
+        for il in range(n_layer):
+            if il in taps:
+                features[il] = x
+            x = layer(il, x)
+    except BaseException:
+        cache.rollback_pending()
+        raise
+    cache.commit()
+    if n_layer in taps:
+        features[n_layer] = x
+    return x, features

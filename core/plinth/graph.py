@@ -1,0 +1,475 @@
+"""The public graph API: everything an architecture plugin builds its forward from.
+
+An architecture plugin needs three things from the core, all here:
+
+* the data: :class:`Batch` (rows in), :class:`ForwardOutput` (logits / embeddings /
+  feature taps out), the :class:`Cache` and its per-layer cache kinds (:class:`KV`,
+  :class:`Latent`, :class:`IndexerKeys`, :class:`SharedKV`, :class:`CompressedKV`,
+  :class:`Recurrent`);
+* the plumbing every graph repeats: :func:`run_layers` (the layer loop with feature taps,
+  committing the cache or rolling it back), :func:`seq_groups` (rows per sequence),
+  :func:`embed_rows` (token / embedding / mixed rows), :class:`Linear` (weights stacked on
+  the output axis, multiplied through :func:`plinth.ops.linear`), :class:`LMHead` (tied or
+  untied, logits only for rows that ask), :func:`pool`, :func:`attend` (per-sequence
+  attention over a :class:`KV` cache) and :class:`Rope` (per-layer RoPE tables);
+* two base classes: :class:`BaseGraph` (a forward that embeds, runs ``layer(il, x, step)``
+  for every layer and applies the head) and :class:`Architecture` (the three steps the
+  engine calls — hparams, tensors, build — from one class).
+
+A graph satisfies the :class:`Graph` protocol; hparams satisfy :class:`HParams` (the
+fields the core reads). Model code uses :mod:`plinth.ops` for the maths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+
+import attrs
+import numpy as np
+
+from . import ops, quant
+from .cache import (
+    KV,
+    Cache,
+    CacheKind,
+    CacheSnapshot,
+    CompressedKV,
+    IndexerKeys,
+    KVCache,
+    Latent,
+    Layout,
+    Recurrent,
+    Rows,
+    SharedKV,
+    run_layers,
+)
+from .context import Batch, ForwardOutput, pool
+from .hparams import HParamsError, KeyReader, PerLayer
+from .tensors import TensorSpec
+
+__all__ = [
+    "Architecture",
+    "BaseGraph",
+    "Batch",
+    "Cache",
+    "CacheKind",
+    "CacheSnapshot",
+    "CompressedKV",
+    "ForwardOutput",
+    "Graph",
+    "HParams",
+    "HParamsError",
+    "IndexerKeys",
+    "KV",
+    "KVCache",
+    "KeyReader",
+    "LMHead",
+    "Latent",
+    "Layout",
+    "Linear",
+    "PerLayer",
+    "Recurrent",
+    "Rope",
+    "Rows",
+    "SharedKV",
+    "Step",
+    "TargetView",
+    "TensorSpec",
+    "attend",
+    "embed_rows",
+    "pool",
+    "run_layers",
+    "seq_groups",
+]
+
+
+# ============================================================================ protocols
+
+
+@runtime_checkable
+class HParams(Protocol):
+    """The hparams fields the core reads (any attrs ``@frozen`` class with these).
+
+    n_layer: number of blocks (feature taps are 0..n_layer). n_vocab: rows of the LM head
+    (-1 until the loader fills it from ``token_embd.weight``). n_embd: width of the residual
+    (drafters check it). n_ctx_train: the context the model was trained for (the default
+    context size).
+    """
+
+    n_layer: int
+    n_vocab: int
+    n_embd: int
+    n_ctx_train: int
+
+
+@runtime_checkable
+class Graph(Protocol):
+    """What ``Architecture.build`` returns: the forward the engine runs.
+
+    ``cache_layout()``: per layer, fresh :class:`CacheKind` instances (the layer's memory).
+    ``forward(batch, cache, *, taps=(), pooling="none", embeddings=False)``: run ``batch``
+    against ``cache`` (writing its rows, committed at the end); logits ``[n_out, n_vocab]`` for
+    the rows with ``batch.output``, or pooled embeddings when ``pooling`` != "none"; the
+    residual entering each layer in ``taps``.
+    """
+
+    def cache_layout(self) -> Layout: ...
+
+    def forward(self, batch: Batch, cache: Cache, *, taps: Sequence[int] = (), pooling: str = "none",
+                embeddings: bool = False) -> ForwardOutput: ...
+
+
+# ============================================================================ rows per sequence
+
+
+def seq_groups(seq_ids: np.ndarray) -> list[tuple[int, Any]]:
+    """The batch's rows per sequence, in order of sequence id: (seq, selector).
+
+    The selector is a slice when the sequence's rows are contiguous (the common case),
+    else an index array.
+    """
+    n = len(seq_ids)
+    if n and seq_ids[0] == seq_ids[-1] and (n < 3 or (seq_ids == seq_ids[0]).all()):
+        return [(int(seq_ids[0]), slice(0, n))]
+    groups = []
+    for seq in np.unique(seq_ids):
+        rows = np.nonzero(seq_ids == seq)[0]
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        groups.append((int(seq), slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows))
+    return groups
+
+
+@attrs.define
+class Step:
+    """What one forward computes once and every layer shares.
+
+    batch, cache: the forward's. groups: :func:`seq_groups` of the batch. memo: values
+    layers share (attention biases, RoPE tables), filled on first use through :meth:`once`.
+    """
+
+    batch: Batch
+    cache: Cache
+    groups: list[tuple[int, Any]]
+    memo: dict[Any, Any] = attrs.field(factory=dict)
+
+    def once(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``memo[key]``, computed by ``make()`` the first time."""
+        value = self.memo.get(key)
+        if value is None:
+            value = self.memo[key] = make()
+        return value
+
+
+# ============================================================================ embedding and linears
+
+
+def embed_rows(table: Any, batch: Batch, xp: Any, scale: float = 1.0) -> Any:
+    """Input rows [n_rows, n_embd]: ``table[token]``, or the batch's own embedding where ``is_embd``.
+
+    table: [n_vocab, n_embd]. ``scale`` multiplies every row (Gemma's sqrt(n_embd)).
+    """
+    x = table[xp.asarray(batch.tokens)]
+    if batch.is_embd is not None and batch.is_embd.any():
+        x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
+    if scale != 1.0:
+        x = x * np.float32(scale)
+    return x
+
+
+def _offsets(parts: list[Any]) -> list[int]:
+    out, o = [], 0
+    for p in parts:
+        out.append(o)
+        o += p.shape[0]
+    return out
+
+
+@attrs.frozen
+class Linear:
+    """``x -> x @ W.T (+ bias)``, W kept in the layout the matrix product runs fastest.
+
+    OpenBLAS streams a matrix-vector product through a row-major [n_in, n_out] matrix faster
+    than through [n_out, n_in] when the output is at least as wide as the input (QKV,
+    gate/up, the attention output), and slower for narrow outputs (FFN down); see
+    benchmarks/README.md. ``transposed`` says which layout ``w`` has. Build one with
+    :meth:`stack`.
+    """
+
+    w: Any  # [n_out, n_in], or [n_in, n_out] when transposed
+    transposed: bool
+    bias: Any = None
+    _weight: Any = attrs.field(default=None, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "_weight", self.w.T if self.transposed else self.w)
+
+    def __call__(self, x: Any) -> Any:
+        """x: [n, n_in] -> [n, n_out]."""
+        return ops.linear_t(x, self.w, self.bias) if self.transposed else ops.linear(x, self.w, self.bias)
+
+    @property
+    def weight(self) -> Any:
+        """The matrix in GGUF layout [n_out, n_in] (a view; the same object every time)."""
+        return self._weight
+
+    @classmethod
+    def stack(cls, weights: Mapping[str, Any], names: Sequence[str], xp: Any, bias: Sequence[str] = ()) -> "Linear":
+        """The named [n_out, n_in] weights stacked on the output axis as one matrix (Q|K|V, gate|up).
+
+        ``bias``: names of the matching bias vectors (all or none). When ``weights`` is a dict, its
+        entries for ``names`` become views of the stacked matrix, so memory is not doubled.
+        """
+        b = xp.concatenate([xp.asarray(weights[n], dtype=xp.float32) for n in bias]) if bias else None
+        stacked = quant.stack([weights[n] for n in names])  # quantized weights stay quantized
+        if stacked is not None:
+            parts = [weights[n] for n in names]
+            views = [stacked[o:o + p.shape[0]] for o, p in zip(_offsets(parts), parts)]
+            lin = cls(stacked, transposed=False, bias=b)
+        else:
+            lin, views = cls._stack_f32([xp.asarray(weights[n], dtype=xp.float32) for n in names], xp, b)
+        if isinstance(weights, dict):
+            for n, v in zip(names, views):
+                weights[n] = v
+        return lin
+
+    @classmethod
+    def _stack_f32(cls, parts: list[Any], xp: Any, b: Any) -> tuple["Linear", list[Any]]:
+        """float32 parts stacked in the layout BLAS runs fastest, and a view of each part."""
+        n_in, n_out = parts[0].shape[1], sum(p.shape[0] for p in parts)
+        if n_out < n_in:
+            w = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
+            w = xp.ascontiguousarray(w)
+            views = [w[o:o + p.shape[0]] for o, p in zip(_offsets(parts), parts)]
+            lin = cls(w, transposed=False, bias=b)
+        else:
+            w_t = xp.empty((n_in, n_out), dtype=xp.float32)
+            for o, p in zip(_offsets(parts), parts):
+                for r in range(0, p.shape[0], 256):  # in blocks: a whole-matrix transpose thrashes the cache
+                    r1 = min(r + 256, p.shape[0])
+                    w_t[:, o + r:o + r1] = p[r:r1].T
+            views = [w_t[:, o:o + p.shape[0]].T for o, p in zip(_offsets(parts), parts)]
+            lin = cls(w_t, transposed=True, bias=b)
+        return lin, views
+
+
+@attrs.frozen
+class LMHead:
+    """The output projection: ``output.weight``, or ``token_embd.weight`` when the file ties them.
+
+    ``softcap`` > 0 applies ``tanh(logits / c) * c`` (Gemma). :attr:`weight` is the matrix in
+    GGUF layout [n_vocab, n_embd], what a drafter sharing the head multiplies by.
+    """
+
+    linear: Linear
+    tied: bool
+    softcap: float = 0.0
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, Any], xp: Any, softcap: float = 0.0) -> "LMHead":
+        tied = "output.weight" not in weights
+        return cls(Linear.stack(weights, ["token_embd.weight" if tied else "output.weight"], xp), tied, softcap)
+
+    @property
+    def weight(self) -> Any:
+        return self.linear.weight
+
+    def __call__(self, h: Any) -> Any:
+        """h: [n, n_embd] (after the final norm) -> logits [n, n_vocab]."""
+        logits = self.linear(h)
+        if self.softcap:
+            c = np.float32(self.softcap)
+            logits = ops.array_module(logits).tanh(logits / c) * c
+        return logits
+
+
+# ============================================================================ attention and RoPE
+
+
+def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window: int = 0,
+           soft_cap: float | None = None) -> Any:
+    """Causal self-attention of layer ``il`` over its :class:`KV` cache, per sequence.
+
+    q: [n_rows, n_head, hd_k]; k: [n_rows, n_head_kv, hd_k]; v: [n_rows, n_head_kv, hd_v]
+    (this forward's rows, appended to the cache here; a layer whose layout has a
+    :class:`SharedKV` reads its source's rows instead and ignores k, v). ``window`` > 0 limits each query to
+    that many most recent positions. Returns [n_rows, n_head, hd_v].
+    """
+    xp = ops.array_module(q)
+    shared = next((c for c in step.cache.layers[il] if isinstance(c, SharedKV)), None)
+    kv = step.cache.kv(il)
+    out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)
+    positions = step.batch.positions
+    for seq, sel in step.groups:
+        pos = positions[sel]
+        # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
+        kc, vc, kpos = kv.get(seq) if shared is not None else kv.update(seq, pos, k[sel], v[sel])
+        bias = step.once(("attn_bias", seq, window, len(kpos)),
+                         lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
+                                                    xp=xp))
+        out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
+    return out
+
+
+class Rope:
+    """Rotary position embedding tables for every layer; layers with equal settings share one.
+
+    ``base`` and ``scaled`` are per layer (Gemma-3's local layers use another base and no
+    scaling); ``scaling`` / ``factor`` / ``n_ctx_orig`` are the ``rope.scaling.*`` keys.
+    :meth:`__call__` rotates Q and K heads (side by side in one array) at the batch positions.
+    """
+
+    def __init__(self, n_rot: int, base: Sequence[float], xp: Any, *, mode: str = "normal", scaling: str = "none",
+                 factor: float = 1.0, n_ctx_orig: int = 0, scaled: Sequence[bool] | None = None) -> None:
+        self.mode = mode
+        by_key: dict[tuple[float, str], Any] = {}
+        self.tables = []
+        for il, b in enumerate(base):
+            s = scaling if scaled is None or scaled[il] else "none"
+            if (b, s) not in by_key:
+                by_key[(b, s)] = ops.RopeCache(ops.rope_freqs(n_rot, base=b, scaling=s, factor=factor,
+                                                              n_ctx_orig=n_ctx_orig, xp=xp))
+            self.tables.append(by_key[(b, s)])
+
+    def __call__(self, il: int, x: Any, step: Step) -> Any:
+        """x: [n_rows, n_heads, head_dim] -> rotated at ``step.batch.positions``."""
+        table = self.tables[il]
+        cos_sin = step.once(("rope", id(table)), lambda: table(step.batch.positions))
+        return ops.apply_rope(x, mode=self.mode, cos_sin=cos_sin)
+
+
+# ============================================================================ base classes
+
+
+class TargetView:
+    """What a drafter may use of its target model (a declared interface, no reach into weights).
+
+    embed(ids): token embeddings [n, n_embd] as the target's first layer sees them (before any
+    input scaling). head(h): logits [n, n_vocab] of rows ``h`` [n, n_embd] taken after the final
+    norm. head_weight / embed_table: those matrices in GGUF layout [n_vocab, n_embd].
+    final_norm(x): the target's output norm. n_embd, n_vocab, n_layer: sizes; feature taps are
+    asked for with ``DrafterRequirements.taps`` and arrive in ``ForwardOutput.features``.
+    """
+
+    def __init__(self, graph: Any, hparams: Any) -> None:
+        self._graph = graph
+        self.n_embd = int(hparams.n_embd)
+        self.n_vocab = int(hparams.n_vocab)
+        self.n_layer = int(hparams.n_layer)
+
+    @property
+    def embed_table(self) -> Any:
+        return self._graph.embed_table
+
+    @property
+    def head_weight(self) -> Any:
+        return self._graph.head.weight
+
+    def embed(self, ids: Any) -> Any:
+        xp = ops.array_module(self.embed_table)
+        return self.embed_table[xp.asarray(ids)]
+
+    def head(self, h: Any) -> Any:
+        return self._graph.head(h)
+
+    def final_norm(self, x: Any) -> Any:
+        return self._graph.final_norm(x)
+
+
+class BaseGraph:
+    """A forward built from one method per layer.
+
+    Subclasses set :attr:`cache_layout` (default: a :class:`KV` per layer) and implement
+    ``layer(il, x, step) -> x`` (x: [n_rows, n_embd]); override :meth:`embed`,
+    :meth:`final_norm` or :attr:`head` when the architecture differs (Gemma scales its
+    embeddings; OLMo has no final RMSNorm weight...). :meth:`forward` does the rest: input
+    rows, the layer loop with taps and cache commit, the final norm and the LM head for the
+    output rows only (or pooling).
+
+    Attributes: hp, w (weights by GGUF name), backend, xp, head (:class:`LMHead`),
+    embed_table ([n_vocab, n_embd]).
+    """
+
+    #: the GGUF name of the final norm's weight, read by the default :meth:`final_norm`
+    output_norm: ClassVar[str] = "output_norm.weight"
+
+    def __init__(self, hp: Any, weights: Mapping[str, Any], backend: Any, *, softcap: float = 0.0) -> None:
+        self.hp = hp
+        self.w = weights
+        self.backend = backend
+        self.xp = backend.xp
+        self.head = LMHead.from_weights(weights, self.xp, softcap=softcap)
+        self.embed_table = weights["token_embd.weight"]  # after the head: a view of a tied head
+
+    # -------------------------------------------------------------- what subclasses define
+
+    def cache_layout(self) -> Layout:
+        """Per layer, the cache kinds it keeps (fresh instances). Default: one :class:`KV` each."""
+        return [(KV(),) for _ in range(self.hp.n_layer)]
+
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define layer(il, x, step)")
+
+    def embed(self, batch: Batch) -> Any:
+        """Input rows [n_rows, n_embd]."""
+        return embed_rows(self.embed_table, batch, self.xp)
+
+    def final_norm(self, x: Any) -> Any:
+        """x: [n, n_embd] -> normed, before the LM head."""
+        return ops.rms_norm(x, self.w[self.output_norm], self.hp.norm_eps)
+
+    def step(self, batch: Batch, cache: Cache) -> Step:
+        """The per-forward shared state (override to check the batch or add to it)."""
+        return Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
+
+    # -------------------------------------------------------------- the forward
+
+    def target_view(self) -> TargetView:
+        """The interface drafters use (see :class:`TargetView`)."""
+        return TargetView(self, self.hp)
+
+    def forward(self, batch: Batch, cache: Cache, *, taps: Sequence[int] = (), pooling: str = "none",
+                embeddings: bool = False) -> ForwardOutput:
+        """Run ``batch``; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
+        cache.begin(batch.positions, batch.seq_ids)
+        step = self.step(batch, cache)
+        x = self.embed(batch)
+        x, features = run_layers(x, self.hp.n_layer, lambda il, h: self.layer(il, h, step), cache, taps)
+        rows = np.nonzero(batch.output)[0]
+        if pooling != "none":
+            pooled, seqs = pool(self.final_norm(x), batch, pooling, self.xp)
+            return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
+        h = self.final_norm(x[rows])
+        return ForwardOutput(rows=rows, logits=self.head(h), embeddings=h if embeddings else None,
+                             features=features)
+
+
+class Architecture:
+    """One architecture: the three steps the engine calls, from one class.
+
+    Set ``name`` (the GGUF ``general.architecture``) and ``graph`` (a :class:`BaseGraph`
+    subclass, or any callable ``(hparams, weights, backend) -> Graph``), and implement
+    ``hparams(r: KeyReader) -> hparams`` and ``tensors(hp) -> [TensorSpec]``. The base
+    turns those into ``load_hparams`` / ``tensor_specs`` / ``build``. ``drafters``: names of
+    draft heads shipped inside this architecture's files (MTP layers...), each exported as a
+    drafter by :meth:`make_drafter`.
+    """
+
+    name: ClassVar[str] = ""
+    graph: ClassVar[Any] = None
+
+    def hparams(self, r: KeyReader) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define hparams(r)")
+
+    def tensors(self, hp: Any) -> list[TensorSpec]:
+        raise NotImplementedError(f"{type(self).__name__} must define tensors(hp)")
+
+    # -------------------------------------------------------------- the engine's three steps
+
+    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> Any:
+        return self.hparams(KeyReader(metadata, source, self.name))
+
+    def tensor_specs(self, hparams: Any) -> list[TensorSpec]:
+        return self.tensors(hparams)
+
+    def build(self, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
+        return self.graph(hparams, weights, backend)

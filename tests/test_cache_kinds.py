@@ -1,0 +1,201 @@
+"""Every cache kind on small synthetic data: writes, commit / rollback, seq_rm, seq_cp, snapshot / restore, bytes.
+
+Rollback equality is checked the way speculative decoding uses it: a cache that wrote extra rows
+and was cut (or restored) must equal, array for array, a cache that never wrote them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from plinth.graph import KV, Cache, CompressedKV, IndexerKeys, Latent, Recurrent, SharedKV
+
+RNG = np.random.default_rng(0)
+
+
+def rows(n, *shape):
+    return RNG.standard_normal((n, *shape)).astype(np.float32)
+
+
+def forward(cache, seq, positions, write):
+    """One forward unit: begin, write every layer, commit."""
+    positions = np.asarray(positions, np.int64)
+    cache.begin(positions, np.full(len(positions), seq))
+    write(positions)
+    cache.commit()
+
+
+def test_kv_append_cut_copy_restore_and_bytes():
+    cache = Cache(2, layout=[(KV(),), (KV(),)])
+    k, v = rows(10, 2, 4), rows(10, 2, 3)
+
+    def write(pos, k=k, v=v):
+        for il in range(2):
+            cache.kv(il).update(0, pos, k[pos], v[pos])
+
+    forward(cache, 0, range(6), write)
+    snap = cache.snapshot(0)
+    forward(cache, 0, range(6, 10), write)
+    assert cache.n_cached(0) == 10 and cache.next_position(0) == 10
+    assert cache.nbytes_by_kind() == {"kv": 2 * (10 * 8 * 4 + 10 * 6 * 4 + 10 * 8)}
+    assert cache.cut_plan(0, 10, 14) == "cut" and cache.can_cut(0, 8)
+    cache.seq_rm(0, 8)
+    kk, vv, pos = cache.kv(1).get(0)
+    np.testing.assert_array_equal(kk, k[:8])
+    np.testing.assert_array_equal(pos, np.arange(8))
+    cache.seq_cp(0, 5)
+    cache.restore(snap)
+    assert cache.n_cached(0) == 6 and cache.next_position(0) == 6
+    np.testing.assert_array_equal(cache.kv(0).get(0)[1], v[:6])
+    np.testing.assert_array_equal(cache.kv(0).get(5)[1], v[:8])  # the copy kept its rows
+    cache.seq_rm(5, 2, 4)  # a middle range
+    np.testing.assert_array_equal(cache.positions(5), [0, 1, 4, 5, 6, 7])
+    np.testing.assert_array_equal(cache.kv(0).get(5)[0], k[[0, 1, 4, 5, 6, 7]])
+
+
+def test_a_failed_forward_leaves_the_cache_unchanged():
+    cache = Cache(1, layout=[(KV(), IndexerKeys())])
+    forward(cache, 0, range(3), lambda p: (cache.kv(0).update(0, p, rows(3, 1, 2), rows(3, 1, 2)),
+                                           cache.find(0, IndexerKeys).update(0, p, rows(3, 4))))
+    cache.begin(np.array([3]), np.array([0]))
+    cache.kv(0).update(0, np.array([3]), rows(1, 1, 2), rows(1, 1, 2))
+    assert len(cache.kv(0).get(0)[0]) == 4  # visible to the forward writing it
+    cache.rollback_pending()
+    assert cache.n_cached(0) == 3 and len(cache.kv(0).get(0)[0]) == 3
+    assert len(cache.find(0, IndexerKeys).get(0)[0]) == 3
+
+
+def test_latent_and_indexer_keys_in_one_layer():
+    cache = Cache(1, layout=[(Latent(), IndexerKeys())])
+    c_kv, k_rope, idx = rows(7, 16), rows(7, 4), rows(7, 8)
+
+    def write(pos):
+        cache.find(0, Latent).update(0, pos, c_kv[pos], k_rope[pos])
+        cache.find(0, IndexerKeys).update(0, pos, idx[pos])
+
+    forward(cache, 0, range(5), write)
+    forward(cache, 0, range(5, 7), write)
+    assert cache.nbytes_by_kind() == {"latent": 7 * 20 * 4 + 7 * 8, "indexer": 7 * 8 * 4 + 7 * 8}
+    cache.seq_rm(0, 5)
+    got_c, got_r, pos = cache.find(0, Latent).get(0)
+    np.testing.assert_array_equal(got_c, c_kv[:5])
+    np.testing.assert_array_equal(got_r, k_rope[:5])
+    np.testing.assert_array_equal(cache.find(0, IndexerKeys).get(0)[0], idx[:5])
+    with pytest.raises(KeyError, match="layer 0 keeps no KV cache"):
+        cache.kv(0)
+
+
+def test_shared_kv_reads_its_source_and_holds_nothing():
+    # layer 2 reuses layer 0's K/V; layer 3 reuses them but keeps its own indexer keys
+    cache = Cache(4, layout=[(KV(),), (KV(),), (SharedKV(0),), (SharedKV(0), IndexerKeys())])
+    k, v = rows(6, 1, 4), rows(6, 1, 4)
+
+    def write(pos):
+        for il in (0, 1):
+            cache.kv(il).update(0, pos, k[pos] + il, v[pos])
+        # a sharing layer sees the rows its source wrote in this very forward
+        np.testing.assert_array_equal(cache.find(2, SharedKV).get(0)[0], k[: pos[-1] + 1])
+        cache.find(3, IndexerKeys).update(0, pos, k[pos, 0])
+
+    forward(cache, 0, range(4), write)
+    forward(cache, 0, range(4, 6), write)
+    assert cache.kv(2) is cache.kv(0) and cache.kv(3) is cache.kv(0)
+    assert set(cache.nbytes_by_kind()) == {"kv", "shared", "indexer"} and cache.nbytes_by_kind()["shared"] == 0
+    cache.seq_rm(0, 3)
+    assert len(cache.find(2, SharedKV).get(0)[0]) == 3 and len(cache.find(3, IndexerKeys).get(0)[0]) == 3
+    with pytest.raises(ValueError, match="not an earlier layer"):
+        Cache(2, layout=[(SharedKV(1),), (KV(),)])
+
+
+def _compress(block):
+    return block.mean(axis=0)
+
+
+def _write_compressed(cache, seq, raw):
+    def write(pos):
+        c = cache.find(0, CompressedKV)
+        c.append_raw(seq, pos, raw[pos])
+        for start in c.complete_blocks(seq):
+            c.append_block(seq, start, _compress(c.raw_block(seq, start)))
+    return write
+
+
+def test_compressed_blocks_window_and_cut_only_at_block_boundaries():
+    cache = Cache(1, layout=[(CompressedKV(ratio=4, window=3, keep=2),)])
+    raw = rows(40, 5)
+    write = _write_compressed(cache, 0, raw)
+    for p in range(0, 30, 3):
+        forward(cache, 0, range(p, p + 3), write)
+    comp = cache.find(0, CompressedKV)
+    blocks, bpos, held, rpos = comp.get(0)
+    np.testing.assert_array_equal(bpos, np.arange(0, 28, 4))
+    np.testing.assert_allclose(blocks, raw[:28].reshape(7, 4, 5).mean(axis=1), rtol=1e-6)
+    assert rpos[0] > 0 and rpos[-1] == 29  # the raw rows were trimmed to the window
+    np.testing.assert_array_equal(held, raw[rpos])
+    assert comp.nbytes() == blocks.nbytes + held.nbytes + 8 * (len(bpos) + len(rpos))
+    # position 26 sits inside the compressed block 24..27: no cut there, but at 28 (a boundary) yes
+    assert not cache.can_cut(0, 26) and cache.can_cut(0, 28)
+    with pytest.raises(ValueError, match="cannot cut sequence 0 at position 26"):
+        cache.seq_rm(0, 26)
+    assert cache.n_cached(0) == 30  # the refusal changed nothing
+    # the plan: rows 30..33 complete block 28..31, so a cut at 29..31 would fail -> snapshot
+    assert cache.cut_plan(0, 30, 34) == "snapshot" and cache.cut_plan(0, 28, 29) == "cut"
+
+
+def test_compressed_snapshot_restore_equals_never_having_written():
+    raw = rows(40, 5)
+    a = Cache(1, layout=[(CompressedKV(ratio=4, window=3, keep=2),)])
+    b = Cache(1, layout=[(CompressedKV(ratio=4, window=3, keep=2),)])
+    for p in range(0, 18, 2):
+        forward(a, 0, range(p, p + 2), _write_compressed(a, 0, raw))
+        forward(b, 0, range(p, p + 2), _write_compressed(b, 0, raw))
+    snap = a.snapshot(0)
+    forward(a, 0, range(18, 23), _write_compressed(a, 0, raw))  # completes block 20..23 after the snapshot
+    forward(a, 0, range(23, 26), _write_compressed(a, 0, raw))
+    a.restore(snap)
+    for got, want in zip(a.find(0, CompressedKV).get(0), b.find(0, CompressedKV).get(0)):
+        np.testing.assert_array_equal(got, want)
+    # and both continue identically
+    forward(a, 0, range(18, 21), _write_compressed(a, 0, raw))
+    forward(b, 0, range(18, 21), _write_compressed(b, 0, raw))
+    for got, want in zip(a.find(0, CompressedKV).get(0), b.find(0, CompressedKV).get(0)):
+        np.testing.assert_array_equal(got, want)
+    a.seq_cp(0, 1)
+    np.testing.assert_array_equal(a.find(0, CompressedKV).get(1)[0], b.find(0, CompressedKV).get(0)[0])
+
+
+def test_recurrent_state_snapshot_restore_copy_and_refused_cut():
+    cache = Cache(2, layout=[(Recurrent(),), (KV(),)])
+
+    def write(pos):
+        s = cache.state(0).get(0)
+        s = np.zeros(3, np.float32) if s is None else s
+        cache.state(0).set(0, s + len(pos))
+        cache.kv(1).update(0, pos, rows(len(pos), 1, 2), rows(len(pos), 1, 2))
+
+    forward(cache, 0, range(4), write)
+    assert cache.cut_plan(0, 4, 6) == "snapshot" and not cache.can_cut(0, 2)
+    snap = cache.snapshot(0)
+    forward(cache, 0, range(4, 6), write)
+    np.testing.assert_array_equal(cache.states(0)[0], np.full(3, 6.0))
+    with pytest.raises(ValueError, match="recurrent state"):
+        cache.seq_rm(0, 5)
+    assert cache.n_cached(0) == 6 and len(cache.kv(1).get(0)[0]) == 6  # the refusal changed nothing
+    cache.seq_cp(0, 1)
+    cache.restore(snap)
+    np.testing.assert_array_equal(cache.states(0)[0], np.full(3, 4.0))
+    np.testing.assert_array_equal(cache.states(1)[0], np.full(3, 6.0))
+    assert cache.n_cached(0) == 4 and len(cache.kv(1).get(0)[0]) == 4
+    assert cache.nbytes_by_kind()["state"] == 2 * 12
+    cache.seq_rm(1, 0)  # dropping everything is always allowed
+    assert cache.n_cached(1) == 0 and 1 not in cache.states(1) and cache.states(1) == {}
+
+
+def test_snapshot_of_an_empty_sequence_restores_to_nothing():
+    cache = Cache(1, layout=[(KV(), Recurrent())])
+    snap = cache.snapshot(0)
+    forward(cache, 0, range(2), lambda p: (cache.kv(0).update(0, p, rows(2, 1, 1), rows(2, 1, 1)),
+                                           cache.state(0).set(0, np.ones(2))))
+    cache.restore(snap)
+    assert cache.n_cached(0) == 0 and cache.next_position(0) == 0 and cache.nbytes() == 0
