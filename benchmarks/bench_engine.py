@@ -2,10 +2,13 @@
 
 Usage: python benchmarks/bench_engine.py [-m MODEL] [--threads N] [--prompt-tokens 128] [--decode-tokens 32]
 
-The roofline: numpy computes in f32, so each decode step reads every weight once
-as f32 (4 bytes per parameter). The machine's read bandwidth is measured here
-with a large np.sum over a 1 GiB f32 array (best of 5); the decode roofline is
-bandwidth / (4 * n_params) tokens/s, and the script prints the fraction reached.
+The roofline: each decode step reads every weight once as it is held in memory
+(quantized blocks for the types plinth.quant keeps, f32 otherwise; the embedding
+table only for the rows it gathers unless it is also the LM head). The machine's
+read bandwidth is measured here with a large np.sum over a 1 GiB f32 array (best
+of 5); the decode roofline is bandwidth / bytes per token, and the script prints
+the fraction reached. It also prints the kernels' warm-up time in this process
+(a compile on the first run on a machine, a cache load after).
 For reference it also prints what one BLAS GEMV over the same 1 GiB reads per
 second with the benchmark's threads (the fastest a decode step could stream its
 weights through BLAS).
@@ -34,6 +37,10 @@ def main() -> None:
     import plinth
     from plinth.generate import time_prefill_decode
 
+    from plinth import quant
+
+    quant.set_threads(args.threads)
+    jit_s = quant.warm_up()
     t0 = time.perf_counter()
     model = plinth.load_model(args.model)
     load_s = time.perf_counter() - t0
@@ -57,15 +64,20 @@ def main() -> None:
     del buf, mat
 
     pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
-    roofline = bandwidth / (4 * n_params)
-    print(f"model            {model.path.name} ({model.arch}), {n_params / 1e6:.1f} M params as f32")
+    tied = "output.weight" not in model.weights
+    per_token = sum(getattr(w, "nbytes", 0) for name, w in model.weights.items()
+                    if tied or name != "token_embd.weight")
+    roofline = bandwidth / per_token
+    print(f"model            {model.path.name} ({model.arch}), {n_params / 1e6:.1f} M params, "
+          f"{per_token / 2**20:.0f} MiB read per decoded token")
+    print(f"kernels          warm-up {jit_s:.2f} s in this process")
     print(f"load             {load_s:.2f} s")
     print(f"prompt           {pp:.1f} tok/s ({args.prompt_tokens} tokens)")
     print(f"decode           {tg:.1f} tok/s ({args.decode_tokens} tokens after the prompt)")
     print(f"read bandwidth   {bandwidth / 1e9:.1f} GB/s (np.sum over 1 GiB f32); "
           f"BLAS GEMV over it {gemv_bandwidth / 1e9:.1f} GB/s ({args.threads} threads)")
     print(f"decode roofline  {roofline:.1f} tok/s -> {100 * tg / roofline:.0f}% reached "
-          f"({tg * 4 * n_params / 1e9:.1f} GB/s of weights)")
+          f"({tg * per_token / 1e9:.1f} GB/s of weights)")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,14 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   (transformers runs on the GGUF weights dequantized to f32, built by
   ``tests/golden/make_real_golden.py``). llama.cpp quantizes activations for its
   quantized dot products, so the bar is relative.
-* Prompt processing (``--prompt-tokens`` random ids, one batch) and greedy
-  decode (``--decode-tokens`` steps) tokens/s of both engines with the same
-  thread count in one process, best of ``--runs``; printed with the ratio
-  plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
+* Prompt processing (``--prompt-tokens`` random ids, one batch each; default 128
+  and 512) and greedy decode (``--decode-tokens`` steps) tokens/s of both engines
+  with the same thread count in one process, best of ``--runs``; printed with the
+  ratio plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
   normal generation; plinth does the same.
+* plinth's resident set after load against the file size, and the cost of a
+  k-token verify forward (k = 4, 8) after a 128-token context relative to k = 1,
+  for both engines.
 """
 
 from __future__ import annotations
@@ -91,38 +94,109 @@ def agreement(name, path, args, llama_cpp):
         print(f"  top-1 agreement plinth vs transformers:    {(hf_top == ours).mean() * 100:.1f}%")
 
 
+def _rss_mb():
+    """This process's resident set now, MiB (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _best(fn, runs):
+    best = float("inf")
+    for _ in range(runs):
+        best = min(best, fn())
+    return best
+
+
+def _plinth_verify(model, ks, runs, n_ctx=128):
+    """Seconds of one forward of k tokens after an n_ctx-token context (best of runs), per k."""
+    import numpy as np
+
+    prompt = np.random.default_rng(1).integers(0, model.n_vocab, n_ctx).tolist()
+    out = {}
+    for k in ks:
+        def once():
+            ctx = model.new_context()
+            ctx.decode(prompt)
+            t = time.perf_counter()
+            ctx.decode(prompt[:k], output="all")
+            return time.perf_counter() - t
+        out[k] = _best(once, runs)
+    return out
+
+
+def _peer_verify(llm, n_vocab, ks, runs, n_ctx=128):
+    import numpy as np
+
+    prompt = np.random.default_rng(1).integers(0, n_vocab, n_ctx).tolist()
+    out = {}
+    for k in ks:
+        def once():
+            llm.reset()
+            llm.eval(prompt)
+            t = time.perf_counter()
+            llm.eval(prompt[:k])
+            return time.perf_counter() - t
+        out[k] = _best(once, runs)
+    return out
+
+
 def speed(name, path, args, llama_cpp):
     import numpy as np
 
     import plinth
     from plinth.generate import time_prefill_decode
 
+    rss0 = _rss_mb()
+    t = time.perf_counter()
     model = plinth.load_model(path)
-    pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
+    load_s = time.perf_counter() - t
+    rss1 = _rss_mb()
+    ours = {}
+    for n in args.prompt_tokens:
+        ours[n] = time_prefill_decode(model, n, args.decode_tokens, runs=args.runs)
+    ours_verify = _plinth_verify(model, VERIFY_KS, args.runs)
     n_vocab = model.n_vocab
-    prompt = np.random.default_rng(0).integers(0, n_vocab, args.prompt_tokens).tolist()  # as time_prefill_decode
     del model
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=args.prompt_tokens + args.decode_tokens + 16, n_batch=512,
+    n_max = max(args.prompt_tokens)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_max + args.decode_tokens + 16, n_batch=512,
                           n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    best_pp = best_tg = float("inf")
-    for _ in range(args.runs):
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prompt)
-        token = int(np.argmax(_last_logits(llm, n_vocab)))
-        best_pp = min(best_pp, time.perf_counter() - t)
-        t = time.perf_counter()
-        for _ in range(args.decode_tokens):
-            llm.eval([token])
+    peer = {}
+    for n in args.prompt_tokens:
+        prompt = np.random.default_rng(0).integers(0, n_vocab, n).tolist()  # as time_prefill_decode
+        best_pp = best_tg = float("inf")
+        for _ in range(args.runs):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(prompt)
             token = int(np.argmax(_last_logits(llm, n_vocab)))
-        best_tg = min(best_tg, time.perf_counter() - t)
+            best_pp = min(best_pp, time.perf_counter() - t)
+            t = time.perf_counter()
+            for _ in range(args.decode_tokens):
+                llm.eval([token])
+                token = int(np.argmax(_last_logits(llm, n_vocab)))
+            best_tg = min(best_tg, time.perf_counter() - t)
+        peer[n] = (n / best_pp, args.decode_tokens / best_tg)
+    peer_verify = _peer_verify(llm, n_vocab, VERIFY_KS, args.runs)
     del llm
-    ppp, ptg = args.prompt_tokens / best_pp, args.decode_tokens / best_tg
+    size = path.stat().st_size / 2**20
     print(f"{name}: {args.threads} threads, best of {args.runs}")
-    print(f"  prompt ({args.prompt_tokens} tokens) tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, "
-          f"ratio {pp / ppp:.2f}")
+    print(f"  plinth load {load_s:.2f} s; resident set {rss1:.0f} MiB after load ({rss1 - rss0:.0f} MiB added by "
+          f"the load), file {size:.0f} MiB: added / file = {(rss1 - rss0) / size:.2f}")
+    for n in args.prompt_tokens:
+        (pp, tg), (ppp, ptg) = ours[n], peer[n]
+        print(f"  prompt ({n} tokens) tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, ratio {pp / ppp:.2f}")
+    pp, tg = ours[args.prompt_tokens[0]]
+    ppp, ptg = peer[args.prompt_tokens[0]]
     print(f"  decode ({args.decode_tokens} tokens) tok/s: plinth {tg:.1f}, llama.cpp {ptg:.1f}, "
           f"ratio {tg / ptg:.2f}")
+    for label, v in (("plinth", ours_verify), ("llama.cpp", peer_verify)):
+        print(f"  verify forward after 128 tokens, cost / k=1 ({label}): "
+              + ", ".join(f"k={k} {v[k] * 1e3:.1f} ms ({v[k] / v[1]:.2f}x)" for k in VERIFY_KS))
+
+
+VERIFY_KS = (1, 4, 8)
 
 
 def main() -> None:
@@ -130,7 +204,7 @@ def main() -> None:
     parser.add_argument("-m", "--model", action="append", default=None, help="model name or .gguf (repeatable)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--positions", type=int, default=512)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the speed runs; the best is reported")
     parser.add_argument("--transformers", action="store_true", help="also transformers vs llama.cpp agreement")

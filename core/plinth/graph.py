@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence, runtime
 import attrs
 import numpy as np
 
-from . import ops
+from . import ops, quant
 from .cache import (
     KV,
     Cache,
@@ -219,8 +219,22 @@ class Linear:
         ``bias``: names of the matching bias vectors (all or none). When ``weights`` is a dict, its
         entries for ``names`` become views of the stacked matrix, so memory is not doubled.
         """
-        parts = [xp.asarray(weights[n], dtype=xp.float32) for n in names]
         b = xp.concatenate([xp.asarray(weights[n], dtype=xp.float32) for n in bias]) if bias else None
+        stacked = quant.stack([weights[n] for n in names])  # quantized weights stay quantized
+        if stacked is not None:
+            parts = [weights[n] for n in names]
+            views = [stacked[o:o + p.shape[0]] for o, p in zip(_offsets(parts), parts)]
+            lin = cls(stacked, transposed=False, bias=b)
+        else:
+            lin, views = cls._stack_f32([xp.asarray(weights[n], dtype=xp.float32) for n in names], xp, b)
+        if isinstance(weights, dict):
+            for n, v in zip(names, views):
+                weights[n] = v
+        return lin
+
+    @classmethod
+    def _stack_f32(cls, parts: list[Any], xp: Any, b: Any) -> tuple["Linear", list[Any]]:
+        """float32 parts stacked in the layout BLAS runs fastest, and a view of each part."""
         n_in, n_out = parts[0].shape[1], sum(p.shape[0] for p in parts)
         if n_out < n_in:
             w = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=0)
@@ -235,10 +249,7 @@ class Linear:
                     w_t[:, o + r:o + r1] = p[r:r1].T
             views = [w_t[:, o:o + p.shape[0]].T for o, p in zip(_offsets(parts), parts)]
             lin = cls(w_t, transposed=True, bias=b)
-        if isinstance(weights, dict):
-            for n, v in zip(names, views):
-                weights[n] = v
-        return lin
+        return lin, views
 
 
 @attrs.frozen

@@ -99,7 +99,12 @@ def plinth_get_architecture(name: str) -> Architecture | None:
        ``forward(batch: plinth.graph.Batch, cache: plinth.graph.Cache, *, taps=(),
        pooling="none", embeddings=False) -> plinth.graph.ForwardOutput`` (logits only
        for rows that ask, pooled embeddings, feature taps). ``weights`` maps tensor
-       names to backend arrays for every declared tensor present in the file.
+       names to backend arrays for every declared tensor present in the file. On
+       the numpy backend 2-D tensors of the quantized types plinth has kernels for
+       arrive as :class:`plinth.quant.QuantWeight` ``[n_out, n_in]``: pass them to
+       ``ops.linear``, stack them with ``plinth.quant.stack`` (or
+       ``plinth.graph.Linear.stack``), gather rows with ``w[ids]``;
+       ``numpy.asarray(w)`` dequantizes the whole tensor.
 
     ``None`` when the plugin does not own ``name``. firstresult.
     """

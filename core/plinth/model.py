@@ -9,6 +9,7 @@ against the file -> weights on the backend -> graph. :class:`Model` then offers
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import numpy as np
 from .cache import Cache
 from .context import Batch, ForwardOutput
 from .errors import UserError
+from .quant import QuantWeight
 from .tensors import TensorSpec, check_tensors, scale_name, unused_tensors
 from .validation import check_model_file, check_tensor_types, check_vocab
 
@@ -137,6 +139,8 @@ class Model:
 #: the hparams fields the core reads (the plinth.graph.HParams protocol)
 HPARAMS_FIELDS = ("n_layer", "n_vocab", "n_embd", "n_ctx_train")
 
+_log = logging.getLogger("plinth.model")
+
 CHUNK_ELEMENTS = 1 << 21  # rows dequantized per task: small enough that temporaries stay in cache
 
 
@@ -171,6 +175,19 @@ def _dequantized(gf: Any, name: str, info: Any, pool: Any = None) -> np.ndarray:
         for f in [pool.submit(chunk, r0) for r0 in starts]:
             f.result()
     return out
+
+
+def _keeps_quantized(backend: Any) -> bool:
+    """Whether weights stay in their GGUF blocks: the numpy backend, unless PLINTH_DEQUANTIZE=1."""
+    return getattr(backend, "name", "") == "numpy" and os.environ.get("PLINTH_DEQUANTIZE", "0") != "1"
+
+
+def _quantizable(info: Any) -> bool:
+    """A 2-D tensor of a type the kernels read, with whole blocks in every row."""
+    from .quant import KEPT_TYPES, block_values
+
+    return (info.type_name in KEPT_TYPES and len(info.shape) == 2
+            and info.shape[1] % block_values(info.type_name) == 0)
 
 
 def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
@@ -220,10 +237,22 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     iterator: Iterable[TensorSpec] = found
     if progress:
         iterator = _progress(found, f"loading {path.name}")
+    keep = _keeps_quantized(be)
+    noted: set[str] = set()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for spec in iterator:
-            arr = _dequantized(gf, spec.name, gf.tensors[spec.name], pool)
-            if spec.scale and scale_name(spec.name) in gf.tensors:
+            info = gf.tensors[spec.name]
+            scaled = spec.scale and scale_name(spec.name) in gf.tensors
+            if keep and not scaled and _quantizable(info):
+                weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape))
+                stats.n_params += int(info.n_elements)
+                continue
+            if keep and info.type_name not in ("F32", "F16", "BF16") and info.type_name not in noted:
+                noted.add(info.type_name)
+                _log.info("%s: %s tensors have no quantized kernel; dequantized to float32 at load",
+                          path.name, info.type_name)
+            arr = _dequantized(gf, spec.name, info, pool)
+            if scaled:
                 arr = arr * _dequantized(gf, scale_name(spec.name), gf.tensors[scale_name(spec.name)], pool)
             weights[spec.name] = be.asarray(np.ascontiguousarray(arr, dtype=np.float32))
             stats.n_params += int(arr.size)

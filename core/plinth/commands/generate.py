@@ -134,6 +134,7 @@ def register(sub: Any) -> None:
                    help="stop when this string appears (repeatable)")
     p.add_argument("--stats", action="store_true", help="print load time, tokens/s and timing split to stderr")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    _threads_arg(p)
     _sampling_args(p)
     _spec_args(p)
     p.set_defaults(func=run_generate, check_args=check_args)
@@ -146,6 +147,7 @@ def register(sub: Any) -> None:
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    _threads_arg(p)
     _sampling_args(p)
     _spec_args(p)
     p.set_defaults(func=run_chat, check_args=check_args)
@@ -167,6 +169,7 @@ def register(sub: Any) -> None:
     p.add_argument("--decode-tokens", type=int_range(1), default=64)
     p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
+    _threads_arg(p)
     p.set_defaults(func=run_bench, check_args=check_args)
 
 
@@ -175,6 +178,7 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
     from .. import hub
     from ..model import load_model
 
+    _set_threads(args)
     t0 = time.perf_counter()
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
                        registry=args.registry, progress=True, tokenizer=tokenizer)
@@ -279,3 +283,15 @@ def run_bench(args: argparse.Namespace) -> int:
     print(f"prompt: {args.prompt_tokens} tokens, {pp:.1f} tok/s")
     print(f"decode: {args.decode_tokens} tokens, {tg:.1f} tok/s")
     return 0
+
+
+def _threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default=None, metavar="N",
+                   help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else all cores)")
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None) is not None:
+        from .. import quant
+
+        quant.set_threads(quant.parse_threads(args.threads, "--threads"))

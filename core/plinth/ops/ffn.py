@@ -1,13 +1,15 @@
 """Linear layers and feed-forward blocks.
 
 Weight layout: GGUF layout throughout. A GGUF tensor with ggml dims (n_in, n_out) loads
-as a numpy array of shape [n_out, n_in]; ``linear`` computes x @ W.T.
+as a numpy array of shape [n_out, n_in], or as a :class:`plinth.quant.QuantWeight` of that
+shape that keeps the file's quantized blocks; ``linear`` computes x @ W.T for either.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..quant import WEIGHT_TYPES
 from ._xp import F32, array_module, as_f32
 from .activations import gelu, get_activation, relu2, silu
 
@@ -26,7 +28,8 @@ def linear(x: Any, w: Any, bias: Any = None) -> Any:
     """y = x @ w.T (+ bias).
 
     x: [..., n_in]
-    w: [n_out, n_in]  (GGUF layout; float32 C-contiguous for the fast BLAS sgemm path)
+    w: [n_out, n_in]  (GGUF layout; float32 C-contiguous for the fast BLAS sgemm path, or a
+       :class:`plinth.quant.QuantWeight`, multiplied from its quantized blocks)
     bias: [n_out] or None
     Returns [..., n_out] float32.
     """
@@ -45,6 +48,14 @@ def linear_t(x: Any, w_t: Any, bias: Any = None) -> Any:
 
 def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
     """x @ w (transposed: w is [n_in, n_out]) or x @ w.T (w is [n_out, n_in]), plus bias."""
+    if isinstance(w, WEIGHT_TYPES):
+        if transposed:
+            raise TypeError("ops.linear_t takes a float32 [n_in, n_out] array; pass a QuantWeight to ops.linear")
+        x = as_f32(x)
+        y = w.matmul(x.reshape(-1, x.shape[-1]))
+        if bias is not None:
+            y += as_f32(bias)
+        return y.reshape(*x.shape[:-1], w.shape[0])
     xp = array_module(x, w)
     x = as_f32(x, xp)
     if w.dtype != F32:

@@ -1,0 +1,390 @@
+"""Compiled kernels that compute from GGUF quantized blocks (numba, f32 activations).
+
+Every kernel reads a weight as stored in the file: ``raw`` is the tensor's bytes as
+``uint8`` rows ``[n_out, row_bytes]`` (a memory-mapped view) and ``raw16`` the same
+bytes viewed as ``uint16`` (every block size of the supported types is even, and every
+f16 field sits at an even offset). ``matmul_fast`` (the eight block types) multiplies each
+value as it is unpacked; ``matmul_rows`` (MXFP4, F16, BF16) decodes a 32-value block into a
+small per-thread buffer first. Either way a weight row is read from memory once for all m
+activation rows (it stays in L1).
+
+Block layouts (ggml): Q4_0 ``d:f16, qs[16]``; Q4_1 ``d, m, qs[16]``; Q5_0 ``d, qh:u32,
+qs[16]``; Q5_1 ``d, m, qh, qs[16]``; Q8_0 ``d, qs:i8[32]``; Q4_K ``d, dmin, scales[12],
+qs[128]``; Q5_K ``d, dmin, scales[12], qh[32], qs[128]``; Q6_K ``ql[128], qh[64],
+scales:i8[16], d``; MXFP4 ``e:e8m0, qs[16]``. 4-bit values: the low nibbles of
+``qs`` are elements 0..15 of the 32-block, the high nibbles 16..31.
+
+The compiled code is cached on disk (``cache=True``): the first process on a machine
+pays the compile, later ones load it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+# ggml type codes (plinth.gguf.constants.GGMLType)
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
+Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 12, 13, 14, 30, 39
+
+#: type code -> (values per block, bytes per block) for the types the kernels decode
+KERNEL_TYPES = {F16: (32, 64), BF16: (32, 64), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
+                Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176),
+                Q6_K: (256, 210), MXFP4: (32, 17)}
+
+#: f16 bit pattern -> float32 value (256 KiB, stays in cache)
+F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+#: E2M1 values doubled (the E8M0 scale is halved to match)
+FP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+
+
+@njit(cache=True, inline="always")
+def _k_scale_min(sc: np.ndarray, base: int, j: int) -> tuple[int, int]:
+    """6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block's 12 packed bytes."""
+    if j < 4:
+        return sc[base + j] & 63, sc[base + j + 4] & 63
+    s = (sc[base + j + 4] & 0xF) | ((sc[base + j - 4] >> 6) << 4)
+    m = (sc[base + j + 4] >> 4) | ((sc[base + j] >> 6) << 4)
+    return s, m
+
+
+@njit(cache=True, inline="always")
+def _decode_block(t: int, row: np.ndarray, row16: np.ndarray, ib: int, f16: np.ndarray,
+                  fp4: np.ndarray, buf: np.ndarray, bufu: np.ndarray) -> None:
+    """Decode 32-value block ``ib`` of one MXFP4, F16 or BF16 weight row into ``buf``
+    (the other types have their own vectorised loops below)."""
+    if t == MXFP4:
+        o = ib * 17
+        e = np.int32(row[o])
+        d = np.float32(2.0 ** -128) if e == 0 else np.float32(np.ldexp(1.0, e - 128))
+        for j in range(16):
+            v = row[o + 1 + j]
+            buf[j] = fp4[v & 0xF] * d
+            buf[j + 16] = fp4[v >> 4] * d
+    elif t == F16:
+        o = ib * 32
+        for j in range(32):
+            buf[j] = f16[row16[o + j]]
+    elif t == BF16:
+        o = ib * 32
+        for j in range(32):
+            bufu[j] = np.uint32(row16[o + j]) << 16
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray,
+                f16: np.ndarray, fp4: np.ndarray, out: np.ndarray, chunk: int) -> None:
+    """out[r, o] = sum_i x[r, i] * W[o, i] for an MXFP4, F16 or BF16 W (``qk`` = 32 values a block).
+
+    raw: uint8 [n_out, row_bytes];  raw16: the same bytes as uint16 [n_out, row_bytes // 2]
+    x: float32 [m, n_in] (C-contiguous);  out: float32 [m, n_out]
+    Output rows are split over threads in runs of ``chunk``.
+    """
+    n_out = raw.shape[0]
+    m, n_in = x.shape
+    nb = n_in // qk
+    n_chunks = (n_out + chunk - 1) // chunk
+    for ci in prange(n_chunks):
+        buf = np.empty(qk, dtype=np.float32)
+        bufu = buf.view(np.uint32)
+        acc = np.empty(m, dtype=np.float32)
+        o1 = min(n_out, (ci + 1) * chunk)
+        for o in range(ci * chunk, o1):
+            row = raw[o]
+            row16 = raw16[o]
+            acc[:] = 0.0
+            for ib in range(nb):
+                _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
+                base = ib * qk
+                for r in range(m):
+                    s = np.float32(0.0)
+                    for l in range(qk):
+                        s += buf[l] * x[r, base + l]
+                    acc[r] += s
+            for r in range(m):
+                out[r, o] = acc[r]
+
+
+@njit(cache=True, parallel=True)
+def dequantize_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray,
+                    f16: np.ndarray, fp4: np.ndarray, out: np.ndarray) -> None:
+    """out[k] = row ``rows[k]`` of W as float32.  out: float32 [len(rows), n_in]."""
+    n_in = out.shape[1]
+    nb = n_in // qk
+    for k in prange(rows.shape[0]):
+        buf = np.empty(qk, dtype=np.float32)
+        bufu = buf.view(np.uint32)
+        o = rows[k]
+        row = raw[o]
+        row16 = raw16[o]
+        for ib in range(nb):
+            _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
+            out[k, ib * qk:(ib + 1) * qk] = buf
+
+
+# ---------------------------------------------------------------------------------------------
+# Row dots for the common types: one weight row against one activation row. Each value is
+# dequantized in a register and multiplied into ``acc``, 32 float lanes summed only at the end
+# of the row, so LLVM vectorises the loops (AVX2: 8 lanes) with no horizontal sum per block.
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q4(row: np.ndarray, row16: np.ndarray, xr: np.ndarray, f16: np.ndarray, acc: np.ndarray,
+            has_min: bool) -> float:
+    """Q4_0 (value = d * (q - 8)) or Q4_1 (value = d * q + m)."""
+    bs = 20 if has_min else 18
+    acc[:] = 0.0
+    for ib in range(xr.shape[0] // 32):
+        o = ib * bs
+        d = f16[row16[o >> 1]]
+        m = f16[row16[(o >> 1) + 1]] if has_min else np.float32(-8.0) * d
+        qb = row[o + bs - 16:o + bs]
+        xb = xr[ib * 32:ib * 32 + 32]
+        for j in range(16):
+            acc[j] += (np.float32(qb[j] & 0xF) * d + m) * xb[j]
+            acc[j + 16] += (np.float32(qb[j] >> 4) * d + m) * xb[j + 16]
+    return acc.sum()
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q5(row: np.ndarray, row16: np.ndarray, xr: np.ndarray, f16: np.ndarray, acc: np.ndarray,
+            has_min: bool) -> float:
+    """Q5_0 (value = d * (q - 16)) or Q5_1 (value = d * q + m); q's 5th bit is in qh."""
+    bs = 24 if has_min else 22
+    acc[:] = 0.0
+    for ib in range(xr.shape[0] // 32):
+        o = ib * bs
+        d = f16[row16[o >> 1]]
+        m = f16[row16[(o >> 1) + 1]] if has_min else np.float32(-16.0) * d
+        h0 = o + bs - 20
+        qh = (np.uint32(row[h0]) | (np.uint32(row[h0 + 1]) << 8)
+              | (np.uint32(row[h0 + 2]) << 16) | (np.uint32(row[h0 + 3]) << 24))
+        qb = row[o + bs - 16:o + bs]
+        xb = xr[ib * 32:ib * 32 + 32]
+        for j in range(16):
+            lo = np.uint32(qb[j] & 0xF) | (((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+            hi = np.uint32(qb[j] >> 4) | (((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+            acc[j] += (np.float32(lo) * d + m) * xb[j]
+            acc[j + 16] += (np.float32(hi) * d + m) * xb[j + 16]
+    return acc.sum()
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q8_0(row: np.ndarray, row16: np.ndarray, xr: np.ndarray, f16: np.ndarray, acc: np.ndarray) -> float:
+    acc[:] = 0.0
+    for ib in range(xr.shape[0] // 32):
+        o = ib * 34
+        d = f16[row16[o >> 1]]
+        qb = row[o + 2:o + 34]
+        xb = xr[ib * 32:ib * 32 + 32]
+        for j in range(32):
+            acc[j] += np.float32(np.int8(qb[j])) * d * xb[j]
+    return acc.sum()
+
+
+@njit(cache=True, fastmath=True)
+def _dot_k45(row: np.ndarray, row16: np.ndarray, xr: np.ndarray, f16: np.ndarray, acc: np.ndarray,
+             five: bool) -> float:
+    """Q4_K or Q5_K (five): 8 sub-blocks of 32 with 6-bit scales and mins (value = d*sc*q - dmin*m)."""
+    bs = 176 if five else 144
+    acc[:] = 0.0
+    for ib in range(xr.shape[0] // 256):
+        o = ib * bs
+        d = f16[row16[o >> 1]]
+        dmin = f16[row16[(o >> 1) + 1]]
+        qh = row[o + 16:o + 48]
+        q0 = o + (48 if five else 16)
+        for c in range(4):
+            s1, m1 = _k_scale_min(row, o + 4, 2 * c)
+            s2, m2 = _k_scale_min(row, o + 4, 2 * c + 1)
+            d1 = d * np.float32(s1)
+            d2 = d * np.float32(s2)
+            n1 = dmin * np.float32(m1)
+            n2 = dmin * np.float32(m2)
+            qb = row[q0 + 32 * c:q0 + 32 * c + 32]
+            xb = xr[ib * 256 + 64 * c:ib * 256 + 64 * c + 64]
+            if five:
+                sh1 = np.uint32(2 * c)
+                sh2 = np.uint32(2 * c + 1)
+                for l in range(32):
+                    h = np.uint32(qh[l])
+                    a = np.uint32(qb[l] & 0xF) | (((h >> sh1) & np.uint32(1)) << np.uint32(4))
+                    b = np.uint32(qb[l] >> 4) | (((h >> sh2) & np.uint32(1)) << np.uint32(4))
+                    acc[l] += (np.float32(a) * d1 - n1) * xb[l] + (np.float32(b) * d2 - n2) * xb[l + 32]
+            else:
+                for l in range(32):
+                    acc[l] += ((np.float32(qb[l] & 0xF) * d1 - n1) * xb[l]
+                               + (np.float32(qb[l] >> 4) * d2 - n2) * xb[l + 32])
+    return acc.sum()
+
+
+@njit(cache=True, fastmath=True)
+def _dot_q6_k(row: np.ndarray, row16: np.ndarray, xr: np.ndarray, f16: np.ndarray, acc: np.ndarray) -> float:
+    """Q6_K: 16 sub-blocks of 16 with int8 scales; q = 4 low bits (ql) | 2 high bits (qh), minus 32."""
+    acc[:] = 0.0
+    for ib in range(xr.shape[0] // 256):
+        o = ib * 210
+        d = f16[row16[(o + 208) >> 1]]
+        for half in range(2):
+            ql = row[o + 64 * half:o + 64 * half + 64]
+            qh = row[o + 128 + 32 * half:o + 128 + 32 * half + 32]
+            sc = o + 192 + 8 * half
+            xb = xr[ib * 256 + 128 * half:ib * 256 + 128 * half + 128]
+            for i in range(2):
+                d1 = d * np.float32(np.int8(row[sc + i]))
+                d2 = d * np.float32(np.int8(row[sc + i + 2]))
+                d3 = d * np.float32(np.int8(row[sc + i + 4]))
+                d4 = d * np.float32(np.int8(row[sc + i + 6]))
+                for l in range(16 * i, 16 * i + 16):
+                    h = np.int32(qh[l])
+                    q1 = (np.int32(ql[l] & 0xF) | ((h & 3) << 4)) - 32
+                    q2 = (np.int32(ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32
+                    q3 = (np.int32(ql[l] >> 4) | (((h >> 4) & 3) << 4)) - 32
+                    q4 = (np.int32(ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32
+                    acc[l] += (d1 * np.float32(q1) * xb[l] + d2 * np.float32(q2) * xb[l + 32]
+                               + d3 * np.float32(q3) * xb[l + 64] + d4 * np.float32(q4) * xb[l + 96])
+    return acc.sum()
+
+
+#: the types :func:`matmul_fast` computes (the rest go through :func:`matmul_rows`)
+FAST_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def matmul_fast(t: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray, f16: np.ndarray,
+                out: np.ndarray) -> None:
+    """out[r, o] = x[r] . W[o] for W of a type in FAST_TYPES; output rows split over threads.
+
+    x: float32 [m, n_in];  out: float32 [m, n_out]. The weight row (a few hundred bytes) is
+    read from memory once and stays in L1 for the m activation rows.
+    """
+    n_out = raw.shape[0]
+    m = x.shape[0]
+    for o in prange(n_out):
+        acc = np.empty(32, dtype=np.float32)
+        row = raw[o]
+        row16 = raw16[o]
+        for r in range(m):
+            xr = x[r]
+            if t == Q4_1:
+                v = _dot_q4(row, row16, xr, f16, acc, True)
+            elif t == Q4_0:
+                v = _dot_q4(row, row16, xr, f16, acc, False)
+            elif t == Q5_0:
+                v = _dot_q5(row, row16, xr, f16, acc, False)
+            elif t == Q5_1:
+                v = _dot_q5(row, row16, xr, f16, acc, True)
+            elif t == Q8_0:
+                v = _dot_q8_0(row, row16, xr, f16, acc)
+            elif t == Q4_K:
+                v = _dot_k45(row, row16, xr, f16, acc, False)
+            elif t == Q5_K:
+                v = _dot_k45(row, row16, xr, f16, acc, True)
+            else:
+                v = _dot_q6_k(row, row16, xr, f16, acc)
+            out[r, o] = v
+
+
+# ---------------------------------------------------------------------------------------------
+# Row dequantizers for the same types (prompt tiles, verify batches, embedding rows): the
+# loops of the row dots with a store in place of the multiply-add.
+
+
+@njit(cache=True, fastmath=True)
+def _deq_row(t: int, row: np.ndarray, row16: np.ndarray, f16: np.ndarray, y: np.ndarray) -> None:
+    """y[:] = weight row (type t in FAST_TYPES) as float32."""
+    n = y.shape[0]
+    if t == Q4_0 or t == Q4_1:
+        bs = 20 if t == Q4_1 else 18
+        for ib in range(n // 32):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            m = f16[row16[(o >> 1) + 1]] if t == Q4_1 else np.float32(-8.0) * d
+            qb = row[o + bs - 16:o + bs]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(16):
+                yb[j] = np.float32(qb[j] & 0xF) * d + m
+                yb[j + 16] = np.float32(qb[j] >> 4) * d + m
+    elif t == Q5_0 or t == Q5_1:
+        bs = 24 if t == Q5_1 else 22
+        for ib in range(n // 32):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            m = f16[row16[(o >> 1) + 1]] if t == Q5_1 else np.float32(-16.0) * d
+            h0 = o + bs - 20
+            qh = (np.uint32(row[h0]) | (np.uint32(row[h0 + 1]) << 8)
+                  | (np.uint32(row[h0 + 2]) << 16) | (np.uint32(row[h0 + 3]) << 24))
+            qb = row[o + bs - 16:o + bs]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(16):
+                lo = np.uint32(qb[j] & 0xF) | (((qh >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
+                hi = np.uint32(qb[j] >> 4) | (((qh >> np.uint32(j + 16)) & np.uint32(1)) << np.uint32(4))
+                yb[j] = np.float32(lo) * d + m
+                yb[j + 16] = np.float32(hi) * d + m
+    elif t == Q8_0:
+        for ib in range(n // 32):
+            o = ib * 34
+            d = f16[row16[o >> 1]]
+            qb = row[o + 2:o + 34]
+            yb = y[ib * 32:ib * 32 + 32]
+            for j in range(32):
+                yb[j] = np.float32(np.int8(qb[j])) * d
+    elif t == Q4_K or t == Q5_K:
+        five = t == Q5_K
+        bs = 176 if five else 144
+        for ib in range(n // 256):
+            o = ib * bs
+            d = f16[row16[o >> 1]]
+            dmin = f16[row16[(o >> 1) + 1]]
+            qh = row[o + 16:o + 48]
+            q0 = o + (48 if five else 16)
+            for c in range(4):
+                s1, m1 = _k_scale_min(row, o + 4, 2 * c)
+                s2, m2 = _k_scale_min(row, o + 4, 2 * c + 1)
+                d1 = d * np.float32(s1)
+                d2 = d * np.float32(s2)
+                n1 = dmin * np.float32(m1)
+                n2 = dmin * np.float32(m2)
+                qb = row[q0 + 32 * c:q0 + 32 * c + 32]
+                yb = y[ib * 256 + 64 * c:ib * 256 + 64 * c + 64]
+                if five:
+                    sh1 = np.uint32(2 * c)
+                    sh2 = np.uint32(2 * c + 1)
+                    for l in range(32):
+                        h = np.uint32(qh[l])
+                        a = np.uint32(qb[l] & 0xF) | (((h >> sh1) & np.uint32(1)) << np.uint32(4))
+                        b = np.uint32(qb[l] >> 4) | (((h >> sh2) & np.uint32(1)) << np.uint32(4))
+                        yb[l] = np.float32(a) * d1 - n1
+                        yb[l + 32] = np.float32(b) * d2 - n2
+                else:
+                    for l in range(32):
+                        yb[l] = np.float32(qb[l] & 0xF) * d1 - n1
+                        yb[l + 32] = np.float32(qb[l] >> 4) * d2 - n2
+    else:  # Q6_K
+        for ib in range(n // 256):
+            o = ib * 210
+            d = f16[row16[(o + 208) >> 1]]
+            for half in range(2):
+                ql = row[o + 64 * half:o + 64 * half + 64]
+                qh = row[o + 128 + 32 * half:o + 128 + 32 * half + 32]
+                sc = o + 192 + 8 * half
+                yb = y[ib * 256 + 128 * half:ib * 256 + 128 * half + 128]
+                for i in range(2):
+                    d1 = d * np.float32(np.int8(row[sc + i]))
+                    d2 = d * np.float32(np.int8(row[sc + i + 2]))
+                    d3 = d * np.float32(np.int8(row[sc + i + 4]))
+                    d4 = d * np.float32(np.int8(row[sc + i + 6]))
+                    for l in range(16 * i, 16 * i + 16):
+                        h = np.int32(qh[l])
+                        yb[l] = d1 * np.float32((np.int32(ql[l] & 0xF) | ((h & 3) << 4)) - 32)
+                        yb[l + 32] = d2 * np.float32((np.int32(ql[l + 32] & 0xF) | (((h >> 2) & 3) << 4)) - 32)
+                        yb[l + 64] = d3 * np.float32((np.int32(ql[l] >> 4) | (((h >> 4) & 3) << 4)) - 32)
+                        yb[l + 96] = d4 * np.float32((np.int32(ql[l + 32] >> 4) | (((h >> 6) & 3) << 4)) - 32)
+
+
+@njit(cache=True, parallel=True, fastmath=True)
+def dequantize_fast(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray, f16: np.ndarray,
+                    out: np.ndarray) -> None:
+    """out[k] = row ``rows[k]`` of W (type t in FAST_TYPES) as float32.  out: [len(rows), n_in]."""
+    for k in prange(rows.shape[0]):
+        _deq_row(t, raw[rows[k]], raw16[rows[k]], f16, out[k])

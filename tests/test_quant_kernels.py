@@ -1,0 +1,114 @@
+"""Quantized weights (plinth.quant): kernel products against gguf-py's dequantizer, per type.
+
+Oracle: ``gguf.quants.dequantize`` (gguf-py, an independent implementation of the block
+formats) times x in float64. The f32-activation kernels must agree within 1e-5 relative
+(max abs error over max abs reference) for decode-sized (1..16 rows, the block kernels)
+and prompt-sized batches (dequantized tiles into BLAS).
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+import plinth.quant as quant
+from plinth.errors import UserError
+from plinth.gguf.constants import BLOCK_SIZES, GGMLType
+from plinth.quant import QuantWeight
+
+N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16"]
+
+
+def _packed(type_name: str, seed: int = 0) -> np.ndarray:
+    """A [N_OUT, row_bytes] tensor of the type: gguf-py's quantizer where it has one, else random
+    blocks with O(1) f16 super-block scales (gguf-py cannot quantize K-quants)."""
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    w = rng.standard_normal((N_OUT, N_IN)).astype(np.float32)
+    if type_name in ("F16", "BF16"):
+        return gguf.quants.quantize(w, qtype)
+    try:
+        return gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        pass
+    qk, size = BLOCK_SIZES[GGMLType[type_name]]
+    raw = rng.integers(0, 256, (N_OUT, N_IN // qk * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        blocks[:, 208:210] = scales[:, 0:2]
+    else:  # d and dmin lead the block
+        blocks[:, 0:4] = scales
+    return raw
+
+
+def _reference(raw: np.ndarray, type_name: str) -> np.ndarray:
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    return np.asarray(w, dtype=np.float64).reshape(N_OUT, N_IN)
+
+
+def _rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
+    raw = _packed(type_name)
+    ref_w = _reference(raw, type_name)
+    w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
+    rng = np.random.default_rng(1)
+    for m in (1, 3, 8, 16, 40):  # block kernels up to KERNEL_MAX_ROWS, tiles + BLAS beyond
+        x = rng.standard_normal((m, N_IN)).astype(np.float32)
+        y = w.matmul(x)
+        assert y.shape == (m, N_OUT) and y.dtype == np.float32
+        err = _rel_err(y, x.astype(np.float64) @ ref_w.T)
+        assert err < 1e-5, f"{type_name} m={m}: relative error {err:.2e}"
+    rows = np.array([5, 0, 69, 5])
+    assert np.array_equal(w.take(rows), ref_w[rows].astype(np.float32))
+    assert np.array_equal(np.asarray(w), ref_w.astype(np.float32))
+
+
+def test_stack_and_views_stay_quantized() -> None:
+    import plinth.ops as ops
+
+    a, b = _packed("Q4_K", 2), _packed("Q4_K", 3)
+    t = int(GGMLType.Q4_K)
+    wa, wb = QuantWeight(a, t, (N_OUT, N_IN)), QuantWeight(b, t, (N_OUT, N_IN))
+    s = quant.stack([wa, wb])
+    assert isinstance(s, quant.StackedWeight) and s.shape == (2 * N_OUT, N_IN)
+    assert s[:N_OUT] is wa and quant.stack([wa]) is wa
+    assert np.array_equal(np.asarray(s[N_OUT:]), np.asarray(wb))
+    x = np.random.default_rng(4).standard_normal((2, N_IN)).astype(np.float32)
+    ref = x.astype(np.float64) @ np.concatenate([_reference(a, "Q4_K"), _reference(b, "Q4_K")]).T
+    assert _rel_err(ops.linear(x, s), ref) < 1e-5
+    # mixed types stack too: each part keeps its own blocks
+    q8 = _packed("Q8_0")
+    mixed = quant.stack([wa, QuantWeight(q8, int(GGMLType.Q8_0), (N_OUT, N_IN))])
+    assert isinstance(mixed, quant.StackedWeight) and mixed.shape == (2 * N_OUT, N_IN)
+    ref = x.astype(np.float64) @ np.concatenate([_reference(a, "Q4_K"), _reference(q8, "Q8_0")]).T
+    assert _rel_err(ops.linear(x, mixed), ref) < 1e-5
+    assert np.array_equal(np.asarray(mixed[N_OUT:]), _reference(q8, "Q8_0").astype(np.float32))
+    # a plain array among the parts: the caller stacks float32 itself
+    assert quant.stack([wa, np.asarray(wb)]) is None
+    with pytest.raises(TypeError, match="linear_t"):
+        ops.linear_t(x, s)
+
+
+def test_numpy_fallback_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels off (numba missing), products go through dequantized tiles, same values."""
+    raw = _packed("Q5_1")
+    w = QuantWeight(raw, int(GGMLType.Q5_1), (N_OUT, N_IN))
+    monkeypatch.setitem(quant._state, "kernels", False)
+    x = np.random.default_rng(5).standard_normal((2, N_IN)).astype(np.float32)
+    assert _rel_err(w.matmul(x), x.astype(np.float64) @ _reference(raw, "Q5_1").T) < 1e-5
+    assert np.array_equal(w.take([3]), _reference(raw, "Q5_1")[[3]].astype(np.float32))
+
+
+def test_thread_count_is_validated() -> None:
+    assert quant.parse_threads("3", "--threads") == 3
+    with pytest.raises(UserError, match="--threads"):
+        quant.parse_threads("0", "--threads")
+    with pytest.raises(UserError, match="PLINTH_THREADS"):
+        quant.parse_threads("many", "PLINTH_THREADS")
