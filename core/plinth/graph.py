@@ -294,7 +294,7 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
         kc, vc, kpos = kv.get(seq) if shared else kv.update(seq, pos, k[sel], v[sel])
         bias = step.once(("attn_bias", seq, window, len(kpos)),
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
-                                                         xp=xp))
+                                                    xp=xp))
         out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
 

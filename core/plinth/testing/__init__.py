@@ -22,6 +22,7 @@ from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
 from . import strict
+from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_transfers
 from .arch import check_architecture
 from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .strict import StrictBackend, count_transfers, to_host
@@ -40,12 +41,14 @@ TESTKIT_PLUGIN = ManifestPlugin(Manifest(
 
 __all__ = [
     "CONTRACT_BACKENDS",
+    "SpecTransfers",
     "StrictBackend",
     "TESTKIT_PLUGIN",
     "byte_bpe_tokenizer",
     "check_architecture",
     "check_prefill_then_decode",
     "count_transfers",
+    "decode_step_transfers",
     "make_backend",
     "new_cache",
     "strict",
@@ -56,6 +59,7 @@ __all__ = [
     "plugin_from_manifest",
     "byte_vocab",
     "random_tensors",
+    "speculative_step_transfers",
     "tiny_metadata",
     "to_host",
     "write_gguf",
