@@ -599,6 +599,7 @@ class Cache:
         if layout is not None and len(layout) != n_layer:
             raise ValueError(f"the cache layout has {len(layout)} layers, the model {n_layer}")
         self.layers: list[list[CacheKind]] = [[] for _ in range(n_layer)]
+        self._found: dict[tuple[int, type], Any] = {}  # find() answers (the layout never loses a kind)
         for il, kinds in enumerate(layout or [()] * n_layer):
             for kind in kinds:
                 self._add(il, kind)
@@ -615,6 +616,13 @@ class Cache:
 
     def find(self, il: int, kind: type) -> Any:
         """Layer ``il``'s cache of type ``kind`` (a :class:`SharedKV` resolves to its source's)."""
+        found = self._found.get((il, kind))
+        if found is not None:
+            return found
+        found = self._found[(il, kind)] = self._find(il, kind)
+        return found
+
+    def _find(self, il: int, kind: type) -> Any:
         for k in self.layers[il]:
             if isinstance(k, kind):
                 return k

@@ -154,9 +154,9 @@ class Step:
 
     def once(self, key: Any, make: Callable[[], Any]) -> Any:
         """``memo[key]``, computed by ``make()`` the first time."""
-        value = self.memo.get(key)
-        if value is None:
-            value = self.memo[key] = make()
+        if key in self.memo:
+            return self.memo[key]
+        value = self.memo[key] = make()  # None is a value too (no attention bias needed)
         return value
 
 
@@ -295,14 +295,14 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     that many most recent positions. Returns [n_rows, n_head, hd_v].
     """
     xp = ops.array_module(q)
-    shared = next((c for c in step.cache.layers[il] if isinstance(c, SharedKV)), None)
     kv = step.cache.kv(il)
+    shared = kv.layer != il  # the K/V of an earlier layer (SharedKV)
     out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)
     positions = step.batch.positions
     for seq, sel in step.groups:
         pos = positions[sel]
         # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
-        kc, vc, kpos = kv.get(seq) if shared is not None else kv.update(seq, pos, k[sel], v[sel])
+        kc, vc, kpos = kv.get(seq) if shared else kv.update(seq, pos, k[sel], v[sel])
         bias = step.once(("attn_bias", seq, window, len(kpos)),
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
                                                     xp=xp))
