@@ -124,9 +124,14 @@ def check_api_version(plugin: str, declared: str, core: str = PLUGIN_API_VERSION
         raise PluginError(f"plugin '{plugin}' declares an unreadable plugin API version {declared!r}") from exc
     c_major, c_minor = _parse_version(core)
     if p_major != c_major:
+        what = ""
+        if p_major < 2 <= c_major:
+            what = (" (API 2.0 replaced the plinth_arch_* hooks by the architecture object's own steps, "
+                    "graphs declare cache_layout() and drafters use target.target_view(); see "
+                    "docs/writing-a-plugin.md)")
         raise PluginError(
             f"plugin '{plugin}' was built for plinth plugin API {declared}, but this plinth "
-            f"({__version__}) speaks {core}; install a version of the plugin built for API {c_major}.x"
+            f"({__version__}) speaks {core}; install a version of the plugin built for API {c_major}.x{what}"
         )
     if p_minor > c_minor:
         return (
@@ -259,16 +264,16 @@ class PluginRegistry:
         """The :class:`~plinth.interfaces.Architecture` for a GGUF architecture string."""
         return self._call("architectures", name, "plinth_get_architecture", name=name)
 
+    # the three architecture steps, called on the object plinth_get_architecture returned
     def arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any:
-        return self._call("architectures", arch, "plinth_arch_hparams", arch=arch, metadata=metadata, source=source)
+        return self.architecture(arch).load_hparams(metadata, source)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
-        result: Sequence[Any] = self._call("architectures", arch, "plinth_arch_tensors", arch=arch, hparams=hparams)
+        result: Sequence[Any] = self.architecture(arch).tensor_specs(hparams)
         return result
 
     def arch_build(self, arch: str, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
-        return self._call("architectures", arch, "plinth_arch_build", arch=arch, hparams=hparams,
-                          weights=weights, backend=backend)
+        return self.architecture(arch).build(hparams, weights, backend)
 
     def make_drafter(self, name: str, target: Any, options: Mapping[str, Any] | None = None) -> Any:
         return self._call("drafters", name, "plinth_make_drafter", name=name, target=target, options=dict(options or {}))
