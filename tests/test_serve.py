@@ -182,7 +182,7 @@ def test_stream_ends_with_done(server):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
-def test_stop_strings(server):
+def test_stop_strings(server, model_path, capsys):
     c = client(server)
     full = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=60, temperature=0).choices[0].text
     # a printable ASCII character some way into the text
@@ -192,6 +192,8 @@ def test_stop_strings(server):
     r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=60, temperature=0, stop=[stop, "\x00zz"])
     assert r.choices[0].text == full[:cut]
     assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == generate_cli(capsys, model_path, PROMPTS[1], "-n", "60", "--temperature", "0",
+                                             "--stop", stop, "--stop", "\x00zz")
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model="tiny", prompt=PROMPTS[1], max_tokens=60, temperature=0, stop=stop, stream=True) if ch.choices)
     assert streamed == full[:cut]

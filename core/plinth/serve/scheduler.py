@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 
 from ..context import Batch
+from ..generate import _stop_prefix_len
 from ..sampling import Sampler, SamplerConfig
 from ..speculative.base import Draft, TargetOutput, check_compatible
 from ..speculative.engine import SpecConfig, SpecStats, propose
@@ -447,18 +448,17 @@ class Scheduler:
         if finish is not None:
             if not hit_stop:  # the last bytes of an unfinished character, as plain generation prints them
                 req.text += req.decoder.flush()
+                hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
+                if hit >= 0:
+                    req.text = req.text[:hit]
+                    finish, req.stats.stop_reason = "stop", "stop string"
             text, req.text = req.text, ""
             if infos or text:
                 req.emit(Event(text=text, tokens=tuple(infos)))
             self._finish(req, finish)
             return
         # hold back a tail that could be the start of a stop string
-        keep = 0
-        for s in req.stop:
-            for n in range(min(len(s) - 1, len(req.text)), 0, -1):
-                if req.text.endswith(s[:n]):
-                    keep = max(keep, n)
-                    break
+        keep = _stop_prefix_len(req.text, req.stop)
         text = req.text[:len(req.text) - keep]
         req.text = req.text[len(req.text) - keep:]
         if infos or text:
