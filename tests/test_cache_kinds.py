@@ -199,3 +199,18 @@ def test_snapshot_of_an_empty_sequence_restores_to_nothing():
                                            cache.state(0).set(0, np.ones(2))))
     cache.restore(snap)
     assert cache.n_cached(0) == 0 and cache.next_position(0) == 0 and cache.nbytes() == 0
+
+
+def test_a_cache_without_layout_keeps_the_1x_methods():
+    """Graphs written for the 1.x core (cache.update / get_state / set_state) still run: kinds appear on first use."""
+    cache = Cache(2)
+    k = rows(3, 1, 2)
+    pos = np.arange(3)
+    kk, vv, kpos = cache.update(0, 0, pos, k, k)
+    cache.set_state(1, 0, np.ones(2))
+    cache.commit()
+    assert cache.n_cached(0) == 3 and cache.layer_kv(0, 0)[0].shape == (3, 1, 2)
+    np.testing.assert_array_equal(cache.get_state(1, 0), np.ones(2))
+    assert [type(x).__name__ for x in cache.layers[0]] == ["KV"] and cache.holds_state(0)
+    with pytest.raises(ValueError, match="recurrent state"):
+        cache.seq_rm(0, 1)

@@ -22,7 +22,7 @@ def plugin_dir(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def write_plugin(folder, module, name, api="1.0", archs=("a",), drafters=(), body=""):
+def write_plugin(folder, module, name, api="2.0", archs=("a",), drafters=(), body=""):
     archs_src = ", ".join(f"{a!r}: '{module}:Arch'" for a in archs)
     drafters_src = ", ".join(f"{d!r}: '{module}:Drafter'" for d in drafters)
     (folder / f"{module}.py").write_text(textwrap.dedent(f"""
@@ -104,13 +104,14 @@ def test_broken_plugin_is_recorded_and_skipped(plugin_dir, monkeypatch):
 
 
 def test_api_version_major_refused_minor_warns(plugin_dir):
-    eps = [write_plugin(plugin_dir, "tp_old", "old", api="0.9"),
-           write_plugin(plugin_dir, "tp_new", "new", api="1.7", archs=("n",))]
-    with pytest.warns(UserWarning, match="plugin 'new'.*1.7.*newer"):
+    eps = [write_plugin(plugin_dir, "tp_old", "old", api="1.0"),
+           write_plugin(plugin_dir, "tp_new", "new", api="2.7", archs=("n",))]
+    with pytest.warns(UserWarning, match="plugin 'new'.*2.7.*newer"):
         reg = discover(entry_points=eps, plugins=None, disable=())
     old = reg.record("old")
     assert old.status == "refused"
-    assert "plugin 'old'" in old.error and "0.9" in old.error and plinth.PLUGIN_API_VERSION in old.error
+    assert "plugin 'old'" in old.error and "1.0" in old.error and plinth.PLUGIN_API_VERSION in old.error
+    assert "docs/writing-a-plugin.md" in old.error  # a 1.x plugin is told what changed
     assert reg.names("architectures") == ["n"]  # the refused plugin provides nothing
     assert reg.record("new").status == "loaded"
 
@@ -120,6 +121,9 @@ def test_check_api_version_messages():
     assert check_api_version("p", "1.0", core="1.3") is None
     with pytest.raises(PluginError, match="plugin 'p' was built for plinth plugin API 2.0.*speaks 1.3"):
         check_api_version("p", "2.0", core="1.3")
+    with pytest.raises(PluginError, match=r"plugin 'p' was built for plinth plugin API 1.0.*speaks 2.0; install a "
+                                          r"version of the plugin built for API 2.x \(API 2.0 replaced the plinth_arch_"):
+        check_api_version("p", "1.0", core="2.0")
     with pytest.raises(PluginError, match="unreadable"):
         check_api_version("p", "x.y")
 
@@ -164,7 +168,7 @@ def test_register_must_return_manifest():
 
 def test_test_kit_registry_is_isolated(plinth_registry, monkeypatch):
     monkeypatch.setenv("PLINTH_PLUGINS", "")  # ignored by the test kit
-    plugin = ManifestPlugin(Manifest(name="intest", api_version="1.0", backends={"fake": "builtins:dict"}))
+    plugin = ManifestPlugin(Manifest(name="intest", api_version="2.0", backends={"fake": "builtins:dict"}))
     reg = plinth_registry(plugin)
     assert [r.name for r in reg.records] == ["plinth", "plinth-testing", "intest"]
     assert reg.make_backend("fake", {"x": 1}) == {"x": 1}

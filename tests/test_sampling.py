@@ -59,6 +59,8 @@ SETTINGS = [
     dict(min_p=0.3),
     dict(temperature=0.8, top_k=8, top_p=0.9, min_p=0.1),
     dict(temperature=1.3, top_k=6, min_p=0.2),
+    dict(temperature=1.3, top_k=1),  # one token survives: every draw must be the argmax
+    dict(min_p=0.95),  # the same through min-p
 ]
 
 
@@ -82,11 +84,13 @@ def test_chi_square(kw):
     expected = reference_probs(LOGITS, **kw) * n
     kept = expected > 0
     assert counts[~kept].sum() == 0, "drew a token the filters removed"
-    stat = float((((counts[kept] - expected[kept]) ** 2) / expected[kept]).sum())
     df = int(kept.sum()) - 1
-    if df == 0:
-        return
-    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df}"
+    if df == 0:  # a single survivor: nothing for a chi-square to test, but every draw must be that token
+        assert np.nonzero(kept)[0].tolist() == [int(np.argmax(LOGITS))]
+        assert counts[int(np.argmax(LOGITS))] == n
+    else:
+        stat = float((((counts[kept] - expected[kept]) ** 2) / expected[kept]).sum())
+        assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df}"
 
 
 def test_wilson_hilferty_close_to_scipy():

@@ -17,7 +17,7 @@ from plinth.speculative.draft_model import DraftModelDrafter
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
 from plinth.speculative.ngram import NgramDrafter, lookup
 from plinth.speculative.verify import GreedyVerifier, RejectionVerifier, VerifyResult
-from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
+from plinth.testing import CONTRACT_BACKENDS, byte_vocab, tiny_metadata, write_synthetic_gguf
 from plinth.testing.drafters import OracleDrafter, RandomDrafter, assert_caches_equal, check_drafter_contract
 from plinth.testing.recurrent import recurrent_plugin, write_toy_recurrent
 
@@ -50,6 +50,22 @@ def tiny_qwen3(registry, tmp_path_factory):
 def recurrent(registry, tmp_path_factory):
     path = tmp_path_factory.mktemp("spec") / "toy-recurrent.gguf"
     return plinth.load_model(write_toy_recurrent(path, seed=3), registry=registry)
+
+
+@pytest.fixture(scope="module")
+def on_backend(registry):
+    """``on_backend(model, backend)``: the same file loaded on ``backend`` ("numpy": the model itself)."""
+    loaded = {}
+
+    def get(model, backend):
+        if backend == "numpy":
+            return model
+        key = (str(model.path), backend)
+        if key not in loaded:
+            loaded[key] = plinth.load_model(model.path, backend=backend, registry=registry)
+        return loaded[key]
+
+    return get
 
 
 def chi2_threshold(df: int, z: float = 3.29) -> float:
@@ -133,11 +149,12 @@ def test_ngram_drafter_limits_and_requirements():
 # ---------------------------------------------------------------------------- engine: lossless greedy
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("verifier", ["greedy", "rejection"])
 @pytest.mark.parametrize("model_name", ["tiny", "tiny_qwen3", "recurrent"])
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "random"])
-def test_greedy_output_is_identical_with_every_drafter(request, model_name, drafter, verifier):
-    model = request.getfixturevalue(model_name)
+def test_greedy_output_is_identical_with_every_drafter(request, on_backend, model_name, drafter, verifier, backend):
+    model = on_backend(request.getfixturevalue(model_name), backend)
     make = {
         "ngram": lambda: NgramDrafter(),
         "oracle": lambda: OracleDrafter(model, taps=(0, model.hparams.n_layer)),
@@ -153,8 +170,10 @@ def test_greedy_output_is_identical_with_every_drafter(request, model_name, draf
         assert any(0 < s.n_accepted or s.histogram.get(0) for s in stats)  # rejections happened
 
 
-def test_partial_acceptances_roll_back_recurrent_state(recurrent):
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_partial_acceptances_roll_back_recurrent_state(on_backend, recurrent, backend):
     """A drafter right for the first two tokens, wrong after: every step is a partial accept."""
+    recurrent = on_backend(recurrent, backend)
     plain = Generator(recurrent).generate(PROMPTS[0], 20)
 
     class HalfRight(OracleDrafter):

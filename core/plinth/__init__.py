@@ -2,6 +2,8 @@
 
 Importing :mod:`plinth` is cheap: it pulls in neither numpy nor any plugin code.
 The heavier parts of the public API are imported on first attribute access.
+Architecture plugins build their graphs from :mod:`plinth.graph` (the documented
+graph API) and :mod:`plinth.ops`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ _LAZY = {
     "discover": "plinth.plugins",
     "load_model": "plinth.model",
     "Model": "plinth.model",
+    "Context": "plinth.model",
+    "UserError": "plinth.errors",
+    "TensorCheckError": "plinth.tensors",
+    "HParamsError": "plinth.hparams",
+    "Generator": "plinth.generate",
 }
 
 __all__ = ["PLUGIN_API_VERSION", "__version__", *_LAZY]

@@ -26,9 +26,6 @@ class NumpyBackend:
     def to_numpy(self, array: Any) -> Any:
         return self.xp.asarray(array)
 
-    def synchronize(self) -> None:
-        """Nothing to wait for on the CPU."""
-
 
 class CupyBackend(NumpyBackend):
     """The GPU backend: cupy arrays on the current CUDA device."""
@@ -53,6 +50,3 @@ class CupyBackend(NumpyBackend):
 
     def to_numpy(self, array: Any) -> Any:
         return self.xp.asnumpy(array)
-
-    def synchronize(self) -> None:
-        self.xp.cuda.get_current_stream().synchronize()

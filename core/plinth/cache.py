@@ -108,6 +108,10 @@ class CacheKind:
         """Whether anything of ``seq`` is stored here."""
         return False
 
+    def contents(self, seq: int) -> tuple[Any, ...]:
+        """The committed arrays of ``seq`` (for tests comparing two caches)."""
+        return ()
+
 
 # ============================================================================ rows
 
@@ -132,6 +136,12 @@ class Rows(CacheKind):
 
     def holds(self, seq: int) -> bool:
         return self._len.get(seq, 0) > 0
+
+    def contents(self, seq: int) -> tuple[Any, ...]:
+        n = self._len.get(seq, 0)
+        if seq not in self._buf:
+            return ()
+        return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
 
     def length(self, seq: int) -> int:
         """Committed rows of ``seq``."""
@@ -355,6 +365,9 @@ class CompressedKV(CacheKind):
     def holds(self, seq: int) -> bool:
         return self.raw.holds(seq) or self.blocks.holds(seq)
 
+    def contents(self, seq: int) -> tuple[Any, ...]:
+        return self.blocks.contents(seq) + self.raw.contents(seq)
+
     def append_raw(self, seq: int, positions: np.ndarray, rows: Any) -> tuple[Any, np.ndarray]:
         """Add raw rows [n, dim] at consecutive ``positions``; returns the raw rows held (views) and positions."""
         self._from.setdefault(seq, int(positions[0]) if len(positions) else 0)
@@ -488,6 +501,10 @@ class Recurrent(CacheKind):
 
     def holds(self, seq: int) -> bool:
         return seq in self._state
+
+    def contents(self, seq: int) -> tuple[Any, ...]:
+        v = self._state.get(seq)
+        return () if v is None else (v if isinstance(v, tuple) else (v,))
 
     def get(self, seq: int) -> Any:
         """The state of ``seq`` after the rows written so far (None before the first token)."""
@@ -809,6 +826,15 @@ class Cache:
 
 
 KVCache = Cache  # the 1.x name
+
+
+def format_bytes_by_kind(by_kind: dict[str, int]) -> str:
+    """``{"kv": 1572864, "state": 4096}`` -> ``"kv 1.50 MiB, state 4.0 KiB"`` (empty kinds left out)."""
+    parts = []
+    for kind, n in sorted(by_kind.items()):
+        if n:
+            parts.append(f"{kind} {n / 2**20:.2f} MiB" if n >= 2**20 else f"{kind} {n / 2**10:.1f} KiB")
+    return ", ".join(parts) or "empty"
 
 
 def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: Cache,

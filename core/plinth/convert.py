@@ -178,3 +178,89 @@ def convert(model_dir: str | Path, out_path: str | Path, registry: Any = None,
     conv = registry.converter(hf_arch)  # an unknown name raises, listing the known converters
     conv.convert(str(model_dir), str(out_path), dict(options or {}))
     return Path(out_path)
+
+
+# ============================================================================ helpers for converter plugins
+
+
+def map_names(names: Iterator[str] | list[str], table: Mapping[str, str], source: str = "") -> dict[str, str]:
+    """HF tensor names -> GGUF names by a table of patterns, ``{layer}`` standing for the layer number.
+
+    ``table`` maps an HF pattern to a GGUF pattern, e.g.
+    ``{"model.layers.{layer}.self_attn.q_proj.weight": "blk.{layer}.attn_q.weight"}``. Every name
+    must match one pattern: the unmatched ones are refused together, naming ``source``, so a
+    converter never drops a tensor silently (leave a tensor out on purpose by mapping it to "").
+    """
+    import re
+
+    compiled = [(re.compile("^" + re.escape(hf).replace(r"\{layer\}", r"(?P<layer>\d+)") + "$"), gg)
+                for hf, gg in table.items()]
+    out: dict[str, str] = {}
+    unknown = []
+    for name in names:
+        for pattern, gg in compiled:
+            m = pattern.match(name)
+            if m:
+                if gg:
+                    out[name] = gg.format(**m.groupdict())
+                break
+        else:
+            unknown.append(name)
+    if unknown:
+        raise UserError(f"{source or 'the model folder'}: tensor(s) with no GGUF name: {', '.join(sorted(unknown))}")
+    return out
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder the rows of an HF Q or K projection [n_head * head_dim, n_in] for GGUF's "normal" RoPE.
+
+    HF llama rotates the two halves of each head (NeoX order); llama.cpp's llama rotates adjacent
+    pairs. This interleaves each head's halves, so a file with ``rope_mode="normal"`` computes what
+    HF computes. Architectures that use NeoX RoPE in GGUF (qwen2, qwen3, gemma3...) skip it.
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def stack_experts(st: "SafetensorsDir", pattern: str, n_expert: int) -> np.ndarray:
+    """The per-expert matrices ``pattern.format(e=0..n_expert-1)`` stacked to [n_expert, n_out, n_in]
+    (the GGUF ``*_exps`` layout)."""
+    missing = [pattern.format(e=e) for e in range(n_expert) if pattern.format(e=e) not in st]
+    if missing:
+        raise UserError(f"{st.dir}: {len(missing)} of {n_expert} experts missing (first: {missing[0]})")
+    return np.stack([st.get(pattern.format(e=e)) for e in range(n_expert)])
+
+
+def bpe_tokenizer_metadata(model_dir: str | Path, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``tokenizer.ggml.*`` keys from a folder's byte-level BPE ``tokenizer.json`` (GPT-2 style).
+
+    Tokens are ordered by id (added tokens included, marked as control tokens); the merges are
+    kept as "a b" strings; ``eos_token_id`` / ``bos_token_id`` come from ``config``. Other
+    tokenizer types are refused with the type found.
+    """
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{model_dir}: no tokenizer.json; plinth generate needs a tokenizer in the GGUF")
+    tok = json.loads(path.read_text())
+    model = tok.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UserError(f"{path}: tokenizer model {model.get('type')!r}; only byte-level BPE is converted here")
+    vocab: dict[str, int] = dict(model.get("vocab") or {})
+    added = {t["content"]: int(t["id"]) for t in tok.get("added_tokens") or []}
+    by_id = {i: t for t, i in {**vocab, **added}.items()}
+    n = max(by_id) + 1
+    if sorted(by_id) != list(range(n)):
+        raise UserError(f"{path}: token ids are not 0..{n - 1} without gaps")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    md: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": [by_id[i] for i in range(n)],
+        "tokenizer.ggml.token_type": [3 if by_id[i] in added else 1 for i in range(n)],
+        "tokenizer.ggml.merges": merges,
+    }
+    for key in ("eos", "bos"):
+        if config.get(f"{key}_token_id") is not None:
+            md[f"tokenizer.ggml.{key}_token_id"] = int(config[f"{key}_token_id"])
+    return md

@@ -111,7 +111,7 @@ class Generator:
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
         """Generated token ids, one at a time (end-of-generation tokens are not yielded)."""
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
-        ctx = self.model.new_context()
+        ctx = self.context = self.model.new_context()
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
         self.tokens_out = []
@@ -163,29 +163,52 @@ class Generator:
 
     def stream(self, prompt_ids: Sequence[int], max_tokens: int = 128,
                stop: Sequence[str] = ()) -> Iterator[str]:
-        """Text chunks as tokens arrive; never half a UTF-8 character; ends at a stop string."""
+        """Text chunks as tokens arrive; never half a UTF-8 character; ends at a stop string.
+
+        With stop strings, text that could be the start of one is held back until the
+        next tokens show it is not, so no part of a stop string is ever yielded.
+        """
         decoder = self.tokenizer.incremental_decoder(skip_special=True)
         text = ""
-        stopped = False
+        sent = 0  # characters of ``text`` already yielded
         gen = self.tokens(prompt_ids, max_tokens)
         for token in gen:
             chunk = decoder.feed(token)
-            if stop and chunk:
-                text += chunk
-                hit = min((text.find(s) for s in stop if s in text), default=-1)
-                if hit >= 0:
-                    already = len(text) - len(chunk)
-                    if hit > already:
-                        yield text[already:hit]
-                    self.stats.stop_reason = "stop string"
-                    stopped = True
-                    gen.close()
-                    break
-            if chunk:
-                yield chunk
-        rest = decoder.flush()
-        if rest and not stopped:
-            yield rest
+            if not stop:
+                if chunk:
+                    yield chunk
+                continue
+            text += chunk
+            hit = min((text.find(s) for s in stop if s in text), default=-1)
+            if hit >= 0:
+                if hit > sent:
+                    yield text[sent:hit]
+                self.stats.stop_reason = "stop string"
+                gen.close()
+                return
+            safe = len(text) - _stop_prefix_len(text, stop)
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        text += decoder.flush()
+        if stop:
+            hit = min((text.find(s) for s in stop if s in text), default=-1)
+            if hit >= 0:
+                self.stats.stop_reason = "stop string"
+                text = text[:hit]
+        if len(text) > sent:
+            yield text[sent:]
+
+
+def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop string (0 if none)."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def time_prefill_decode(model: Any, n_prompt: int, n_decode: int, runs: int = 3,

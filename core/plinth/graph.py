@@ -337,6 +337,7 @@ class TargetView:
     norm. head_weight / embed_table: those matrices in GGUF layout [n_vocab, n_embd].
     final_norm(x): the target's output norm. n_embd, n_vocab, n_layer: sizes; feature taps are
     asked for with ``DrafterRequirements.taps`` and arrive in ``ForwardOutput.features``.
+    draft_heads / draft_head(name): draft heads shipped in the target's file (MTP layers...).
     """
 
     def __init__(self, graph: Any, hparams: Any) -> None:
@@ -362,6 +363,23 @@ class TargetView:
 
     def final_norm(self, x: Any) -> Any:
         return self._graph.final_norm(x)
+
+    @property
+    def draft_heads(self) -> list[str]:
+        """Names of the draft heads shipped in the target's file (MTP layers, a DSpark head...)."""
+        heads = getattr(self._graph, "draft_heads", None)
+        return sorted(heads()) if heads is not None else []
+
+    def draft_head(self, name: str) -> Any:
+        """The draft head ``name`` the target's architecture declares (its graph's ``draft_heads()``)."""
+        heads = getattr(self._graph, "draft_heads", None)
+        found = heads() if heads is not None else {}
+        if name not in found:
+            from .errors import UserError
+
+            raise UserError(f"the target ({type(self._graph).__name__}) ships no draft head {name!r}; "
+                            f"it declares {sorted(found) or 'none'}")
+        return found[name]
 
 
 class BaseGraph:
@@ -415,6 +433,16 @@ class BaseGraph:
     def target_view(self) -> TargetView:
         """The interface drafters use (see :class:`TargetView`)."""
         return TargetView(self, self.hp)
+
+    def draft_heads(self) -> dict[str, Any]:
+        """Draft heads shipped inside this model's file, by name (default: none).
+
+        An architecture whose files carry MTP layers or another draft head reads their tensors
+        (declared in its ``tensors``) and returns here one object per head, with the forward its
+        drafter drives (the architecture documents it); the plugin's manifest lists a drafter that
+        takes it from ``target.target_view().draft_head(name)``, so the file is loaded once.
+        """
+        return {}
 
     def forward(self, batch: Batch, cache: Cache, *, taps: Sequence[int] = (), pooling: str = "none",
                 embeddings: bool = False) -> ForwardOutput:

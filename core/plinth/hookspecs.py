@@ -65,7 +65,7 @@ def plinth_register() -> Manifest:
 
     Returns: a :class:`plinth.Manifest` with the plugin's name, the plugin API
     version it was built for, and the names it provides (architectures, drafters,
-    verifiers, backends, converters, CLI commands), each mapped to an import path
+    verifiers, backends, converters), each mapped to an import path
     ``"package.module:attribute"`` that is imported only when used.
 
     Not firstresult: the registry calls it per plugin and keeps every manifest.
@@ -83,63 +83,25 @@ def plinth_get_architecture(name: str) -> Architecture | None:
     (``"llama"``, ``"qwen3"``, ``"gemma3"``, ``"nemotron_h"``...). Routed only to
     the plugin whose manifest lists ``name`` under ``architectures``.
 
-    Returns: an object implementing :class:`plinth.interfaces.Architecture`,
-    whose three steps the engine calls in order (as llama.cpp's
-    ``load_arch_hparams`` / ``load_arch_tensors`` / ``build_arch_graph``):
-    :func:`plinth_arch_hparams`, :func:`plinth_arch_tensors`,
-    :func:`plinth_arch_build`. ``None`` when the plugin does not own ``name``.
-    firstresult.
-    """
+    Returns: an object implementing :class:`plinth.interfaces.Architecture`
+    (usually a :class:`plinth.graph.Architecture` subclass), whose three steps the
+    engine then calls in order, as llama.cpp's ``load_arch_hparams`` /
+    ``load_arch_tensors`` / ``build_arch_graph``:
 
+    1. ``load_hparams(metadata, source)``: GGUF metadata to a frozen hparams object
+       with at least the fields of :class:`plinth.graph.HParams` (``n_layer``,
+       ``n_vocab``, ``n_embd``, ``n_ctx_train``); a missing required key raises an
+       error naming the key and ``source``.
+    2. ``tensor_specs(hparams)``: every tensor it reads, as
+       :class:`plinth.tensors.TensorSpec`; the loader checks the whole file against it.
+    3. ``build(hparams, weights, backend)``: a :class:`plinth.graph.Graph`, i.e.
+       ``cache_layout()`` (per layer, the cache kinds it keeps) and
+       ``forward(batch: plinth.graph.Batch, cache: plinth.graph.Cache, *, taps=(),
+       pooling="none", embeddings=False) -> plinth.graph.ForwardOutput`` (logits only
+       for rows that ask, pooled embeddings, feature taps). ``weights`` maps tensor
+       names to backend arrays for every declared tensor present in the file.
 
-@hookspec(firstresult=True)
-def plinth_arch_hparams(arch: str, metadata: Mapping[str, Any], source: str) -> Any | None:
-    """Step 1: GGUF metadata to a typed, frozen hparams object.
-
-    Called: once per model load, after the header is parsed and before any
-    tensor is touched.
-
-    Args:
-        arch: the architecture string of the file.
-        metadata: every GGUF key of the file, as Python values.
-        source: the file's path (or another label) for error messages; a missing
-            required key must raise an error naming the key and ``source``.
-
-    Returns: the hparams object (attrs ``@frozen``) the other two steps take, or
-    ``None`` if the plugin does not own ``arch``. firstresult.
-    """
-
-
-@hookspec(firstresult=True)
-def plinth_arch_tensors(arch: str, hparams: Any) -> Sequence[Any] | None:
-    """Step 2: declare every tensor the architecture reads.
-
-    Called: after :func:`plinth_arch_hparams`, before any compute. The loader
-    checks the whole file against the declaration and reports every missing or
-    mis-shaped tensor at once.
-
-    Returns: a sequence of :class:`plinth.tensors.TensorSpec` (GGUF name, shape in
-    numpy order ``[rows, cols]`` computed from ``hparams``, allowed dtypes,
-    required flag, optional ``.scale`` companion), or ``None`` if the plugin does
-    not own ``arch``. firstresult.
-    """
-
-
-@hookspec(firstresult=True)
-def plinth_arch_build(arch: str, hparams: Any, weights: Mapping[str, Any], backend: Backend) -> Any | None:
-    """Step 3: build the forward graph from loaded weights.
-
-    Called: once per model load, after the weights are on ``backend``.
-
-    Args:
-        hparams: the object step 1 returned.
-        weights: tensor name -> backend array (or quantized weight object), for
-            every declared tensor present in the file.
-        backend: the compute backend (array module ``backend.xp`` and its ops).
-
-    Returns: a graph object whose ``forward(batch, context)`` turns a
-    :class:`plinth.batch.Batch` into a frozen output struct (logits only for rows
-    that ask, pooled embeddings, feature taps), or ``None``. firstresult.
+    ``None`` when the plugin does not own ``name``. firstresult.
     """
 
 
@@ -153,8 +115,11 @@ def plinth_make_drafter(name: str, target: Any, options: Mapping[str, Any]) -> D
     Called: when generation starts with ``--draft NAME`` (or ``drafter=NAME``).
 
     Args:
-        target: the target model (its hparams, vocabulary and backend), so the
-            drafter can declare and check what it needs from it.
+        target: the target :class:`plinth.Model` (hparams, vocabulary, backend). A
+            drafter uses the target's embedding, LM head and sizes only through
+            ``target.target_view()`` (:class:`plinth.graph.TargetView`) and gets
+            feature taps by declaring them in ``requirements()``; it does not read
+            ``target.weights`` or the graph's attributes.
         options: drafter options from the CLI / API (``n_max``, ``n_min``,
             ``p_min``, a draft-model path, ...).
 
@@ -188,8 +153,8 @@ def plinth_make_backend(name: str, options: Mapping[str, Any]) -> Backend | None
     Called: once per model load. A backend that cannot run here (no device)
     raises an error saying why instead of returning ``None``.
 
-    Returns: an object implementing :class:`plinth.interfaces.Backend` (array
-    module ``xp``, ``asarray``, ``to_numpy``, weight upload), or ``None``.
+    Returns: an object implementing :class:`plinth.interfaces.Backend` (name,
+    array module ``xp``, ``asarray``, ``to_numpy``), or ``None``.
     firstresult.
     """
 

@@ -12,7 +12,8 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Architecture(Protocol):
-    """One model architecture, in three separate steps."""
+    """One model architecture, in three separate steps (:class:`plinth.graph.Architecture` implements
+    them from ``hparams(r)``, ``tensors(hp)`` and a graph class)."""
 
     name: str
 
@@ -23,7 +24,8 @@ class Architecture(Protocol):
         """Every tensor the architecture reads, as ``plinth.tensors.TensorSpec``."""
 
     def build(self, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
-        """Weights on ``backend`` -> a graph with ``forward(batch, context) -> output struct``."""
+        """Weights on ``backend`` -> a :class:`plinth.graph.Graph` (``cache_layout()`` and
+        ``forward(batch, cache, *, taps, pooling, embeddings) -> ForwardOutput``)."""
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ provide in a :class:`Manifest` (names mapped to lazy import paths) and expose a
 
     plugin = ManifestPlugin(Manifest(
         name="foo",
-        api_version="1.0",
+        api_version="2.0",
         architectures={"foo": "plinth_foo.arch:FooArchitecture"},
     ))
 
@@ -113,21 +113,6 @@ class ManifestPlugin:
     @hookimpl
     def plinth_get_architecture(self, name: str) -> Any | None:
         return self._architecture(name)
-
-    @hookimpl
-    def plinth_arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any | None:
-        impl = self._architecture(arch)
-        return None if impl is None else impl.load_hparams(metadata, source)
-
-    @hookimpl
-    def plinth_arch_tensors(self, arch: str, hparams: Any) -> Any | None:
-        impl = self._architecture(arch)
-        return None if impl is None else impl.tensor_specs(hparams)
-
-    @hookimpl
-    def plinth_arch_build(self, arch: str, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any | None:
-        impl = self._architecture(arch)
-        return None if impl is None else impl.build(hparams, weights, backend)
 
     @hookimpl
     def plinth_make_drafter(self, name: str, target: Any, options: Mapping[str, Any]) -> Any | None:

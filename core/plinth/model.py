@@ -98,7 +98,7 @@ class Model:
         self.metadata = metadata
         self.tensor_types = tensor_types
         self.stats = stats
-        self.n_ctx = int(n_ctx or getattr(hparams, "n_ctx_train", 4096) or 4096)
+        self.n_ctx = int(n_ctx or hparams.n_ctx_train or 4096)
         self._tokenizer: Any = None
 
     @property
@@ -133,6 +133,9 @@ class Model:
         out = ctx.forward(Batch.from_tokens(list(token_ids), output="all"))
         return np.asarray(self.backend.to_numpy(out.logits), dtype=np.float32)
 
+
+#: the hparams fields the core reads (the plinth.graph.HParams protocol)
+HPARAMS_FIELDS = ("n_layer", "n_vocab", "n_embd", "n_ctx_train")
 
 CHUNK_ELEMENTS = 1 << 21  # rows dequantized per task: small enough that temporaries stay in cache
 
@@ -196,7 +199,11 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
 
         tok = Tokenizer.from_metadata(metadata, source=str(path))
     hparams = registry.arch_hparams(arch, metadata, str(path))
-    if getattr(hparams, "n_vocab", None) == -1 and "token_embd.weight" in gf.tensors:
+    missing = [f for f in HPARAMS_FIELDS if not hasattr(hparams, f)]
+    if missing:
+        raise UserError(f"{path}: the {arch} hparams (plugin {plugin}) lack {', '.join(missing)}; an architecture's "
+                        "hparams must have the fields of plinth.graph.HParams")
+    if hparams.n_vocab == -1 and "token_embd.weight" in gf.tensors:
         hparams = attrs.evolve(hparams, n_vocab=gf.tensors["token_embd.weight"].shape[0])
     if tok is not None:
         check_vocab(tok, int(getattr(hparams, "n_vocab", -1) or -1), str(path))

@@ -168,9 +168,14 @@ def check_api_version(plugin: str, declared: str, core: str = PLUGIN_API_VERSION
         raise PluginError(f"plugin '{plugin}' declares an unreadable plugin API version {declared!r}") from exc
     c_major, c_minor = _parse_version(core)
     if p_major != c_major:
+        what = ""
+        if p_major < 2 <= c_major:
+            what = (" (API 2.0 replaced the plinth_arch_* hooks by the architecture object's own steps, "
+                    "graphs declare cache_layout() and drafters use target.target_view(); see "
+                    "docs/writing-a-plugin.md)")
         raise PluginError(
             f"plugin '{plugin}' was built for plinth plugin API {declared}, but this plinth "
-            f"({__version__}) speaks {core}; install a version of the plugin built for API {c_major}.x"
+            f"({__version__}) speaks {core}; install a version of the plugin built for API {c_major}.x{what}"
         )
     if p_minor > c_minor:
         return (
@@ -302,42 +307,50 @@ class PluginRegistry:
             return f"'{name}'"
         return _label(name, rec.distribution, rec.version)
 
-    def _call(self, kind: str, key: str, hook: str, **kwargs: Any) -> Any:
-        owner = self.owner(kind, key)
-        others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
-        caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+    def _guarded(self, kind: str, key: str, step: str, fn: Any, source: str | None = None) -> Any:
+        """``fn()``; an exception from plugin code is re-raised naming the plugin, its version and ``step``."""
         try:
-            result = caller(**kwargs)
+            return fn()
         except (UserError, PluginError):
             raise
         except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
-            where = f"{kwargs['source']}: " if isinstance(kwargs.get("source"), str) else ""
-            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
+            where = f"{source}: " if source else ""
+            raise _hook_error(f"{where}plugin {self.describe(self.owner(kind, key))} failed in {step} for the "
                               f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
+
+    def _call(self, kind: str, key: str, hook: str, *, where: str | None = None, **kwargs: Any) -> Any:
+        """Call ``hook`` on the one plugin that declares ``key``; ``where`` (a file) starts any error."""
+        owner = self.owner(kind, key)
+        others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
+        caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+        result = self._guarded(kind, key, hook, lambda: caller(**kwargs), where)
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
 
     # ------------------------------------------------------------------ typed facade
 
-    def architecture(self, name: str) -> Any:
-        """The :class:`~plinth.interfaces.Architecture` for a GGUF architecture string."""
-        return self._call("architectures", name, "plinth_get_architecture", name=name)
+    def architecture(self, name: str, source: str | None = None) -> Any:
+        """The :class:`~plinth.interfaces.Architecture` for a GGUF architecture string (of file ``source``)."""
+        return self._call("architectures", name, "plinth_get_architecture", where=source, name=name)
 
+    # the three architecture steps, called on the object plinth_get_architecture returned
     def arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any:
         """The plugin's hparams for ``arch``, checked by :func:`plinth.validation.check_hparams`."""
         from .validation import check_hparams
 
-        hp = self._call("architectures", arch, "plinth_arch_hparams", arch=arch, metadata=metadata, source=source)
+        hp = self._guarded("architectures", arch, "load_hparams",
+                           lambda: self.architecture(arch, source).load_hparams(metadata, source), source)
         return check_hparams(hp, source, arch)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
-        result: Sequence[Any] = self._call("architectures", arch, "plinth_arch_tensors", arch=arch, hparams=hparams)
+        result: Sequence[Any] = self._guarded("architectures", arch, "tensor_specs",
+                                              lambda: self.architecture(arch).tensor_specs(hparams))
         return result
 
     def arch_build(self, arch: str, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
-        return self._call("architectures", arch, "plinth_arch_build", arch=arch, hparams=hparams,
-                          weights=weights, backend=backend)
+        return self._guarded("architectures", arch, "build",
+                             lambda: self.architecture(arch).build(hparams, weights, backend))
 
     def make_drafter(self, name: str, target: Any, options: Mapping[str, Any] | None = None) -> Any:
         return self._call("drafters", name, "plinth_make_drafter", name=name, target=target, options=dict(options or {}))

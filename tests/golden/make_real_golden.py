@@ -9,18 +9,11 @@ The reference is Hugging Face transformers (``LlamaForCausalLM`` /
 ``Gemma3ForCausalLM``, float32, eager attention) built from a config derived
 from the GGUF metadata and loaded with the GGUF weights dequantized to float32
 by plinth's GGUF reader (whose dequantizers are bit-exact with gguf-py, see
-``tests/test_quants.py``). Nothing comes from the Hugging Face hub. Weight
-mapping GGUF -> Hugging Face:
-
-* linear weights are ``[n_out, n_in]`` on both sides;
-* llama-arch ``attn_q`` / ``attn_k`` rows are ordered by llama.cpp's converter for
-  RoPE on interleaved pairs; Hugging Face rotates halves. Per head, GGUF row
-  ``2 i + j`` is Hugging Face row ``j * head_dim / 2 + i``;
-* gemma3's GGUF norm weights (all of them, q/k norms included) hold ``1 + w``
-  where Hugging Face holds ``w``;
-* the attention scale of Gemma-3 is ``query_pre_attn_scalar ** -0.5``; GGUF has no
-  key for it; llama.cpp uses ``head_dim`` except for the 27B model, so this
-  script sets ``query_pre_attn_scalar = head_dim`` (256 for the 270M model).
+``tests/test_quants.py``). Nothing comes from the Hugging Face hub. The GGUF -> Hugging Face weight mapping
+is :mod:`plinth.testing.hf_weights`, shared with ``plugins/llama/tests/golden/make_golden.py``. The
+attention scale of Gemma-3 is ``query_pre_attn_scalar ** -0.5``; GGUF has no key for it; llama.cpp
+uses ``head_dim`` except for the 27B model, so this script sets ``query_pre_attn_scalar = head_dim``
+(256 for the 270M model).
 
 For each of five prompts (prose, code, chat-formatted, unicode, a longer
 passage) the reference produces a 64-token greedy continuation (cached decode,
@@ -41,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from plinth.testing.hf_weights import hf_state_dict, load_hf_state
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "real"
@@ -146,13 +141,6 @@ def dequantized_weights(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarra
     return dict(gf.metadata), out
 
 
-def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """GGUF llama q/k rows (RoPE on interleaved pairs) -> Hugging Face rows (RoPE on halves)."""
-    rows, n_in = w.shape
-    hd = rows // n_head
-    return w.reshape(n_head, hd // 2, 2, n_in).swapaxes(1, 2).reshape(rows, n_in)
-
-
 def hf_config(arch: str, md: dict[str, Any], tied: bool) -> Any:
     import transformers
 
@@ -200,41 +188,6 @@ def hf_config(arch: str, md: dict[str, Any], tied: bool) -> Any:
     return cfg
 
 
-def hf_state(arch: str, cfg: Any, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Hugging Face parameter name -> array, from the GGUF-named weights."""
-    norm = (lambda a: a - np.float32(1.0)) if arch == "gemma3" else (lambda a: a)
-    sd = {"model.embed_tokens.weight": w["token_embd.weight"], "model.norm.weight": norm(w["output_norm.weight"])}
-    if "output.weight" in w:
-        sd["lm_head.weight"] = w["output.weight"]
-    for il in range(cfg.num_hidden_layers):
-        g, h = f"blk.{il}.", f"model.layers.{il}."
-        q, k = w[g + "attn_q.weight"], w[g + "attn_k.weight"]
-        if arch == "llama":
-            q = unpermute_rope_rows(q, cfg.num_attention_heads)
-            k = unpermute_rope_rows(k, cfg.num_key_value_heads)
-        sd.update({
-            h + "self_attn.q_proj.weight": q,
-            h + "self_attn.k_proj.weight": k,
-            h + "self_attn.v_proj.weight": w[g + "attn_v.weight"],
-            h + "self_attn.o_proj.weight": w[g + "attn_output.weight"],
-            h + "mlp.gate_proj.weight": w[g + "ffn_gate.weight"],
-            h + "mlp.up_proj.weight": w[g + "ffn_up.weight"],
-            h + "mlp.down_proj.weight": w[g + "ffn_down.weight"],
-            h + "input_layernorm.weight": norm(w[g + "attn_norm.weight"]),
-        })
-        if arch == "gemma3":
-            sd.update({
-                h + "post_attention_layernorm.weight": norm(w[g + "post_attention_norm.weight"]),
-                h + "pre_feedforward_layernorm.weight": norm(w[g + "ffn_norm.weight"]),
-                h + "post_feedforward_layernorm.weight": norm(w[g + "post_ffw_norm.weight"]),
-                h + "self_attn.q_norm.weight": norm(w[g + "attn_q_norm.weight"]),
-                h + "self_attn.k_norm.weight": norm(w[g + "attn_k_norm.weight"]),
-            })
-        else:
-            sd[h + "post_attention_layernorm.weight"] = w[g + "ffn_norm.weight"]
-    return sd
-
-
 def hf_model(model: str) -> tuple[Any, dict[str, Any]]:
     """(the transformers model on the dequantized GGUF weights, GGUF metadata)."""
     import torch
@@ -247,20 +200,8 @@ def hf_model(model: str) -> tuple[Any, dict[str, Any]]:
     cls = {"llama": transformers.LlamaForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     torch.manual_seed(0)
     net = cls(cfg).to(torch.float32).eval()
-    sd = hf_state(arch, cfg, w)
-    params = dict(net.named_parameters())  # a tied lm_head appears once, as the embedding
-    if set(params) != set(sd):
-        raise AssertionError(f"{model}: parameters not mapped {sorted(set(params) - set(sd))}, "
-                             f"mapped to nothing {sorted(set(sd) - set(params))}")
-    with torch.no_grad():
-        for name, p in params.items():
-            a = torch.from_numpy(np.ascontiguousarray(sd[name], dtype=np.float32))
-            if tuple(a.shape) != tuple(p.shape):
-                raise AssertionError(f"{model}: {name} is {tuple(p.shape)}, mapped array is {tuple(a.shape)}")
-            p.copy_(a)
-    if tied:
-        assert net.lm_head.weight.data_ptr() == net.model.embed_tokens.weight.data_ptr()
-    return net, md
+    sd = hf_state_dict(arch, w, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    return load_hf_state(net, sd, model, tied=tied), md
 
 
 def hf_greedy(net: Any, prompt: list[int], n_new: int) -> tuple[list[int], list[float]]:

@@ -208,7 +208,10 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
+        from ..cache import format_bytes_by_kind
+
         print(f"[{gen.stats.summary()}]", file=sys.stderr)
+        print(f"[cache: {format_bytes_by_kind(gen.context.cache.nbytes_by_kind())}]", file=sys.stderr)
     if gen.stats.n_generated == 0 and gen.stats.stop_reason == "end of generation token" and not args.chat:
         hint = " (the model has a chat template: try --chat)" if tok.chat_template else ""
         print(f"plinth: the model ended the text at once{hint}", file=sys.stderr)

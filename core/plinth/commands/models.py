@@ -24,6 +24,8 @@ def register(sub: Any) -> None:
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="the model, as with -m")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--cache", action="store_true",
+                   help="also load the model and report its cache layout and bytes per token per cache kind")
     p.set_defaults(func=run_info)
 
 
@@ -85,4 +87,21 @@ def run_info(args: argparse.Namespace) -> int:
     if args.tensors:
         for name, info in gf.tensors.items():
             print(f"  {name:<40} {info.type_name:<6} {list(info.shape)}")
+    if args.cache:
+        _print_cache(path, registry)
     return 0
+
+
+def _print_cache(path: Any, registry: Any) -> None:
+    """The cache kinds of every layer, and the bytes one token adds to each kind (one measured forward)."""
+    import collections
+
+    from ..cache import format_bytes_by_kind
+    from ..model import load_model
+
+    model = load_model(path, registry=registry)
+    ctx = model.new_context()
+    ctx.decode([0])
+    layout = collections.Counter("+".join(k.kind for k in kinds) or "none" for kinds in ctx.cache.layers)
+    print("cache:        " + ", ".join(f"{n} x {kinds}" for kinds, n in layout.items()) + " (layers)")
+    print(f"  per token:  {format_bytes_by_kind(ctx.cache.nbytes_by_kind())}")

@@ -169,7 +169,7 @@ def check_compatible(target: Any, drafter: Any) -> DrafterRequirements:
     if bad:
         raise UserError(f"drafter {name!r} asks for target layer taps {bad}, but the target "
                         f"({target.arch}) has layers 0..{n_layer} (n_layer = {n_layer})")
-    t_embd = int(getattr(target.hparams, "n_embd", 0) or 0)
+    t_embd = int(target.hparams.n_embd)
     if req.n_embd is not None and t_embd and req.n_embd != t_embd:
         what = "shares the target's embedding/head and" if (req.shares_embedding or req.shares_head) else ""
         raise UserError(f"drafter {name!r} {what} expects target hidden size {req.n_embd}, "

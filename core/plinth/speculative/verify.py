@@ -35,7 +35,6 @@ class GreedyVerifier:
     """Accept the longest prefix equal to the target's argmax; lossless w.r.t. greedy decoding."""
 
     name = "greedy"
-    needs_probs = False  # the argmax of the target's logits is enough
 
     def __init__(self, options: Any = None) -> None:
         self.options = dict(options or {})
@@ -60,7 +59,6 @@ class RejectionVerifier:
     """Speculative rejection sampling; lossless in distribution."""
 
     name = "rejection"
-    needs_probs = True
 
     def __init__(self, options: Any = None) -> None:
         self.options = dict(options or {})

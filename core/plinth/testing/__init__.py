@@ -1,4 +1,4 @@
-"""Test kit for plugin authors: isolated plugin registries (and, later, synthetic GGUFs).
+"""Test kit for plugin authors: isolated registries, synthetic GGUFs and HF folders, contract checks.
 
 Installed as a pytest plugin (entry point group ``pytest11``), so a plugin's own
 test suite gets the fixtures without any conftest:
@@ -22,6 +22,9 @@ from ..manifest import Manifest, ManifestPlugin
 from ..plugins import ENTRY_POINT_GROUP, PluginError, PluginRegistry, discover
 
 from . import strict
+from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_transfers
+from .arch import check_architecture
+from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .strict import StrictBackend, count_transfers, to_host
 from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
@@ -38,17 +41,25 @@ TESTKIT_PLUGIN = ManifestPlugin(Manifest(
 
 __all__ = [
     "CONTRACT_BACKENDS",
+    "SpecTransfers",
     "StrictBackend",
     "TESTKIT_PLUGIN",
+    "byte_bpe_tokenizer",
+    "check_architecture",
     "check_prefill_then_decode",
     "count_transfers",
+    "decode_step_transfers",
     "make_backend",
+    "new_cache",
     "strict",
+    "write_hf_folder",
+    "write_safetensors",
     "load_module",
     "make_registry",
     "plugin_from_manifest",
     "byte_vocab",
     "random_tensors",
+    "speculative_step_transfers",
     "tiny_metadata",
     "to_host",
     "write_gguf",
@@ -81,13 +92,13 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
     """
     import numpy as np
 
-    from ..context import Batch, KVCache
+    from ..context import Batch
 
     backend = backend or getattr(graph, "backend", None) or make_backend("numpy")
     xp, host = backend.xp, backend.to_numpy
-    full = host(graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(n_layer, xp)).logits)
+    full = host(graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, n_layer, xp)).logits)
     assert np.isfinite(full).all(), "the full forward gives non-finite logits"
-    cache = KVCache(n_layer, xp)
+    cache = new_cache(graph, n_layer, xp)
     parts = [host(graph.forward(Batch.from_tokens(tokens[:n_prefill], output="all"), cache).logits)]
     for i in range(n_prefill, len(tokens)):
         with count_transfers() as n:
@@ -96,6 +107,18 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
             f"a decode forward made {n.count} host round trips (at most {max_decode_transfers}): {n.sites}")
         parts.append(host(logits))
     np.testing.assert_allclose(np.concatenate(parts), full, atol=atol, rtol=0)
+
+
+def new_cache(graph: Any, n_layer: int, xp: Any = None) -> Any:
+    """An empty :class:`plinth.graph.Cache` with ``graph``'s cache layout (if it declares one), on ``xp``
+    (default: the graph's array module, else numpy)."""
+    import numpy as np
+
+    from ..cache import Cache
+
+    layout = getattr(graph, "cache_layout", None)
+    xp = xp if xp is not None else getattr(graph, "xp", None)
+    return Cache(n_layer, xp if xp is not None else np, layout() if layout is not None else None)
 
 
 def load_module(path: str | Path, name: str | None = None) -> ModuleType:

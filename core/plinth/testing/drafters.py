@@ -85,10 +85,12 @@ class RandomDrafter(BaseDrafter):
 
 
 def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5, rtol: float = 1e-5) -> None:
-    """Two KV caches hold the same positions, keys, values and recurrent states for ``seq``.
+    """Two caches hold the same positions and, layer by layer and kind by kind, the same arrays for ``seq``.
 
-    Values agree when ``|x - y| <= atol + rtol * max|y|`` (per tensor): a verify batch and
-    single-token decode round differently, more so in models with large activations.
+    Every cache kind is compared (K/V, latents, indexer keys, compressed blocks and raw windows,
+    recurrent states). Values agree when ``|x - y| <= atol + rtol * max|y|`` (per tensor): a
+    verify batch and single-token decode round differently, more so in models with large
+    activations.
     """
     pa, pb = a.positions(seq), b.positions(seq)
     if not np.array_equal(pa, pb):
@@ -96,20 +98,18 @@ def assert_caches_equal(a: Any, b: Any, seq: int = 0, atol: float = 1e-5, rtol: 
     if a.next_position(seq) != b.next_position(seq):
         raise AssertionError(f"next positions differ: {a.next_position(seq)} vs {b.next_position(seq)}")
     for layer in range(a.n_layer):
-        ka, kb = a.layer_kv(layer, seq), b.layer_kv(layer, seq)
-        if (ka is None) != (kb is None):
-            raise AssertionError(f"layer {layer}: one cache holds K/V and the other does not")
-        if ka is not None:
-            for name, x, y in (("K", ka[0], kb[0]), ("V", ka[1], kb[1])):
-                _close(f"layer {layer} {name}", x, y, atol, rtol)
-    sa, sb = a.states(seq), b.states(seq)
-    if sorted(sa) != sorted(sb):
-        raise AssertionError(f"recurrent state layers differ: {sorted(sa)} vs {sorted(sb)}")
-    for layer in sa:
-        xs = sa[layer] if isinstance(sa[layer], tuple) else (sa[layer],)
-        ys = sb[layer] if isinstance(sb[layer], tuple) else (sb[layer],)
-        for x, y in zip(xs, ys):
-            _close(f"layer {layer} recurrent state", x, y, atol, rtol)
+        kinds_a = {k.kind: k for k in a.layers[layer] if k.holds(seq)}
+        kinds_b = {k.kind: k for k in b.layers[layer] if k.holds(seq)}
+        if sorted(kinds_a) != sorted(kinds_b):
+            raise AssertionError(f"layer {layer}: one cache holds {sorted(kinds_a)}, the other {sorted(kinds_b)}")
+        for name, ka in kinds_a.items():
+            xs, ys = ka.contents(seq), kinds_b[name].contents(seq)
+            if len(xs) != len(ys):
+                raise AssertionError(f"layer {layer} {name}: {len(xs)} vs {len(ys)} arrays")
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                if tuple(x.shape) != tuple(y.shape):
+                    raise AssertionError(f"layer {layer} {name} part {i}: shapes {tuple(x.shape)} vs {tuple(y.shape)}")
+                _close(f"layer {layer} {name} part {i}", x, y, atol, rtol)
 
 
 def _close(what: str, x: Any, y: Any, atol: float, rtol: float) -> None:

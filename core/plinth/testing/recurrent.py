@@ -3,9 +3,9 @@
 Even layers are a gated diagonal linear recurrence (a stand-in for Mamba2: the
 state after token t depends on every earlier token, so it cannot be cropped,
 only restored); odd layers are causal attention over the KV cache. Both keep
-their memory in :class:`plinth.context.KVCache` — the recurrence through
-``get_state`` / ``set_state`` — and the graph says ``recurrent = True``, which
-makes speculative decoding snapshot, restore and replay.
+their memory in the cache (a :class:`plinth.graph.Recurrent` kind on even layers, a
+:class:`plinth.graph.KV` on odd ones), so speculative decoding snapshots, restores and
+replays.
 
 Recurrent layer, per channel c, with ``a = sigmoid(rec_a)``::
 
@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from .. import ops
-from ..context import Batch, ForwardOutput, KVCache, run_layers
+from ..graph import KV, BaseGraph, Recurrent, Step, attend
 from ..hparams import KeyReader
 from ..manifest import Manifest, ManifestPlugin
 from ..tensors import TensorSpec
@@ -74,65 +74,51 @@ class ToyRecurrent:
         return ToyRecurrentGraph(hp, weights, backend)
 
 
-class ToyRecurrentGraph:
-    recurrent = True
-
+class ToyRecurrentGraph(BaseGraph):
     def __init__(self, hp: ToyRecurrentHParams, weights: Mapping[str, Any], backend: Any) -> None:
-        self.hp, self.w, self.xp = hp, weights, backend.xp
+        super().__init__(hp, weights, backend)
         self.decay = {il: 1.0 / (1.0 + self.xp.exp(-weights[f"blk.{il}.rec_a"]))
                       for il in range(hp.n_layer) if hp.is_recurrent(il)}
 
-    def _recurrence(self, il: int, x: Any, batch: Batch, cache: KVCache) -> Any:
+    def cache_layout(self) -> list[tuple[Any, ...]]:
+        return [(Recurrent(),) if self.hp.is_recurrent(il) else (KV(),) for il in range(self.hp.n_layer)]
+
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        mix = self._recurrence if self.hp.is_recurrent(il) else self._attention
+        return x + mix(il, ops.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], self.hp.norm_eps), step)
+
+    def _recurrence(self, il: int, x: Any, step: Step) -> Any:
         xp, w, b = self.xp, self.w, f"blk.{il}."
         u = ops.linear(x, w[b + "rec_in.weight"])
         g = 1.0 / (1.0 + xp.exp(-ops.linear(x, w[b + "rec_gate.weight"])))
         out = xp.empty_like(u)
         a = self.decay[il]
+        states = step.cache.state(il)
+        batch = step.batch
         for seq in np.unique(batch.seq_ids):
             rows = np.nonzero(batch.seq_ids == seq)[0]
-            s = cache.get_state(il, int(seq))
+            s = states.get(int(seq))
             s = xp.zeros(self.hp.n_embd, dtype=xp.float32) if s is None else s
             for r in rows[np.argsort(batch.positions[rows], kind="stable")]:
                 s = a * s + u[r]
                 out[r] = s
-            cache.set_state(il, int(seq), s)
+            states.set(int(seq), s)
         return ops.linear(out * g, w[b + "rec_out.weight"])
 
-    def _attention(self, il: int, x: Any, batch: Batch, cache: KVCache) -> Any:
+    def _attention(self, il: int, x: Any, step: Step) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n, h = x.shape[0], hp.n_head
         d = hp.n_embd // h
         q = ops.linear(x, w[b + "attn_q.weight"]).reshape(n, h, d)
         k = ops.linear(x, w[b + "attn_k.weight"]).reshape(n, h, d)
         v = ops.linear(x, w[b + "attn_v.weight"]).reshape(n, h, d)
-        out = self.xp.empty_like(q)
-        for seq in np.unique(batch.seq_ids):
-            rows = np.nonzero(batch.seq_ids == seq)[0]
-            kc, vc, kpos = cache.update(il, int(seq), batch.positions[rows], k[rows], v[rows])
-            out[rows] = ops.attention(q[rows], kc, vc, q_pos=batch.positions[rows], k_pos=kpos,
-                                      scale=1.0 / float(d) ** 0.5, causal=True)
-        return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"])
-
-    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
-                embeddings: bool = False) -> ForwardOutput:
-        hp, w, xp = self.hp, self.w, self.xp
-        x = w["token_embd.weight"][xp.asarray(batch.tokens)]
-        if batch.is_embd is not None and batch.is_embd.any():
-            x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
-
-        def layer(il: int, x: Any) -> Any:
-            mix = self._recurrence if hp.is_recurrent(il) else self._attention
-            return x + mix(il, ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps), batch, cache)
-
-        x, features = run_layers(x, hp.n_layer, layer, cache, taps)
-        rows = np.nonzero(batch.output)[0]
-        h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
-        return ForwardOutput(rows=rows, logits=ops.linear(h, w["output.weight"]), features=features)
+        return ops.linear(attend(il, q, k, v, step, scale=1.0 / float(d) ** 0.5).reshape(n, -1),
+                          w[b + "attn_output.weight"])
 
 
 def recurrent_plugin() -> ManifestPlugin:
     """A plugin providing ``toy-recurrent``, for ``make_registry`` / the ``plinth_registry`` fixture."""
-    return ManifestPlugin(Manifest(name="toy-recurrent", api_version="1.0",
+    return ManifestPlugin(Manifest(name="toy-recurrent", api_version="2.0",
                                    architectures={ARCH: "plinth.testing.recurrent:ToyRecurrent"},
                                    description="test kit: tiny hybrid recurrent/attention model"))
 

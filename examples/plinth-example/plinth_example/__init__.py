@@ -1,1 +1,1 @@
-"""plinth-example: a toy architecture and a toy drafter, written the way any plugin is."""
+"""plinth-example: a small dense decoder, its HF converter and a toy drafter, written the way any plugin is."""

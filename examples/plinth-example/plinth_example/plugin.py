@@ -8,9 +8,10 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="example",
-        api_version="1.0",
-        architectures={"toy-bigram": "plinth_example.toy:ToyBigram"},
-        drafters={"toy-repeat": "plinth_example.toy:RepeatDrafter"},
-        description="toy bigram architecture and a repeat-last-token drafter",
+        api_version="2.0",
+        architectures={"minidense": "plinth_example.model:MiniDense"},
+        converters={"MiniDenseForCausalLM": "plinth_example.convert:MiniDenseConverter"},
+        drafters={"toy-repeat": "plinth_example.drafter:RepeatDrafter"},
+        description="a small dense decoder (architecture + converter) and a repeat-last-token drafter",
     )
 )

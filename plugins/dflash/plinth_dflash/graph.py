@@ -56,7 +56,7 @@ def block_conv(x: Any, dyn: Any, base: Any, side: int, block_len: int, group_siz
         else:
             shifted = xp.zeros_like(x)
             shifted[k:] = x[:-k]
-            shifted[in_block < k] = 0.0
+            shifted = xp.where((in_block < k)[:, None], F32(0.0), shifted)  # no mask indexing: no device sync
         w = xp.repeat(d[:, k], group_size, axis=1) + base[side, k][None, :]
         y += w * shifted
     return y

@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="dflash",
-        api_version="1.0",
+        api_version="2.0",
         drafters={
             "dflash": "plinth_dflash.drafter:make_dflash",
             "dflash2": "plinth_dflash.drafter:make_dflash2",

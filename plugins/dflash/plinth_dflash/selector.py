@@ -21,6 +21,19 @@ def _np(a: Any) -> np.ndarray:
     return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
 
 
+def _np_all(*arrays: Any) -> list[np.ndarray]:
+    """Host float64 copies of several arrays in one device-to-host transfer (ids stay exact below 2**53)."""
+    xp = ops.array_module(*arrays)
+    if xp is np:
+        return [np.asarray(a, dtype=np.float64) for a in arrays]
+    flat = _np(xp.concatenate([a.reshape(-1).astype(xp.float64) for a in arrays]))
+    out, o = [], 0
+    for a in arrays:
+        out.append(flat[o:o + a.size].reshape(a.shape))
+        o += a.size
+    return out
+
+
 # ---------------------------------------------------------------------- DFlash
 
 
@@ -30,7 +43,7 @@ def argmax_walk(logits: Any, p_min: float = 0.0) -> tuple[list[int], list[float]
     ids = xp.argmax(logits, axis=-1)
     m = xp.max(logits, axis=-1, keepdims=True)
     top1 = 1.0 / xp.sum(xp.exp(logits - m), axis=-1)
-    ids, top1 = _np(ids), _np(top1)
+    ids, top1 = _np_all(ids, top1)
     toks: list[int] = []
     conf: list[float] = []
     for i in range(ids.shape[0]):
@@ -217,7 +230,7 @@ def lilicorr_walk(ids: Any, start: Any, pair: Any, p_min: float = 0.0) -> tuple[
 
     ids: [S, K]; start: [K]; pair: [S-1, K, K]. p_min compares softmax(row)[choice] [inferred].
     """
-    ids, start, pair = _np(ids), _np(start).astype(np.float64), _np(pair).astype(np.float64)
+    ids, start, pair = _np_all(ids, start, pair)
     toks: list[int] = []
     conf: list[float] = []
     row = start

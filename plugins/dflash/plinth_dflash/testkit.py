@@ -152,7 +152,7 @@ def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, o
 
 
 def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_embd: int = 64, n_layer: int = 3,
-                seed: int = 0, scale: float = 0.2, registry: Any = None) -> Any:
+                seed: int = 0, scale: float = 0.2, registry: Any = None, backend: str = "numpy") -> Any:
     """Write and load a tiny random target of ``arch`` (needs plinth-llama installed); with the default
     257-token vocabulary it carries plinth's byte-level test tokenizer, so the generation loop can run it."""
     import plinth
@@ -163,36 +163,17 @@ def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_
     if n_vocab == 257:
         md |= byte_vocab()
     p = write_synthetic_gguf(path, arch, md, reg, seed=seed, scale=scale, drop=("output.weight",))
-    return plinth.load_model(p, registry=reg)
+    return plinth.load_model(p, registry=reg, backend=backend)
 
 
 # ---------------------------------------------------------------------- HF-layout drafts (converter input)
 
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Path:
-    """A minimal safetensors writer (F32 / I64), so tests need neither torch nor safetensors."""
-    import json
-    import struct
+    """A safetensors file without torch (the test kit's writer)."""
+    from plinth.testing import write_safetensors as write
 
-    header: dict[str, Any] = {}
-    blobs = []
-    off = 0
-    for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr)
-        dt = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}[a.dtype]
-        b = a.tobytes()
-        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    path = Path(path)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
-    return path
+    return write(path, tensors)
 
 
 def hf_draft_config(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2, n_head: int = 4,

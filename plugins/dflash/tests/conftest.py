@@ -13,6 +13,22 @@ def targets(tmp_path_factory):
     return {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
 
 
+@pytest.fixture(scope="session")
+def strict_targets(targets):
+    """The same tiny targets loaded on the strict device stand-in (plinth.testing.strict)."""
+    import plinth
+    from plinth.testing import make_registry
+
+    reg = make_registry("llama")
+    return {arch: plinth.load_model(m.path, backend="strict", registry=reg) for arch, m in targets.items()}
+
+
+@pytest.fixture
+def targets_on(request):
+    """``targets_on(backend)``: the tiny targets on "numpy" or "strict"."""
+    return lambda backend: request.getfixturevalue("targets" if backend == "numpy" else "strict_targets")
+
+
 @pytest.fixture
 def draft_file(tmp_path):
     from plinth_dflash.testkit import write_tiny_draft

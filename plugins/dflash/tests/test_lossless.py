@@ -5,30 +5,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from plinth.testing import CONTRACT_BACKENDS
+
 KINDS = ("dflash", "dflash2", "lilicorr")
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("target", ["qwen3", "llama"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_drafter_contract_on_tiny_targets(targets, draft_file, target, kind):
+def test_drafter_contract_on_tiny_targets(targets_on, draft_file, target, kind, backend):
     from plinth.testing.drafters import check_drafter_contract
     from plinth_dflash.drafter import make_dflash
 
     path = str(draft_file(kind, taps=(1, 2, 3), block_size=6))
-    model = targets[target]
+    model = targets_on(backend)[target]
     stats = check_drafter_contract(model, lambda: make_dflash(model, {"draft": path}), PROMPTS, max_tokens=20,
                                    n_max=5)
     assert all(s.n_drafts > 0 for s in stats)
 
 
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_lossless_with_p_min_n_min_and_swa(targets, draft_file, kind):
+def test_lossless_with_p_min_n_min_and_swa(targets_on, draft_file, kind, backend):
     from plinth.generate import Generator
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
     from plinth_dflash.drafter import make_dflash
 
-    model = targets["qwen3"]
+    model = targets_on(backend)["qwen3"]
     path = str(draft_file(kind, taps=(3,), sliding_window=3, swa_pattern=[True, False], causal=kind == "lilicorr"))
     plain = Generator(model).generate(PROMPTS[1], 24)
     for cfg in (SpecConfig(n_max=7, p_min=0.3, verifier="greedy"), SpecConfig(n_max=7, n_min=3, verifier="greedy")):

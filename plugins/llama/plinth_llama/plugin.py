@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="llama",
-        api_version="1.0",
+        api_version="2.0",
         architectures={
             "llama": "plinth_llama.llama:Llama",
             "qwen2": "plinth_llama.llama:Qwen2",

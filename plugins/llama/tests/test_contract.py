@@ -151,3 +151,15 @@ def test_gemma3_rope_scaling_on_global_layers_only_and_27b_scale(registry):
     md = tiny_metadata("gemma3", n_layer=62, n_embd=64, n_head=2, attention__key_length=16)
     big = registry.arch_hparams("gemma3", md, "27b.gguf")  # 27B: head_dim 128, n_embd / n_head 168
     assert big.head_dim == 16 and big.attn_scale == pytest.approx(1 / np.sqrt(32))
+
+
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_check_architecture(registry, arch, tmp_path, backend):
+    """The test kit's whole-architecture contract: load, forward, rollback, plain and speculative generation."""
+    from plinth.testing import check_architecture
+
+    extra = dict(ARCHS[arch])
+    n_layer = extra.pop("n_layer", 2)
+    check_architecture(registry, arch, tiny_metadata(arch, n_vocab=257, n_layer=n_layer, **extra), tmp_path,
+                       backend=backend)

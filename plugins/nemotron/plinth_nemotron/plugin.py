@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="nemotron",
-        api_version="1.0",
+        api_version="2.0",
         architectures={
             "nemotron_h": "plinth_nemotron.nemotron_h:NemotronH",
             "nemotron_h_moe": "plinth_nemotron.nemotron_h:NemotronHMoE",

@@ -208,3 +208,14 @@ def test_loaded_file_generates_and_names_missing_tensors(registry, tmp_path):
     bad = tiny.write(tmp_path / "bad.gguf", registry, md, drop=("blk.0.ssm_conv1d.weight",))
     with pytest.raises(Exception, match=r"missing tensor 'blk.0.ssm_conv1d.weight' \(expected shape \[64, 4\]\)"):
         load_model(bad, registry=registry)
+
+
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_check_architecture(registry, tmp_path, backend):
+    """The test kit's whole-architecture contract on a hybrid with every layer kind."""
+    from plinth.testing import check_architecture
+
+    md = tiny.metadata("M*EM-E", n_vocab=257, n_embd=48, top_k=[0, 0, 2, 0, 0, 3], n_ff_exp=[0, 0, 16, 0, 0, 24],
+                       latent=[0, 0, 0, 0, 0, 16])
+    model = check_architecture(registry, "nemotron_h_moe", md, tmp_path, scale=0.1, backend=backend)
+    assert model.new_context().rollback_plan(0, 0, 4) == "snapshot"  # Mamba state: snapshot + replay

@@ -19,7 +19,7 @@ from plinth.speculative.base import BaseDrafter, Draft
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
 from plinth.speculative.ngram import NgramDrafter
 from plinth.testing.drafters import OracleDrafter, RandomDrafter, check_drafter_contract
-from plinth.testing import load_module
+from plinth.testing import CONTRACT_BACKENDS, load_module
 
 
 tiny = load_module(Path(__file__).parent / "tiny.py")
@@ -91,6 +91,25 @@ def target(tmp_path_factory):
     return model
 
 
+@pytest.fixture(scope="module")
+def targets_on(target):
+    """``targets_on(backend)``: the hybrid target on "numpy", or the same file on the strict device stand-in."""
+    from plinth.model import load_model
+    from plinth.testing import make_registry
+    from plinth_nemotron.plugin import plugin
+
+    strict = []
+
+    def get(backend):
+        if backend == "numpy":
+            return target
+        if not strict:
+            strict.append(load_model(target.path, backend="strict", registry=make_registry(plugin)))
+        return strict[0]
+
+    return get
+
+
 def prompts():
     rng = np.random.default_rng(7)
     motif = rng.integers(0, 256, 5).tolist()
@@ -109,7 +128,9 @@ def run_contract(target, factory):
     return stats, steps
 
 
-def test_ngram_drafter_is_lossless_with_partial_acceptances(target):
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_ngram_drafter_is_lossless_with_partial_acceptances(targets_on, backend):
+    target = targets_on(backend)
     stats, steps = run_contract(target, lambda: NgramDrafter(n_match_max=3, n_match_min=1, n_draft=N_MAX))
     assert sum(s.n_drafts for s in stats) > 0
     assert any(0 < a < k for k, a in steps), f"no partial acceptance exercised: {steps}"
@@ -121,7 +142,9 @@ def test_oracle_drafter_is_lossless_and_fully_accepted(target):
     assert all(s.n_steps < MAX_TOKENS for s in stats)  # several tokens per target forward
 
 
-def test_faulty_oracle_exercises_every_accept_length(target):
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_faulty_oracle_exercises_every_accept_length(targets_on, backend):
+    target = targets_on(backend)
     stats, steps = run_contract(target, lambda: FaultyOracle(target, horizon=MAX_TOKENS + 8, n_draft=N_MAX))
     lengths = {a for k, a in steps if k == N_MAX}
     assert {0, 1, 2, 3, 4, N_MAX} <= lengths, steps  # every partial acceptance, and full ones

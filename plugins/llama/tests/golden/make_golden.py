@@ -14,13 +14,8 @@ stores those outputs with the seeds and metadata that rebuild the weights; the
 weights themselves are not stored. ``test_reference.py`` compares plinth
 against the files without torch, and (marker ``ref``) rebuilds them live.
 
-Weight mapping GGUF -> Hugging Face:
-
-* linear weights are ``[n_out, n_in]`` on both sides;
-* llama's GGUF ``attn_q`` / ``attn_k`` rows are ordered for RoPE on interleaved
-  pairs, Hugging Face's for RoPE on halves: per head, GGUF row ``2 i + j`` is
-  Hugging Face row ``j * head_dim / 2 + i`` (see :func:`unpermute_rope_rows`);
-* gemma3's GGUF norm weights hold ``1 + w`` where Hugging Face holds ``w``.
+The GGUF -> Hugging Face weight mapping is :mod:`plinth.testing.hf_weights`, shared with
+``tests/golden/make_real_golden.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from plinth.testing.hf_weights import hf_state_dict, load_hf_state, unpermute_rope_rows  # noqa: F401 (tests use it)
 
 HERE = Path(__file__).resolve().parent
 
@@ -89,13 +86,6 @@ def prompts(case: str, n_vocab: int) -> list[list[int]]:
 
 # --------------------------------------------------------------------------- reference side (torch)
 
-def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """GGUF llama q/k rows (RoPE on interleaved pairs) -> Hugging Face rows (RoPE on halves)."""
-    rows, n_in = w.shape
-    hd = rows // n_head
-    return w.reshape(n_head, hd // 2, 2, n_in).swapaxes(1, 2).reshape(rows, n_in)
-
-
 def hf_config(case: str, hp: Any) -> Any:
     import transformers
 
@@ -140,45 +130,6 @@ def hf_config(case: str, hp: Any) -> Any:
     return cfg
 
 
-def hf_state(case: str, hp: Any, w: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Hugging Face parameter name -> array, from the GGUF-named weights."""
-    arch = CASES[case]["arch"]
-    norm = (lambda a: a - np.float32(1.0)) if arch == "gemma3" else (lambda a: a)
-    sd = {"model.embed_tokens.weight": w["token_embd.weight"], "model.norm.weight": norm(w["output_norm.weight"])}
-    if "output.weight" in w:
-        sd["lm_head.weight"] = w["output.weight"]
-    for il in range(hp.n_layer):
-        g, h = f"blk.{il}.", f"model.layers.{il}."
-        q, k = w[g + "attn_q.weight"], w[g + "attn_k.weight"]
-        if arch == "llama":
-            q, k = unpermute_rope_rows(q, hp.n_head[il]), unpermute_rope_rows(k, hp.n_head_kv[il])
-        sd.update({
-            h + "self_attn.q_proj.weight": q,
-            h + "self_attn.k_proj.weight": k,
-            h + "self_attn.v_proj.weight": w[g + "attn_v.weight"],
-            h + "self_attn.o_proj.weight": w[g + "attn_output.weight"],
-            h + "mlp.gate_proj.weight": w[g + "ffn_gate.weight"],
-            h + "mlp.up_proj.weight": w[g + "ffn_up.weight"],
-            h + "mlp.down_proj.weight": w[g + "ffn_down.weight"],
-            h + "input_layernorm.weight": norm(w[g + "attn_norm.weight"]),
-        })
-        if arch == "gemma3":
-            sd.update({
-                h + "post_attention_layernorm.weight": norm(w[g + "post_attention_norm.weight"]),
-                h + "pre_feedforward_layernorm.weight": norm(w[g + "ffn_norm.weight"]),
-                h + "post_feedforward_layernorm.weight": norm(w[g + "post_ffw_norm.weight"]),
-            })
-        else:
-            sd[h + "post_attention_layernorm.weight"] = w[g + "ffn_norm.weight"]
-        if arch == "qwen2":
-            for p in "qkv":
-                sd[h + f"self_attn.{p}_proj.bias"] = w[g + f"attn_{p}.bias"]
-        if arch in ("qwen3", "gemma3"):
-            sd[h + "self_attn.q_norm.weight"] = norm(w[g + "attn_q_norm.weight"])
-            sd[h + "self_attn.k_norm.weight"] = norm(w[g + "attn_k_norm.weight"])
-    return sd
-
-
 def hf_model(case: str, hp: Any, weights: dict[str, np.ndarray]) -> Any:
     import torch
     import transformers
@@ -187,20 +138,8 @@ def hf_model(case: str, hp: Any, weights: dict[str, np.ndarray]) -> Any:
            "qwen3": transformers.Qwen3ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[CASES[case]["arch"]]
     torch.manual_seed(0)
     model = cls(hf_config(case, hp)).to(torch.float32).eval()
-    sd = hf_state(case, hp, weights)
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    if set(params) != set(sd):
-        raise AssertionError(f"{case}: parameters not mapped {sorted(set(params) - set(sd))}, "
-                             f"mapped to nothing {sorted(set(sd) - set(params))}")
-    with torch.no_grad():
-        for name, p in params.items():
-            a = torch.from_numpy(np.ascontiguousarray(sd[name], dtype=np.float32))
-            if tuple(a.shape) != tuple(p.shape):
-                raise AssertionError(f"{case}: {name} is {tuple(p.shape)}, mapped array is {tuple(a.shape)}")
-            p.copy_(a)
-    if CASES[case]["tied"]:
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    return model
+    sd = hf_state_dict(CASES[case]["arch"], weights, hp.n_layer, hp.n_head, hp.n_head_kv)
+    return load_hf_state(model, sd, case, tied=CASES[case]["tied"])
 
 
 def hf_run(model: Any, prompt: list[int], n_new: int) -> tuple[np.ndarray, list[int], float]:
