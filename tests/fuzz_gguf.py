@@ -331,6 +331,19 @@ def _named(exc: BaseException, path: Path) -> bool:
     return str(exc).startswith(str(path))
 
 
+_PARSERS: dict[int, Any] = {}
+
+
+def info_namespace(path: Path, registry: Any) -> argparse.Namespace:
+    """``plinth info -m PATH --tensors`` parsed by the real CLI parser, with ``registry``."""
+    from plinth.cli import build_parser
+
+    parser = _PARSERS.setdefault(id(registry), build_parser(registry))
+    args = parser.parse_args(["info", "-m", str(path), "--tensors"])
+    args.registry = registry
+    return args
+
+
 def run_case(path: Path, base: Path, registry: Any) -> dict[str, Any]:
     """Run ``info`` and ``load_model`` on one file; return its outcome."""
     import contextlib
@@ -357,7 +370,7 @@ def run_case(path: Path, base: Path, registry: Any) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - this is what the fuzz looks for
             return "traceback", f"{type(exc).__name__}: {exc}"[:300]
 
-    info_args = argparse.Namespace(model=str(path), model_path=None, tensors=True, registry=registry)
+    info_args = info_namespace(path, registry)
     info, info_msg = attempt(lambda: run_info(info_args))
     loaded: dict[str, Any] = {}
 

@@ -8,7 +8,6 @@ of ``FILE: what: why``.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import struct
@@ -99,7 +98,7 @@ def registry():
 
 def info(path: Path, registry) -> str:
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        run_info(argparse.Namespace(model=str(path), model_path=None, tensors=True, registry=registry))
+        run_info(fuzz.info_namespace(path, registry))
     return out.getvalue()
 
 

@@ -19,7 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import plinth
+
 ROOT = Path(__file__).resolve().parents[1]
+API = plinth.PLUGIN_API_VERSION
+NEWER = f"{API.split('.')[0]}.{int(API.split('.')[1]) + 9}"
 
 MANIFEST = "from plinth.manifest import Manifest, ManifestPlugin\n"
 
@@ -31,7 +35,7 @@ FAKES = {
             @hookimpl
             def plinth_add_commands(self, subparsers):
                 raise RuntimeError("no commands today")
-        plugin = Plugin(Manifest(name="badcommands", api_version="2.0"))
+        plugin = Plugin(Manifest(name="badcommands", api_version="{API}"))
     """, "failed in plinth_add_commands: RuntimeError: no commands today"),
     "exit": ("plinth-exits", "exits", "import sys\nsys.exit(3)\n", "called sys.exit(3) while being imported"),
     "hook": ("plinth-badhook", "badhook", MANIFEST + """
@@ -42,21 +46,21 @@ FAKES = {
                 return []
             def build(self, hparams, weights, backend):
                 return None
-        plugin = ManifestPlugin(Manifest(name="badhook", api_version="2.0",
+        plugin = ManifestPlugin(Manifest(name="badhook", api_version="{API}",
                                          architectures={"boomarch": "plinth_fake_hook:Boom"}))
     """, None),
     "path": ("plinth-badpath", "badpath", MANIFEST + """
-        plugin = ManifestPlugin(Manifest(name="badpath", api_version="2.0",
+        plugin = ManifestPlugin(Manifest(name="badpath", api_version="{API}",
                                          architectures={"ghost": "plinth_no_such_module:Ghost"}))
     """, None),
     "squat": ("aaa-squatter", "llama", MANIFEST + """
-        plugin = ManifestPlugin(Manifest(name="squatter", api_version="2.0",
+        plugin = ManifestPlugin(Manifest(name="squatter", api_version="{API}",
                                          drafters={"squat": "plinth_fake_squat:make"}))
         def make(target, options):
             raise RuntimeError("unused")
     """, None),
     "newer": ("plinth-newer", "newer", MANIFEST + """
-        plugin = ManifestPlugin(Manifest(name="newer", api_version="2.9"))
+        plugin = ManifestPlugin(Manifest(name="newer", api_version="{NEWER}"))
     """, None),
 }
 
@@ -66,7 +70,8 @@ def install_fake(site: Path, key: str) -> None:
     module = f"plinth_fake_{key}"
     site.mkdir(parents=True, exist_ok=True)
     head = MANIFEST if source.startswith(MANIFEST) else ""
-    (site / f"{module}.py").write_text(head + textwrap.dedent(source[len(head):]))
+    body = textwrap.dedent(source[len(head):]).replace("{API}", API).replace("{NEWER}", NEWER)
+    (site / f"{module}.py").write_text(head + body)
     info = site / f"{dist.replace('-', '_')}-0.0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.1\n")
@@ -185,5 +190,5 @@ def test_an_entry_point_named_llama_from_another_distribution_replaces_nothing(s
 def test_newer_minor_api_warning_is_one_line(sites):
     proc = run_cli(sites["newer"], "plugins")
     assert proc.returncode == 0
-    assert proc.stderr == ("plinth: warning: plugin 'newer' was built for plinth plugin API 2.9, newer than this "
-                           "plinth's 2.0; upgrade plinth to use all of its features\n"), proc.stderr
+    assert proc.stderr == (f"plinth: warning: plugin 'newer' was built for plinth plugin API {NEWER}, newer than "
+                           f"this plinth's {API}; upgrade plinth to use all of its features\n"), proc.stderr

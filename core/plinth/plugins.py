@@ -307,61 +307,50 @@ class PluginRegistry:
             return f"'{name}'"
         return _label(name, rec.distribution, rec.version)
 
-    def _call(self, kind: str, key: str, hook: str, **kwargs: Any) -> Any:
-        owner = self.owner(kind, key)
-        others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
-        caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+    def _guarded(self, kind: str, key: str, step: str, fn: Any, source: str | None = None) -> Any:
+        """``fn()``; an exception from plugin code is re-raised naming the plugin, its version and ``step``."""
         try:
-            result = caller(**kwargs)
+            return fn()
         except (UserError, PluginError):
             raise
         except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
-            where = f"{kwargs['source']}: " if isinstance(kwargs.get("source"), str) else ""
-            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {hook} for the "
+            where = f"{source}: " if source else ""
+            raise _hook_error(f"{where}plugin {self.describe(self.owner(kind, key))} failed in {step} for the "
                               f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
+
+    def _call(self, kind: str, key: str, hook: str, *, where: str | None = None, **kwargs: Any) -> Any:
+        """Call ``hook`` on the one plugin that declares ``key``; ``where`` (a file) starts any error."""
+        owner = self.owner(kind, key)
+        others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
+        caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
+        result = self._guarded(kind, key, hook, lambda: caller(**kwargs), where)
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
 
     # ------------------------------------------------------------------ typed facade
 
-    def architecture(self, name: str) -> Any:
-        """The :class:`~plinth.interfaces.Architecture` for a GGUF architecture string."""
-        return self._call("architectures", name, "plinth_get_architecture", name=name)
+    def architecture(self, name: str, source: str | None = None) -> Any:
+        """The :class:`~plinth.interfaces.Architecture` for a GGUF architecture string (of file ``source``)."""
+        return self._call("architectures", name, "plinth_get_architecture", where=source, name=name)
 
     # the three architecture steps, called on the object plinth_get_architecture returned
-    def _arch_step(self, arch: str, step: str, *args: Any, source: str | None = None) -> Any:
-        """``architecture(arch).<step>(*args)``, a failure named with the plugin as a hook's is."""
-        try:
-            obj = self.architecture(arch)
-        except PluginHookError as exc:
-            if not source:
-                raise
-            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-            raise _hook_error(f"{source}: {exc}", cause) from cause
-        try:
-            return getattr(obj, step)(*args)
-        except (UserError, PluginError):
-            raise
-        except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
-            where = f"{source}: " if source else ""
-            owner = self.owner("architectures", arch)
-            raise _hook_error(f"{where}plugin {self.describe(owner)} failed in {step} for the "
-                              f"architecture '{arch}': {_one_line(exc)}", exc) from exc
-
     def arch_hparams(self, arch: str, metadata: Mapping[str, Any], source: str) -> Any:
         """The plugin's hparams for ``arch``, checked by :func:`plinth.validation.check_hparams`."""
         from .validation import check_hparams
 
-        hp = self._arch_step(arch, "load_hparams", metadata, source, source=source)
+        hp = self._guarded("architectures", arch, "load_hparams",
+                           lambda: self.architecture(arch, source).load_hparams(metadata, source), source)
         return check_hparams(hp, source, arch)
 
     def arch_tensors(self, arch: str, hparams: Any) -> Sequence[Any]:
-        result: Sequence[Any] = self._arch_step(arch, "tensor_specs", hparams)
+        result: Sequence[Any] = self._guarded("architectures", arch, "tensor_specs",
+                                              lambda: self.architecture(arch).tensor_specs(hparams))
         return result
 
     def arch_build(self, arch: str, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
-        return self._arch_step(arch, "build", hparams, weights, backend)
+        return self._guarded("architectures", arch, "build",
+                             lambda: self.architecture(arch).build(hparams, weights, backend))
 
     def make_drafter(self, name: str, target: Any, options: Mapping[str, Any] | None = None) -> Any:
         return self._call("drafters", name, "plinth_make_drafter", name=name, target=target, options=dict(options or {}))
