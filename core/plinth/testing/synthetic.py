@@ -66,34 +66,6 @@ def random_tensors(specs: Iterable[Any], seed: int = 0, scale: float = 0.2) -> d
     return out
 
 
-def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Path:
-    """A minimal safetensors file (F32, I64) for converter tests: neither torch nor safetensors needed."""
-    import json
-    import struct
-
-    header: dict[str, Any] = {}
-    blobs = []
-    offset = 0
-    for name, arr in tensors.items():
-        a = np.ascontiguousarray(arr)
-        if a.dtype not in (np.float32, np.int64):
-            a = np.ascontiguousarray(a, dtype=np.float32)
-        raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        dtype = "F32" if a.dtype == np.float32 else "I64"
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    path = Path(path)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
-    return path
-
-
 def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[str, np.ndarray],
                qtypes: Mapping[str, Any] | None = None) -> Path:
     """Write ``metadata`` and ``tensors`` (numpy order); see :func:`plinth.convert.write_gguf`."""

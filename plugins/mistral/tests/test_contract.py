@@ -8,6 +8,8 @@ bytes per token are printed beside an expanded K/V cache of the same model.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -160,3 +162,17 @@ def test_mixed_token_and_embedding_rows_equal_token_rows(mistral_models, backend
                           Batch.from_tokens(toks[9:], start=9, output="all")])
     got = be.to_numpy(g.forward(mixed, KVCache(n_layer, be.xp)).logits)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
+def test_core_architecture_contract(tmp_path, backend):
+    """The test kit's whole-architecture contract (load, prefill/decode, two sequences, rollback,
+    generation, speculative decoding with ngram and random drafters) on the issue's layer pattern."""
+    from plinth.testing import check_architecture, load_module
+    from plinth_mistral.convert import metadata, text_config
+
+    golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.py")
+    cfg = golden.config("issue")
+    cfg["text_config"]["vocab_size"] = 257
+    md = metadata(text_config(cfg), "contract")
+    check_architecture(golden.registry(), "mistral_large4", md, tmp_path, backend=backend)
