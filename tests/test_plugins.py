@@ -180,3 +180,36 @@ def test_manifest_provides_and_builtin():
     reg = discover(entry_points=[], plugins=None, disable=())
     assert reg.record("plinth").manifest.provides() == {"backends": ["cupy", "numpy"], "drafters": ["draft", "ngram"],
                                                         "verifiers": ["greedy", "rejection"]}
+
+
+def test_draft_formats_route_describe_to_the_plugin_that_recognises_the_file(plugin_dir):
+    """API 2.1 ``draft_formats``: every declaring plugin is asked, exactly one must answer; 2.0 plugins still load."""
+    describers = """
+        def mine(metadata, tensors, source):
+            return ["drafter  mine", f"n {len(tensors)}"] if "mine.weight" in tensors else None
+        def theirs(metadata, tensors, source):
+            return ["drafter  theirs"] if "theirs.weight" in tensors else None
+        def greedy(metadata, tensors, source):
+            return ["drafter  greedy"]
+    """
+    (plugin_dir / "tp_desc.py").write_text(textwrap.dedent(describers))
+    plugins = [ManifestPlugin(Manifest(name=n, api_version="2.1", draft_formats={"dr": f"tp_desc:{n}"}))
+               for n in ("mine", "theirs")]
+    eps = [write_plugin(plugin_dir, "tp_old", "old", api="2.0", archs=("alpha",))]
+    reg = discover(entry_points=eps, plugins=None, disable=())
+    for p in plugins:
+        reg.add(p, p.manifest.name)
+    assert reg.record("old").status == "loaded" and reg.record("old").warning is None
+    assert reg.draft_formats("dr") == ["mine", "theirs"]
+    shapes = {"mine.weight": ((2, 3), "F32")}
+    assert reg.describe_draft("dr", {}, shapes, "f.gguf") == ("mine", ["drafter  mine", "n 1"])
+    assert reg.describe_draft("dr", {}, {"theirs.weight": ((1,), "F32")}, "f.gguf")[0] == "theirs"
+    with pytest.raises(PluginError, match=r"f.gguf: a 'dr' draft that none of the plugins .*\(mine, theirs\)"):
+        reg.describe_draft("dr", {}, {}, "f.gguf")
+    with pytest.raises(PluginError, match="f.gguf: no loaded plugin provides the architecture or draft format 'zz'"):
+        reg.describe_draft("zz", {}, {}, "f.gguf")
+    greedy = ManifestPlugin(Manifest(name="greedy", api_version="2.1", draft_formats={"dr": "tp_desc:greedy"}))
+    reg.add(greedy, "greedy")
+    with pytest.raises(PluginConflictError, match="claimed by more than one plugin: mine and greedy"):
+        reg.describe_draft("dr", {}, shapes, "f.gguf")
+    assert reg.check_manifests() == []

@@ -148,6 +148,30 @@ def plinth_make_verifier(name: str, options: Mapping[str, Any]) -> Verifier | No
     """
 
 
+@hookspec
+def plinth_describe_draft(arch: str, metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]],
+                          source: str) -> list[str] | None:
+    """Describe a draft-model file (for ``plinth info``) without loading it. Optional (API 2.1).
+
+    Called: by ``plinth info`` on a file whose ``general.architecture`` no plugin serves
+    as an architecture (a drafter's own format, e.g. ``"dflash"``), routed only to the
+    plugins whose manifest lists ``arch`` under ``draft_formats``. Several plugins may
+    list one format (a drafter and a plugin extending its files); each is called in turn.
+
+    Args:
+        metadata: the file's GGUF metadata.
+        tensors: tensor name -> (numpy-order shape, GGML type name), for every tensor
+            in the file; detect the draft's kind by which tensors are present.
+        source: the file path, to start error messages.
+
+    Returns: lines of text (``"name  value"``, no indentation; the first names the
+    drafter kind), or ``None`` when the file is not this plugin's (another plugin
+    declaring the same format recognises it). Exactly one plugin must answer. A file
+    that is the plugin's but that it cannot use raises a
+    :class:`plinth.errors.UserError` naming the key or tensor. Not firstresult.
+    """
+
+
 # --------------------------------------------------------------------------- backends and converters
 
 

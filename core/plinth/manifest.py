@@ -49,6 +49,12 @@ class Manifest:
         verifiers: verifier name -> ``"module:attr"`` of a factory ``(options) -> Verifier``.
         backends: backend name -> ``"module:attr"`` of a factory ``(options) -> Backend``.
         converters: HF architecture class name -> ``"module:attr"`` of a Converter.
+        draft_formats: (API 2.1, optional) GGUF ``general.architecture`` of a *draft* file
+            (one no architecture serves, e.g. ``"dflash"``) -> ``"module:attr"`` of
+            ``describe(metadata, tensors, source) -> list[str] | None``, which ``plinth info``
+            calls (see :func:`plinth.hookspecs.plinth_describe_draft`). Unlike the kinds
+            above, several plugins may declare the same format: each recognises its own
+            files (by their tensors) and returns ``None`` for the others.
         description: one line for listings.
     """
 
@@ -60,6 +66,7 @@ class Manifest:
     backends: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
     converters: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
     description: str = ""
+    draft_formats: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
 
     def provides(self) -> dict[str, list[str]]:
         """Kind -> sorted names, leaving out empty kinds."""
@@ -128,6 +135,12 @@ class ManifestPlugin:
     def plinth_make_backend(self, name: str, options: Mapping[str, Any]) -> Any | None:
         factory = self._resolve("backends", name)
         return None if factory is None else factory(options)
+
+    @hookimpl
+    def plinth_describe_draft(self, arch: str, metadata: Mapping[str, Any],
+                              tensors: Mapping[str, tuple[tuple[int, ...], str]], source: str) -> list[str] | None:
+        describe = self._resolve("draft_formats", arch)
+        return None if describe is None else describe(metadata, tensors, source)
 
     @hookimpl
     def plinth_get_converter(self, hf_arch: str) -> Any | None:

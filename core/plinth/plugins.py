@@ -364,6 +364,43 @@ class PluginRegistry:
     def converter(self, hf_arch: str) -> Any:
         return self._call("converters", hf_arch, "plinth_get_converter", hf_arch=hf_arch)
 
+    def draft_formats(self, arch: str) -> list[str]:
+        """The loaded plugins that declare ``arch`` under ``draft_formats`` (manifest API 2.1), in load order."""
+        return [rec.name for rec in self.loaded if rec.manifest is not None and arch in rec.manifest.draft_formats]
+
+    def describe_draft(self, arch: str, metadata: Mapping[str, Any],
+                       tensors: Mapping[str, tuple[tuple[int, ...], str]], source: str) -> tuple[str, list[str]]:
+        """``(plugin, lines)``: the one plugin declaring the draft format ``arch`` that recognises the file.
+
+        Every declaring plugin is asked in turn (see :func:`plinth.hookspecs.plinth_describe_draft`);
+        none or several answering is an error naming them and the file.
+        """
+        declared = self.draft_formats(arch)
+        if not declared:
+            raise UnknownNameError(f"{source}: no loaded plugin provides the architecture or draft format '{arch}' "
+                                   f"(architectures: {', '.join(self.names('architectures')) or 'none'}); "
+                                   "`plinth plugins` lists what is installed and why a plugin did not load")
+        answers: list[tuple[str, list[str]]] = []
+        for name in declared:
+            others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != name]
+            caller = self.pm.subset_hook_caller("plinth_describe_draft", remove_plugins=others)
+            try:
+                results = caller(arch=arch, metadata=metadata, tensors=tensors, source=source)
+            except (UserError, PluginError):
+                raise
+            except Exception as exc:  # a plugin's bug: name it
+                raise _hook_error(f"{source}: plugin {self.describe(name)} failed in plinth_describe_draft for the "
+                                  f"draft format '{arch}': {_one_line(exc)}", exc) from exc
+            answers += [(name, [str(line) for line in lines]) for lines in results if lines is not None]
+        if not answers:
+            raise UnknownNameError(f"{source}: a '{arch}' draft that none of the plugins declaring that format "
+                                   f"({', '.join(declared)}) recognises; a plugin for its kind may be missing "
+                                   "(`plinth plugins` lists what is installed)")
+        if len(answers) > 1:
+            raise PluginConflictError(f"{source}: the '{arch}' draft is claimed by more than one plugin: "
+                                      f"{' and '.join(n for n, _ in answers)}; disable one with PLINTH_DISABLE_PLUGINS")
+        return answers[0]
+
     def add_commands(self, subparsers: Any, strict: bool = False) -> None:
         """Each plugin's ``plinth_add_commands``, one at a time: a failing one is recorded and skipped."""
         for impl in self.pm.hook.plinth_add_commands.get_hookimpls():
@@ -388,7 +425,7 @@ class PluginRegistry:
         for rec in self.loaded:
             if rec.manifest is None:
                 continue
-            for kind in KINDS:
+            for kind in (*KINDS, "draft_formats"):
                 for item, path in sorted(getattr(rec.manifest, kind).items()):
                     try:
                         import_object(path)

@@ -60,18 +60,29 @@ def run_info(args: argparse.Namespace) -> int:
     md = gf.metadata
     arch = check_model_file(md, None, str(path))
     registry = args.registry
-    plugin = registry.owner("architectures", arch, source=str(path))
-    hp = registry.arch_hparams(arch, md, str(path))
-    print(f"file:         {path}")
-    print(f"name:         {md.get('general.name', '?')}")
-    print(f"architecture: {arch} (plugin '{plugin}')")
-    print(f"tokenizer:    {md.get('tokenizer.ggml.model', '-')} / {md.get('tokenizer.ggml.pre', '-')}")
-    print("hparams:")
-    for field in attrs.fields(type(hp)):
-        value = getattr(hp, field.name)
-        if isinstance(value, tuple) and len(set(value)) == 1:
-            value = f"{value[0]} (all layers)"
-        print(f"  {field.name:<16} {value}")
+    if arch not in registry.names("architectures") and registry.draft_formats(arch):
+        # a drafter's own file format: the plugins declaring it describe it, nothing is loaded
+        present = {n: (tuple(int(d) for d in i.shape), i.type_name) for n, i in gf.tensors.items()}
+        plugin, lines = registry.describe_draft(arch, md, present, str(path))
+        print(f"file:         {path}")
+        print(f"name:         {md.get('general.name', '?')}")
+        print(f"architecture: {arch} (draft model, described by plugin '{plugin}')")
+        print("draft:")
+        for line in lines:
+            print(f"  {line}")
+    else:
+        plugin = registry.owner("architectures", arch, source=str(path))
+        hp = registry.arch_hparams(arch, md, str(path))
+        print(f"file:         {path}")
+        print(f"name:         {md.get('general.name', '?')}")
+        print(f"architecture: {arch} (plugin '{plugin}')")
+        print(f"tokenizer:    {md.get('tokenizer.ggml.model', '-')} / {md.get('tokenizer.ggml.pre', '-')}")
+        print("hparams:")
+        for field in attrs.fields(type(hp)):
+            value = getattr(hp, field.name)
+            if isinstance(value, tuple) and len(set(value)) == 1:
+                value = f"{value[0]} (all layers)"
+            print(f"  {field.name:<16} {value}")
     by_type: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     total = 0
     for info in gf.tensors.values():
@@ -88,6 +99,8 @@ def run_info(args: argparse.Namespace) -> int:
         for name, info in gf.tensors.items():
             print(f"  {name:<40} {info.type_name:<6} {list(info.shape)}")
     if args.cache:
+        if arch not in registry.names("architectures"):
+            raise UserError(f"{path}: --cache needs a target model; '{arch}' is a draft format")
         _print_cache(path, registry)
     return 0
 

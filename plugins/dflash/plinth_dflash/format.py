@@ -382,3 +382,50 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
                                 f"'{C.T_TOKEN_EMBD}' to tie its head to")
     types = {n: i.type_name for n, i in gf.tensors.items()}
     return DraftFile(path=path, hparams=hp, weights=weights, metadata=md, fc_input_scale=fc_in, tensor_types=types)
+
+
+#: ``plinth info``'s name for each draft kind.
+KIND_LABELS = {"dflash": "DFlash", "dflash2": "DFlash2", "lilicorr": "LiLiCorr"}
+
+
+def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]], source: str, *,
+             claimed: tuple[str, ...] = ()) -> list[str] | None:
+    """``plinth info`` lines for a dflash GGUF, from its metadata and tensor shapes (nothing loaded).
+
+    ``None`` for a DSpark draft (``markov_w1.weight`` present and not in ``claimed``): plinth-dspark
+    describes those, calling this with its ``claimed`` tensors (the extension point of :func:`load_draft`)
+    and adding the lines of its heads. The first line names the kind.
+    """
+    names = [n for n in tensors if n not in claimed]
+    if C.T_MARKOV_W1 in names:
+        return None
+    hp = load_hparams(metadata, source, names)
+    n_vocab = hp.n_vocab
+    for name in (C.T_TOKEN_EMBD, C.T_OUTPUT, C.T_SEL_PRED):
+        if n_vocab is None and name in tensors:
+            n_vocab = int(tensors[name][0][0])
+    lines = [f"drafter          {KIND_LABELS[hp.kind]}",
+             f"block_size       {hp.block_size} (drafts up to {hp.max_draft} tokens per step)",
+             f"target_layers    {list(hp.target_layers)}",
+             f"mask_token       {hp.mask_token}",
+             f"layers           {hp.n_layer} x (n_embd {hp.n_embd}, heads {hp.n_head}/{hp.n_head_kv}, "
+             f"head_dim {hp.head_dim}, n_ff {hp.n_ff})",
+             f"n_vocab          {n_vocab if n_vocab is not None else '- (the target head, no vocabulary tensor)'}"]
+    if C.T_D2T in tensors and C.T_D2T not in claimed:
+        lines.append(f"reduced_vocab    d2t ({tensors[C.T_D2T][0][0]} ids): plinth-dflash drafts over the full "
+                     "vocabulary only")
+    elif C.T_D2T not in tensors:
+        lines.append("reduced_vocab    no (no d2t)")
+    if hp.sliding_window:
+        lines.append(f"sliding_window   {hp.sliding_window} on layers "
+                     f"{[i for i, w in enumerate(hp.swa_layers) if w]}")
+    if any(hp.causal_layers):
+        lines.append(f"causal_layers    {[i for i, c in enumerate(hp.causal_layers) if c]}")
+    if hp.kind == "dflash2":
+        lines.append(f"selector         rank {hp.selector_rank}, top-k {hp.selector_top_k}; conv kernel "
+                     f"{hp.conv_kernel}, group {hp.conv_group}")
+    if hp.lilicorr is not None:
+        lh = hp.lilicorr
+        lines.append(f"lilicorr         top-k {lh.top_k}, {lh.n_layer} layers x hidden {lh.hidden}, "
+                     f"heads {lh.n_head}, factor_dim {lh.factor_dim}")
+    return lines

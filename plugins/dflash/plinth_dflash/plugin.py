@@ -5,7 +5,7 @@ from plinth.manifest import Manifest, ManifestPlugin
 plugin = ManifestPlugin(
     Manifest(
         name="dflash",
-        api_version="2.0",
+        api_version="2.1",
         drafters={
             "dflash": "plinth_dflash.drafter:make_dflash",
             "dflash2": "plinth_dflash.drafter:make_dflash2",
@@ -16,6 +16,7 @@ plugin = ManifestPlugin(
             "DFlash2DraftModel": "plinth_dflash.convert:DFlash2Converter",
             "LiLiCorrDraftModel": "plinth_dflash.convert:LiLiCorrConverter",
         },
+        draft_formats={"dflash": "plinth_dflash.format:describe"},
         description="block drafters: DFlash, DFlash2, LiLiCorr (arch 'dflash' GGUFs)",
     )
 )

@@ -192,3 +192,27 @@ def test_specs_declare_scale_companions():
                  "selector_hidden.weight", "blk.1.attn_conv_proj.weight"):
         assert name in scaled, name
     assert C.T_FC_INPUT_SCALE in {s.name for s in tensor_specs(hp)}
+
+
+@pytest.mark.parametrize("kind, label", [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("lilicorr", "LiLiCorr")])
+def test_plinth_info_describes_a_draft(draft_file, capsys, kind, label):
+    """`plinth info` on a draft: described by the plugin declaring the 'dflash' draft format, not loaded as a target."""
+    from plinth.cli import main
+
+    path = draft_file(kind, taps=(1, 3), block_size=6)
+    assert main(["--plugins", "llama,dflash", "info", "-m", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "described by plugin 'dflash'" in out
+    assert f"drafter          {label}\n" in out
+    assert "block_size       6 " in out and "target_layers    [1, 3]" in out
+    assert "reduced_vocab    no (no d2t)" in out
+
+
+def test_plinth_info_on_a_dspark_draft_without_plinth_dspark(draft_file, capsys):
+    from plinth.cli import main
+
+    extra = {"markov_w1.weight": np.zeros((257, 4), np.float32)}
+    path = draft_file("dflash", extra_tensors=extra)
+    assert main(["--plugins", "llama,dflash", "info", "-m", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "'dflash' draft that none of the plugins declaring that format (dflash) recognises" in err

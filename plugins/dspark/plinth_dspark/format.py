@@ -144,3 +144,43 @@ def load_dspark(path: str | Path, backend: Any) -> DSparkFile:
         raise DSparkFormatError(f"{path}: a DSpark draft has a plain DFlash backbone; this one is also "
                                 f"{draft.hparams.kind} (tensors of both kinds)")
     return DSparkFile(draft=draft, dspark=read_dspark_hparams(md, present, draft.hparams, str(path)))
+
+
+#: ``plinth info``'s name for a DSpark draft (there is no DSpark architecture).
+KIND_LABEL = "dflash draft with DSpark heads"
+
+
+def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]],
+             source: str) -> list[str] | None:
+    """``plinth info`` lines for a DSpark draft (``markov_w1.weight`` present), else ``None``.
+
+    The backbone is described by plinth-dflash (its tensors minus :data:`CLAIMED`), the heads here.
+    """
+    from plinth_dflash.format import describe as describe_backbone
+    from plinth_dflash.format import load_hparams
+
+    if not is_dspark(tensors):
+        return None
+    backbone = describe_backbone(metadata, tensors, source, claimed=CLAIMED)
+    hp = load_hparams(metadata, source, [n for n in tensors if n not in CLAIMED])
+    if backbone is None or hp.kind != "dflash":
+        raise DSparkFormatError(f"{source}: a DSpark draft has a plain DFlash backbone; this one is also {hp.kind} "
+                                "(tensors of both kinds)")
+    present = {n: (tuple(int(d) for d in shape), t) for n, (shape, t) in tensors.items()}
+    dspark_specs(hp, present, source)  # the heads' shapes, each problem named
+    if T_W2 not in present:
+        raise DSparkFormatError(f"{source}: a DSpark draft needs '{T_W2}' next to '{T_W1}'")
+    dh = read_dspark_hparams(metadata, present, hp, source)
+    conf = ("yes, sees the hidden state and the Markov embedding" if dh.conf_with_markov else
+            "yes, sees the hidden state only") if dh.has_confidence_head else "no"
+    vocab = (f"yes, d2t: {dh.draft_vocab} draft ids of {dh.n_vocab} target ids" if dh.reduced
+             else f"no (full vocabulary, {dh.n_vocab})")
+    anchor = ("true (anchor-first: row 0 predicts)" if dh.sample_from_anchor
+              else "false (bonus anchor: rows 1.. predict)")
+    lines = [f"drafter          {KIND_LABEL}"]
+    lines += [line for line in backbone[1:] if not line.startswith("reduced_vocab ")]
+    lines += [f"markov_rank      {dh.rank}",
+              f"confidence_head  {conf}",
+              f"reduced_vocab    {vocab}",
+              f"sample_from_anchor {anchor}"]
+    return lines

@@ -165,3 +165,32 @@ def test_backbone_sinks_and_sliding_layers_change_the_draft(targets, dspark_file
                                 features={1: f, 3: f}))
         outs.append(dr.block_outputs(0, 7, 9, 5)["logits"])
     assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[0], outs[2])
+
+
+def test_plinth_info_says_dflash_draft_with_dspark_heads(dspark_file):
+    """`plinth info` in a subprocess: the DSpark heads are found by 'markov_w1.weight' and described by plinth-dspark."""
+    import subprocess
+    import sys
+
+    path = dspark_file(rank=8, draft_vocab=100, sample_from_anchor=False)
+    cmd = [sys.executable, "-m", "plinth", "info", "-m", str(path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "drafter          dflash draft with DSpark heads\n" in out
+    assert "described by plugin 'dspark'" in out
+    assert "markov_rank      8\n" in out
+    assert "confidence_head  yes, sees the hidden state and the Markov embedding" in out
+    assert "reduced_vocab    yes, d2t: 100 draft ids of 257 target ids" in out
+    assert "sample_from_anchor false" in out and "target_layers    [1, 3]" in out
+
+
+def test_plinth_info_dspark_without_confidence_head_full_vocab(dspark_file, capsys):
+    from plinth.cli import main
+
+    path = dspark_file(conf=False, has_confidence_head=False)
+    assert main(["--plugins", "dflash,dspark", "info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "dflash draft with DSpark heads" in out
+    assert "confidence_head  no\n" in out and "reduced_vocab    no (full vocabulary, 257)" in out
+    assert "sample_from_anchor true" in out
