@@ -69,9 +69,9 @@ class Manifest:
     draft_formats: dict[str, str] = attrs.field(factory=dict, converter=_frozen_dict)
 
     def provides(self) -> dict[str, list[str]]:
-        """Kind -> sorted names, leaving out empty kinds."""
+        """Kind -> sorted names, leaving out empty kinds (``draft_formats`` last, when declared)."""
         out = {}
-        for kind in KINDS:
+        for kind in (*KINDS, "draft_formats"):
             names = sorted(getattr(self, kind))
             if names:
                 out[kind] = names
