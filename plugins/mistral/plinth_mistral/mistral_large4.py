@@ -40,6 +40,7 @@ import numpy as np
 from plinth import ops
 from plinth.cache import Cache, IndexerKeys, Latent, SharedKV
 from plinth.context import Batch, ForwardOutput, pool, run_layers
+from plinth.graph import LMHead, TargetView
 from plinth.hparams import HParamsError, KeyReader, PerLayer
 from plinth.tensors import TensorSpec
 
@@ -418,6 +419,8 @@ class MistralLarge4Graph:
     def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
         self.hp, self.w, self.backend, self.xp = hp, weights, backend, backend.xp
         self.recurrent = False
+        self.head = LMHead.from_weights(weights, self.xp, softcap=hp.logit_softcap)  # output [V, E], soft-capped
+        self.embed_table = weights["token_embd.weight"]  # [V, E]
         alpha = weights.get("rope_alpha.weight")
         self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
         self._cos_sin: tuple[Any, Any] | None = None
@@ -591,10 +594,19 @@ class MistralLarge4Graph:
     def embed(self, batch: Batch) -> Any:
         """Input rows: token embeddings, or the batch's own embeddings where ``is_embd``. [n_rows, n_embd]"""
         xp = self.xp
-        x = self.w["token_embd.weight"][xp.asarray(batch.tokens)]
+        x = self.embed_table[xp.asarray(batch.tokens)]
         if batch.is_embd is not None and batch.is_embd.any():
             x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
         return x
+
+    def final_norm(self, x: Any) -> Any:
+        """x: [n, n_embd] -> RMS-normed with ``output_norm``, what the LM head reads."""
+        return ops.rms_norm(x, self.w["output_norm.weight"], self.hp.norm_eps)
+
+    def target_view(self) -> TargetView:
+        """What a drafter uses of this target (embedding, LM head, final norm, sizes): a DFlash / DSpark
+        draft that shares the target's head multiplies by ``output.weight``."""
+        return TargetView(self, self.hp)
 
     # -------------------------------------------------------------- forward
 
@@ -624,15 +636,10 @@ class MistralLarge4Graph:
         x, features = run_layers(self.embed(batch), hp.n_layer, layer, cache, taps)
         rows = np.nonzero(batch.output)[0]
         if pooling != "none":
-            normed = ops.rms_norm(x, w["output_norm.weight"], hp.norm_eps)
-            pooled, seqs = pool(normed, batch, pooling, xp)
+            pooled, seqs = pool(self.final_norm(x), batch, pooling, xp)
             return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
-        h = ops.rms_norm(x[rows], w["output_norm.weight"], hp.norm_eps)
-        logits = ops.linear(h, w["output.weight"])
-        if hp.logit_softcap:
-            c = np.float32(hp.logit_softcap)
-            logits = xp.tanh(logits / c) * c
-        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+        h = self.final_norm(x[rows])
+        return ForwardOutput(rows=rows, logits=self.head(h), embeddings=h if embeddings else None, features=features)
 
 
 # ============================================================================ architecture

@@ -24,3 +24,31 @@ def mistral_models(tmp_path_factory):
         return cache[(case, backend)]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def with_byte_vocab():
+    """``write(src, out) -> out``: a converted file with a byte-level vocabulary (see :func:`byte_vocab_file`)."""
+    return byte_vocab_file
+
+
+def byte_vocab_file(src: Path, out: Path) -> Path:
+    """``src`` rewritten with a byte-level vocabulary, so the generation loop and the CLI can run it.
+
+    The tiny cases have exactly 256 rows, so the vocabulary is the 256 byte tokens with no end token
+    (plinth refuses a tokenizer whose size differs from the embedding's rows); generation runs to its
+    token budget.
+    """
+    import numpy as np
+
+    from plinth.gguf import GGUFFile
+    from plinth.testing import byte_vocab, write_gguf
+
+    gf = GGUFFile(src)
+    vocab = byte_vocab()
+    n = int(gf.tensors["token_embd.weight"].shape[0])
+    vocab.update({"tokenizer.ggml.tokens": vocab["tokenizer.ggml.tokens"][:n],
+                  "tokenizer.ggml.token_type": vocab["tokenizer.ggml.token_type"][:n]})
+    vocab.pop("tokenizer.ggml.eos_token_id")
+    write_gguf(out, dict(gf.metadata, **vocab), {name: np.array(gf.raw(name)) for name in gf.tensors})
+    return out

@@ -4,7 +4,7 @@ The layout is derived from names and shapes (``plinth_mistral.dspark_head``); th
 checked against the DFlash format (plinth-dflash's own hparams reader and tensor declarations
 accept its backbone, and its kind detector recognises it as a DSpark draft) and against the
 DSpark tensors of seed-features section 4.2. What does not fit is refused in one line. Running
-the draft (``--spec dspark``) needs plinth-dspark, which is not part of this tree yet.
+the draft through plinth-dspark is checked in ``test_dspark_lossless.py``.
 """
 
 from __future__ import annotations

@@ -22,17 +22,11 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def target(mistral_models, tmp_path_factory):
+def target(mistral_models, with_byte_vocab, tmp_path_factory):
     """The issue case with a byte-level vocabulary added (the generation loop needs a tokenizer)."""
-    from plinth.gguf import GGUFFile
     from plinth.model import load_model
-    from plinth.testing import byte_vocab, write_gguf
 
-    src = mistral_models("issue")
-    gf = GGUFFile(src.path)
-    md = dict(gf.metadata, **byte_vocab())
-    path = tmp_path_factory.mktemp("spec") / "issue-vocab.gguf"
-    write_gguf(path, md, {name: np.array(gf.raw(name)) for name in gf.tensors})
+    path = with_byte_vocab(mistral_models("issue").path, tmp_path_factory.mktemp("spec") / "issue-vocab.gguf")
     return load_model(path, registry=src_registry())
 
 
