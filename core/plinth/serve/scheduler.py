@@ -480,6 +480,8 @@ class Scheduler:
         if req.done:
             return
         req.done = True
+        # counted before the rows are freed: a client that sees the cache empty sees the count too
+        self.metrics.requests_finished[reason] += 1
         if req in self._active:
             self._active.remove(req)
         if req.seq >= 0:
@@ -493,7 +495,6 @@ class Scheduler:
             with self._cond:
                 self._free.append(req.seq)
                 self._free.sort()
-        self.metrics.requests_finished[reason] += 1
         req.stats.stop_reason = req.stats.stop_reason or reason
         stats = req.stats.as_dict()
         if req.t_first is not None:
