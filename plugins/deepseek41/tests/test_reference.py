@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import load_module
+from plinth.testing import greedy_through_cache, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -36,18 +36,6 @@ def load(case):
              rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
     return info, runs
 
-
-def greedy(graph, hp, prompt, n_new):
-    """Prefill, then one token at a time through the cache, always taking the argmax."""
-    cache = KVCache(hp.n_layer)
-    logits = graph.forward(Batch.from_tokens(prompt), cache).logits
-    out = []
-    for i in range(n_new):
-        tok = int(np.argmax(logits[-1]))
-        out.append(tok)
-        if i < n_new - 1:
-            logits = graph.forward(Batch.from_tokens([tok], start=len(prompt) + i), cache).logits
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +73,8 @@ def test_greedy_continuations_match_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, _, _, ref in runs:
-        assert greedy(model.graph, model.hparams, prompt, len(ref)) == ref, f"{case}, {len(prompt)} tokens"
+        got = greedy_through_cache(model.graph, model.hparams.n_layer, prompt, len(ref))
+        assert got == ref, f"{case}, {len(prompt)} tokens"
 
 
 def test_cases_cover_the_features(models):

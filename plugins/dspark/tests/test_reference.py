@@ -113,15 +113,20 @@ def speculators_python() -> str | None:
     return exe if exe and Path(exe).exists() else None
 
 
-@pytest.mark.speculators
-def test_live_speculators_rebuilds_the_golden_file(tmp_path):
+def rebuild_golden(tmp_path: Path, flag: str) -> Path:
+    """Run the golden maker with ``flag`` in the speculators environment; the file it wrote (skip without one)."""
     exe = speculators_python()
     if exe is None:
         pytest.skip("no speculators environment: make test-ref-speculators (sets PLINTH_SPECULATORS_PYTHON)")
     out = tmp_path / "golden.npz"
-    subprocess.run([exe, str(SCRIPT), str(out), "--check-training"], check=True, timeout=600,
+    subprocess.run([exe, str(SCRIPT), str(out), flag], check=True, timeout=600,
                    env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    new, meta_new = load_golden(out)
+    return out
+
+
+@pytest.mark.speculators
+def test_live_speculators_rebuilds_the_golden_file(tmp_path):
+    new, meta_new = load_golden(rebuild_golden(tmp_path, "--check-training"))
     old, meta_old = load_golden()
     assert meta_new.keys() == meta_old.keys()
     for k in old:
@@ -168,13 +173,7 @@ def test_plinth_dflash_matches_speculators_dflash_and_dflash2(tmp_path, target):
 
 @pytest.mark.speculators
 def test_live_speculators_rebuilds_the_dflash_golden_file(tmp_path):
-    exe = speculators_python()
-    if exe is None:
-        pytest.skip("no speculators environment: make test-ref-speculators (sets PLINTH_SPECULATORS_PYTHON)")
-    out = tmp_path / "golden.npz"
-    subprocess.run([exe, str(SCRIPT), str(out), "--dflash"], check=True, timeout=600,
-                   env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
-    new, _ = load_golden(out)
+    new, _ = load_golden(rebuild_golden(tmp_path, "--dflash"))
     old, _ = load_golden(DFLASH_GOLDEN)
     for k in old:
         np.testing.assert_allclose(new[k].astype(np.float64), old[k].astype(np.float64), atol=TOL, err_msg=k)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from plinth.context import Batch, KVCache
-from plinth.testing import load_module
+from plinth.testing import greedy_through_cache, load_golden, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -28,26 +28,8 @@ CASES = sorted(golden.CASES)
 
 
 def load(case):
-    with np.load(GOLDEN / f"{case}.npz") as z:
-        rec = {k: z[k] for k in z.files}
-    info = json.loads(str(rec["info"]))
-    n = sum(k.startswith("prompt_") for k in rec)
-    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"logits_{i}"], rec[f"greedy_{i}"].astype(np.int64).tolist())
-            for i in range(n)]
-    return info, runs
+    return load_golden(GOLDEN / f"{case}.npz")
 
-
-def greedy(graph, hp, prompt, n_new):
-    """Prefill, then one token at a time through the KV cache, always taking the argmax."""
-    cache = KVCache(hp.n_layer)
-    logits = graph.forward(Batch.from_tokens(prompt), cache).logits
-    out = []
-    for i in range(n_new):
-        tok = int(np.argmax(logits[-1]))
-        out.append(tok)
-        if i < n_new - 1:
-            logits = graph.forward(Batch.from_tokens([tok], start=len(prompt) + i), cache).logits
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +66,7 @@ def test_greedy_continuation_matches_reference(models, case):
     hp, _, graph = models[case]
     _, runs = load(case)
     for prompt, _, ref in runs:
-        got = greedy(graph, hp, prompt, len(ref))
+        got = greedy_through_cache(graph, hp.n_layer, prompt, len(ref))
         first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
         assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
 
