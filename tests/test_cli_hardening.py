@@ -72,6 +72,8 @@ BAD_OPTIONS = [
     (["bench", "--prompt-tokens", "0"], "--prompt-tokens: 0 is out of range"),
     (["bench", "--decode-tokens", "-1"], "--decode-tokens: -1 is out of range"),
     (["bench", "--runs", "0"], "--runs: 0 is out of range"),
+    (["generate", "--threads", "0", "hi"], "--threads: 0 is out of range"),
+    (["bench", "--threads", "two"], "--threads: expected an integer"),
 ]
 
 

@@ -286,7 +286,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", default=None, metavar="N",
+    p.add_argument("--threads", type=int_range(1), default=None, metavar="N",
                    help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else all cores)")
 
 
@@ -294,4 +294,4 @@ def _set_threads(args: argparse.Namespace) -> None:
     if getattr(args, "threads", None) is not None:
         from .. import quant
 
-        quant.set_threads(quant.parse_threads(args.threads, "--threads"))
+        quant.set_threads(args.threads)
