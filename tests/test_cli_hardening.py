@@ -188,6 +188,17 @@ def _numpy_mapped(pid: int) -> bool:
         return False
 
 
+_UNDISTURBED: dict[str, bytes] = {}
+
+
+def _undisturbed_output(env: dict) -> bytes:
+    """What STARTER prints to stdout when no signal comes (computed once)."""
+    if "out" not in _UNDISTURBED:
+        proc = subprocess.run([sys.executable, "-c", STARTER], capture_output=True, env=env, timeout=120)
+        _UNDISTURBED["out"] = proc.stdout
+    return _UNDISTURBED["out"]
+
+
 @pytest.mark.parametrize("when", ["0.02", "0.1", "0.3", "numpy"])
 def test_ctrl_c_from_the_first_instruction_is_clean(when):
     """SIGINT while the CLI imports, discovers plugins or imports their modules exits 130 with one blank line."""
@@ -204,6 +215,10 @@ def test_ctrl_c_from_the_first_instruction_is_clean(when):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     if proc.returncode == 0:  # finished before the signal
+        return
+    if proc.returncode == -signal.SIGINT and out and out == _undisturbed_output(env):
+        # the CLI had finished and the interpreter was shutting down, when Python has already put the
+        # default SIGINT action back; nothing of plinth's ran any more
         return
     assert b"Traceback" not in err, err.decode()
     assert proc.returncode == 130 and err == b"\n", (proc.returncode, err)
