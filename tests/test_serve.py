@@ -312,9 +312,16 @@ def test_unsupported_method_and_path(server):
 # ---------------------------------------------------------------- disconnects, the queue bound, metrics
 
 
-def test_client_disconnect_frees_rows(model_path, tmp_path):
-    # a long context, so the request is still generating when the client goes
-    with _serve(model_path, tmp_path, "--n-ctx", "8192") as srv:
+def test_client_disconnect_frees_rows(tmp_path):
+    # A model that cannot end its answer (no end-of-generation token in its vocabulary) and a long
+    # context: the request is certainly still generating when the client goes, however loaded the
+    # machine is (with the end token, a sampled end could finish the stream before the health check).
+    from plinth_llama.plugin import plugin
+
+    md = tiny_metadata("llama", n_vocab=257, n_ctx=8192) | byte_vocab(eos="<|no-end|>")
+    del md["tokenizer.ggml.eos_token_id"]
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "llama", md, make_registry(plugin), seed=4)
+    with _serve(path, tmp_path, "--n-ctx", "8192") as srv:
         _disconnect_mid_stream(srv.url, 8000)
 
 
