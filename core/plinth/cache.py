@@ -846,17 +846,18 @@ def format_bytes_by_kind(by_kind: dict[str, int]) -> str:
 
 
 def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: Cache,
-               taps: Sequence[int] = ()) -> tuple[Any, dict[int, Any]]:
-    """``x = layer(il, x)`` for every layer, as one unit of work on ``cache``.
+               taps: Sequence[int] = (), start: int = 0) -> tuple[Any, dict[int, Any]]:
+    """``x = layer(il, x)`` for every layer ``start..n_layer-1``, as one unit of work on ``cache``.
 
     What the layers write becomes part of the cache at the end (:meth:`Cache.commit`),
     or is dropped if a layer raises. Returns the final residual and the feature taps asked
-    for: the input of layer k for each tap k, and for tap ``n_layer`` the residual before
-    the final norm.
+    for: the input of layer k for each tap k, and for tap ``n_layer`` the residual after the
+    last layer run (before the final norm when ``n_layer`` is the model's last). A pipeline
+    stage runs its slice with ``start`` and ``n_layer`` = the first layer of the next stage.
     """
     features: dict[int, Any] = {}
     try:
-        for il in range(n_layer):
+        for il in range(start, n_layer):
             if il in taps:
                 features[il] = x
             x = layer(il, x)

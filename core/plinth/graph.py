@@ -458,10 +458,32 @@ class BaseGraph:
     def forward(self, batch: Batch, cache: Cache, *, taps: Sequence[int] = (), pooling: str = "none",
                 embeddings: bool = False) -> ForwardOutput:
         """Run ``batch``; logits for rows with ``batch.output`` (none when ``pooling`` != "none")."""
+        return self.forward_stage(batch, cache, None, 0, self.hp.n_layer, taps=taps, pooling=pooling,
+                                  embeddings=embeddings)
+
+    def forward_stage(self, batch: Batch, cache: Cache, x: Any, start: int, stop: int, *,
+                      taps: Sequence[int] = (), pooling: str = "none", embeddings: bool = False) -> Any:
+        """Layers ``start..stop-1`` of :meth:`forward`: one stage of a model split by layers.
+
+        The first stage (``start == 0``) takes ``x = None`` and embeds the batch; a later stage
+        takes the residual rows [n_rows, n_embd] the stage before returned. A stage that does not
+        end the model returns its residual; the last (``stop == n_layer``) returns the
+        :class:`ForwardOutput` of :meth:`forward` (features hold the taps inside this stage).
+        Each stage keeps its layers' cache in its own ``cache``; ``forward`` is the one-stage case.
+        """
+        n_layer = self.hp.n_layer
+        if not 0 <= start < stop <= n_layer:
+            raise ValueError(f"a stage runs layers start..stop-1 with 0 <= start < stop <= {n_layer}; "
+                             f"got {start}..{stop}")
+        if (x is None) != (start == 0):
+            raise ValueError("the first stage embeds the batch (x=None); a later stage needs the residual rows")
         cache.begin(batch.positions, batch.seq_ids)
         step = self.step(batch, cache)
-        x = self.embed(batch)
-        x, features = run_layers(x, self.hp.n_layer, lambda il, h: self.layer(il, h, step), cache, taps)
+        if x is None:
+            x = self.embed(batch)
+        x, features = run_layers(x, stop, lambda il, h: self.layer(il, h, step), cache, taps, start=start)
+        if stop < n_layer:
+            return x
         rows = np.nonzero(batch.output)[0]
         if pooling != "none":
             pooled, seqs = pool(self.final_norm(x), batch, pooling, self.xp)
