@@ -88,35 +88,53 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
         return 130
 
 
+def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
+    """Parse a command line as ``plinth`` does (plugin discovery from the global options and the
+    environment, every option and rule checked) without running it: ``args.func(args)`` runs it.
+
+    A usage error exits (``SystemExit(2)``) as the CLI does; a broken plugin set raises
+    :class:`~plinth.plugins.PluginError`. ``args.func`` is None when no command was given.
+    Ray Serve replicas rebuild their ``plinth serve`` options with this.
+    """
+    # global options may stand anywhere; read them first, since they decide which
+    # plugins (and so which subcommands) exist
+    pre, rest = _global_parser(add_help=False).parse_known_args(list(argv))
+
+    from .plugins import discover
+
+    registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
+                        strict=pre.strict_plugins, prefer=pre.prefer)
+    parser = build_parser(registry, strict=bool(registry.strict))
+    args = parser.parse_args(rest)
+    for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):
+        setattr(args, key, getattr(pre, key))
+    args.parser = parser
+    if not getattr(args, "func", None):
+        args.func = None
+        return args
+    args.registry = registry
+    check = getattr(args, "check_args", None)
+    if check is not None:  # cross-option rules, still before any model loads
+        check(parser, args)
+    return args
+
+
 def _main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
     argv = list(sys.argv[1:] if argv is None else argv)
     import warnings
 
-    # global options may stand anywhere; read them first, since they decide which
-    # plugins (and so which subcommands) exist
-    pre, rest = _global_parser(add_help=False).parse_known_args(argv)
-
-    from .plugins import PluginError, discover
+    from .plugins import PluginError
 
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
-            registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
-                                strict=pre.strict_plugins, prefer=pre.prefer)
-            parser = build_parser(registry, strict=bool(registry.strict))
+            args = parse_command(argv)
         except PluginError as exc:
             print(f"plinth: error: {exc}", file=sys.stderr)
             return 2
-        args = parser.parse_args(rest)
-        for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):
-            setattr(args, key, getattr(pre, key))
-        if not getattr(args, "func", None):
-            parser.print_help()
+        if args.func is None:
+            args.parser.print_help()
             return 0
-        args.registry = registry
-        check = getattr(args, "check_args", None)
-        if check is not None:  # cross-option rules, still before any model loads
-            check(parser, args)
         try:
             return int(args.func(args) or 0)
         except Exception as exc:
