@@ -112,7 +112,7 @@ def _cache_warm(k: Any) -> bool:
     dirs = [Path(k.__file__).parent / "__pycache__"]
     if os.environ.get("NUMBA_CACHE_DIR"):
         dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
-    return any(any(d.rglob("kernels.matmul_rows-*.nbi")) for d in dirs if d.is_dir())
+    return any(any(d.rglob("kernels.matmul_fast-*.nbi")) for d in dirs if d.is_dir())
 
 
 class QuantWeight:
