@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .generate import _spec_args, _spec_names
+from .argtypes import float_range, require, subparser_of
+from .generate import _spec_args, _spec_names, check_args
 from .models import MODEL_HELP
 
 
@@ -46,19 +47,61 @@ def register(sub: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     _spec_args(p)
-    p.set_defaults(func=run_serve)
+    g = p.add_argument_group("Ray Serve", "run replicas of this server on a Ray cluster behind Ray Serve's HTTP "
+                             "proxy (needs `pip install 'plinth[ray]'`; see docs/scale-out.md)")
+    g.add_argument("--ray", type=_int_in(1), default=None, metavar="REPLICAS",
+                   help="serve with this many Ray Serve replicas, each loading the model once, on --host/--port")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing Ray cluster (e.g. 127.0.0.1:6379 or auto); default: start a local one")
+    g.add_argument("--ray-max-replicas", type=_int_in(1), default=None, metavar="N",
+                   help="autoscale between --ray and this many replicas by queued requests")
+    g.add_argument("--ray-cpus", type=float_range(0.0, lo_open=True), default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each replica (default 1)")
+    p.set_defaults(func=run_serve, check_args=check_serve_args)
+
+
+def check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    check_args(parser, args)
+    sub = subparser_of(parser, args)
+    if args.ray is None:
+        for flag, value in (("--ray-address", args.ray_address), ("--ray-max-replicas", args.ray_max_replicas)):
+            require(sub, value is None, f"{flag} needs --ray REPLICAS")
+    elif args.ray_max_replicas is not None:
+        require(sub, args.ray_max_replicas >= args.ray,
+                f"--ray-max-replicas {args.ray_max_replicas} is smaller than --ray {args.ray}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.ray is not None:
+        from ..serve.ray import serve_on_ray
+
+        return serve_on_ray(args)
+    try:
+        import uvicorn
+    except ImportError as exc:
+        from ..errors import UserError
+
+        raise UserError(f"plinth serve needs the 'serve' extra ({exc.name} is missing): "
+                        "pip install 'plinth[serve]'") from None
+    from ..serve.app import build_app
+
+    server = build_server(args, progress=True)
+    print(f"plinth serve: {describe(server, args)} on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
+    """The model, its scheduler and drafters from parsed ``plinth serve`` options: what one server (or one
+    Ray Serve replica) runs. The scheduler is started by the app's lifespan."""
     from ..errors import UserError
 
     if args.spec_synthetic is not None:
         raise UserError("--spec-synthetic is for benchmarks of `plinth generate`; a server must return the "
                         "model's own text")
     try:
-        import uvicorn
-
-        from ..serve.app import Server, build_app
+        from ..serve.app import Server
     except ImportError as exc:
         raise UserError(f"plinth serve needs the 'serve' extra ({exc.name} is missing): "
                         "pip install 'plinth[serve]'") from None
@@ -69,12 +112,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     names = _spec_names(args)
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
-                       n_ctx=args.n_ctx, progress=True)
+                       n_ctx=args.n_ctx, progress=progress)
     drafters = []
     if names:
         options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
                    "backend": args.backend, "ngram_max": args.spec_ngram_max, "ngram_min": args.spec_ngram_min,
-                   "progress": True, "temperature": 0.0}
+                   "progress": progress, "temperature": 0.0}
         drafters = [args.registry.make_drafter(n, model, options) for n in names]
     spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
     sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
@@ -82,11 +125,12 @@ def run_serve(args: argparse.Namespace) -> int:
     stem = Path(str(model.path)).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem
     aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)
-    server = Server(model, sched, args.model_alias or stem, aliases=aliases, spec_names=tuple(names))
-    app = build_app(server)
-    print(f"plinth serve: {server.model_id} ({model.arch}, n_ctx {model.n_ctx}, batch {args.max_batch}, queue "
-          f"{args.max_queue}{', speculative ' + ','.join(names) if names else ''}) on http://{args.host}:{args.port}/",
-          file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
-    return 0
+    return Server(model, sched, args.model_alias or stem, aliases=aliases, spec_names=tuple(names),
+                  plugins=tuple(r.name for r in args.registry.loaded))
+
+
+def describe(server: Any, args: argparse.Namespace) -> str:
+    m = server.model
+    names = server.spec_names
+    return (f"{server.model_id} ({m.arch}, n_ctx {m.n_ctx}, batch {args.max_batch}, queue "
+            f"{args.max_queue}{', speculative ' + ','.join(names) if names else ''})")

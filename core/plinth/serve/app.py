@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -39,8 +40,9 @@ class Server:
     """What the endpoints share: the model, its served name(s) and the scheduler."""
 
     def __init__(self, model: Any, scheduler: Scheduler, model_id: str, aliases: tuple[str, ...] = (),
-                 spec_names: tuple[str, ...] = ()) -> None:
+                 spec_names: tuple[str, ...] = (), plugins: tuple[str, ...] = ()) -> None:
         self.model = model
+        self.plugins = plugins  # the plugins this server loaded (an operator's check of a deployment)
         self.tokenizer = model.tokenizer
         self.scheduler = scheduler
         self.model_id = model_id
@@ -190,7 +192,8 @@ def build_app(server: Server) -> Starlette:
     async def health(request: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok", "model": server.model_id, "active": sched.n_active,
                              "queued": sched.queue_depth, "cache_tokens": sched.cache_tokens(),
-                             "cache_sequences": sched.cache_seqs()})
+                             "cache_sequences": sched.cache_seqs(), "plugins": list(server.plugins),
+                             "pid": os.getpid()})
 
     async def metrics(request: HTTPRequest) -> Response:
         return PlainTextResponse(render_metrics(server), media_type="text/plain; version=0.0.4")
