@@ -56,6 +56,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     from ..plugins import PluginError
 
     sub = subparser_of(parser, args)
+    if not hasattr(args, "ray_stages"):
+        pass
+    elif args.ray_stages is None:
+        for flag, value in (("--ray-address", getattr(args, "ray_address", None)),
+                            ("--ray-split", getattr(args, "ray_split", None))):
+            require(sub, value is None, f"{flag} needs --ray-stages N")
+    elif args.ray_split is not None:
+        require(sub, len(args.ray_split) == args.ray_stages - 1,
+                f"--ray-split gives {len(args.ray_split)} first layer(s); {args.ray_stages} stages need "
+                f"{args.ray_stages - 1}")
     if hasattr(args, "spec_n_max"):
         require(sub, args.spec_n_min <= args.spec_n_max,
                 f"--spec-n-min {args.spec_n_min} is larger than --spec-n-max {args.spec_n_max}")
@@ -137,6 +147,7 @@ def register(sub: Any) -> None:
     _threads_arg(p)
     _sampling_args(p)
     _spec_args(p)
+    _pipeline_args(p)
     p.set_defaults(func=run_generate, check_args=check_args)
 
     p = sub.add_parser("chat", help="interactive chat with history",
@@ -150,6 +161,7 @@ def register(sub: Any) -> None:
     _threads_arg(p)
     _sampling_args(p)
     _spec_args(p)
+    _pipeline_args(p)
     p.set_defaults(func=run_chat, check_args=check_args)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text",
@@ -170,6 +182,7 @@ def register(sub: Any) -> None:
     p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
     _threads_arg(p)
+    _pipeline_args(p)
     p.set_defaults(func=run_bench, check_args=check_args)
 
 
@@ -180,6 +193,19 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
 
     _set_threads(args)
     t0 = time.perf_counter()
+    if getattr(args, "ray_stages", None):
+        from ..pipeline import load_pipeline
+
+        plugins = {"plugins": args.plugins, "disable": args.disable_plugins, "strict": args.strict_plugins,
+                   "prefer": args.prefer}
+        model = load_pipeline(args.model or hub.DEFAULT_MODEL, args.ray_stages, address=args.ray_address,
+                              split=args.ray_split, backend=getattr(args, "backend", "numpy"), plugins=plugins,
+                              threads=args.threads, cpus=args.ray_cpus)
+        if tokenizer:
+            model.tokenizer
+        if getattr(args, "stats", False):
+            print(f"[loaded {model.describe()} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+        return model
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
                        registry=args.registry, progress=True, tokenizer=tokenizer)
     if getattr(args, "stats", False):
@@ -278,11 +304,38 @@ def run_bench(args: argparse.Namespace) -> int:
 
     model = _load(args, tokenizer=False)
     pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
-    print(f"model:  {model.path.name} ({model.arch}, {model.stats.n_params / 1e6:.1f} M params, backend "
-          f"{model.backend.name})")
+    if getattr(args, "ray_stages", None):
+        print(f"model:  {model.describe()}")
+    else:
+        print(f"model:  {model.path.name} ({model.arch}, {model.stats.n_params / 1e6:.1f} M params, backend "
+              f"{model.backend.name})")
     print(f"prompt: {args.prompt_tokens} tokens, {pp:.1f} tok/s")
     print(f"decode: {args.decode_tokens} tokens, {tg:.1f} tok/s")
     return 0
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray pipeline", "split the model by layers over Ray actors (pipeline stages), e.g. "
+                             "across machines of a Ray cluster; needs `pip install 'plinth[ray]'` (see "
+                             "docs/scale-out.md)")
+    g.add_argument("--ray-stages", type=int_range(1), default=None, metavar="N",
+                   help="run the model as N pipeline stages, each a Ray actor holding its layers and their cache")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="an existing Ray cluster (e.g. 127.0.0.1:6379 or auto); default: start a local one")
+    g.add_argument("--ray-split", type=_int_list, default=None, metavar="L1[,L2...]",
+                   help="first layer of stages 2..N (default: layers split evenly)")
+    g.add_argument("--ray-cpus", type=float_range(0.0, lo_open=True), default=1.0, metavar="CPUS",
+                   help="CPUs Ray reserves for each stage (default 1)")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer numbers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer numbers start at 1 (stage 1 starts at layer 0)")
+    return values
 
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
