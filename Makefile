@@ -3,7 +3,8 @@
 #   make test   installs the same plus the test tools and runs the whole default test suite
 # Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python, plus torch +
 # transformers for the agreement bar), make test-gpu, make test-fuzz (600 mutated GGUF files),
-# make test-browser (Debian chromium + playwright: the chat page in a real headless browser).
+# make test-browser (Debian chromium + playwright: the chat page in a real headless browser),
+# make test-ray (a two-node Ray cluster on loopback: Ray Serve replicas, a model split over Ray actors).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -11,7 +12,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser bench clean
+.PHONY: install demo test test-ref test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,12 @@ test-browser: install
 	apt-get update -q && apt-get install -y -q chromium chromium-driver
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[browser]"
 	$(BIN)/python -m pytest -q -m browser
+
+# Ray's services bind every interface: the suite runs in a network namespace that has only
+# loopback (unshare -rn), so nothing it starts can be reached from outside this machine
+test-ray: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[ray,serve]"
+	unshare -rn sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -s -m ray tests/test_ray.py'
 
 bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
