@@ -248,6 +248,10 @@ def test_pipeline_two_stages_logits_equal_single_process(pipeline, model_path):
     got = pipeline.logits(ids)
     assert got.shape == want.shape
     assert np.max(np.abs(got - want)) <= 1e-5
+    # each stage brought into memory only its part of the file (its layers; the head on the last)
+    size = model_path.stat().st_size
+    pages = [w for _, _, w in pipeline.stage_rss()]
+    assert all(0 < w < 0.8 * size for w in pages), (pages, size)
     # prefill + decode through the stages' caches equals the same steps in one process
     ctx, one = pipeline.new_context(), single.new_context()
     assert np.max(np.abs(ctx.decode(ids[:-3]).logits - one.decode(ids[:-3]).logits)) <= 1e-5

@@ -86,6 +86,7 @@ class Stage:
         from .model import load_model
         from .plugins import discover
 
+        self.rss0 = _rss()  # the worker before the model: the stage's own share is rss - rss0
         if threads is not None:
             from . import quant
 
@@ -108,7 +109,8 @@ class Stage:
         out = {"arch": m.arch, "plugin": m.plugin, "path": str(m.path), "n_ctx": m.n_ctx,
                "n_layer": int(hp.n_layer), "n_vocab": int(hp.n_vocab), "n_embd": int(hp.n_embd),
                "n_ctx_train": int(getattr(hp, "n_ctx_train", 0) or 0), "recurrent": bool(self.ctx.recurrent),
-               "node": os.uname().nodename, "pid": os.getpid(), "rss": _rss()}
+               "node": os.uname().nodename, "pid": os.getpid(), "rss": _rss(), "rss0": self.rss0,
+               "weights_rss": mapped_rss(m.path)}
         if metadata:
             out["metadata"] = m.metadata
         return out
@@ -153,6 +155,25 @@ class Stage:
     def reset(self) -> None:
         self.ctx = self.model.new_context()
         self.snaps.clear()
+
+
+def mapped_rss(path: str | os.PathLike[str]) -> int:
+    """Resident bytes of this process's mappings of ``path`` (the model file's pages in memory)."""
+    import re
+
+    header = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
+    target, total, inside = str(Path(path).resolve()), 0, False
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if header.match(line):  # "start-end perms offset dev inode [path]"
+                    parts = line.split(None, 5)
+                    inside = len(parts) == 6 and parts[5].strip() == target
+                elif inside and line.startswith("Rss:"):
+                    total += int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return total
 
 
 def _rss() -> int:
@@ -343,8 +364,11 @@ class PipelineModel:
             times.append((time.perf_counter() - t0) / len(self.stages))
         return float(np.median(times))
 
-    def stage_rss(self) -> list[int]:
-        return [int(i["rss"]) for i in _get([s.info.remote() for s in self.stages])]
+    def stage_rss(self) -> list[tuple[int, int, int]]:
+        """Per stage: resident bytes; of which added since before the load (model, kernels, cache); of which
+        pages of the model file."""
+        return [(int(i["rss"]), int(i["rss"]) - int(i["rss0"]), int(i["weights_rss"]))
+                for i in _get([s.info.remote() for s in self.stages])]
 
     def close(self) -> None:
         ray = _ray()
