@@ -67,7 +67,8 @@ test-browser: install
 # loopback (unshare -rn), so nothing it starts can be reached from outside this machine
 test-ray: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[ray,serve]"
-	unshare -rn sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -s -m ray tests/test_ray.py'
+	unshare -rn sh -c 'ip link set lo up && RAY_USAGE_STATS_ENABLED=0 OPENBLAS_NUM_THREADS=1 \
+		$(BIN)/python -m pytest -q -s -p no:warnings -m ray tests/test_ray.py'
 
 bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
