@@ -33,7 +33,7 @@ def _loopback_only() -> bool:
     return {name for _, name in socket.if_nameindex()} <= {"lo"}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)  # module scope: it runs before the cluster fixture
 def _opt_in(request):
     if "ray" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("opt-in suite: run with -m ray (make test-ray)")
