@@ -54,7 +54,9 @@ def _rel_err(y: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("type_name", TYPES)
-def test_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
+@pytest.mark.parametrize("kernel_rows", [quant.KERNEL_MAX_ROWS, 16])  # the kernels also at larger m
+def test_kernel_product_matches_gguf_dequantizer(type_name: str, kernel_rows: int, monkeypatch) -> None:
+    monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", kernel_rows)
     raw = _packed(type_name)
     ref_w = _reference(raw, type_name)
     w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))

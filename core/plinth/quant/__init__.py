@@ -30,8 +30,26 @@ import numpy as np
 
 log = logging.getLogger("plinth.quant")
 
-#: at most this many activation rows go through the block kernels; more use dequantized tiles + BLAS
-KERNEL_MAX_ROWS = 16
+#: at most this many activation rows go through the block kernels; more use dequantized tiles + BLAS.
+#: A kernel pass costs about m times one row, a tile pass about the same for any m up to ~64, so
+#: the two cross at 5-6 rows (a SmolLM2 Q4_1 forward, one thread: 5 rows 153 vs 207 ms, 6 rows
+#: 230 vs 202 ms; benchmarks/README.md "Quantized weights")
+KERNEL_MAX_ROWS = 5
+
+
+def _kernel_rows_from_env() -> int:
+    """``PLINTH_KERNEL_ROWS=N`` moves the crossover (benchmarks compare settings with it)."""
+    text = os.environ.get("PLINTH_KERNEL_ROWS")
+    if text is None:
+        return KERNEL_MAX_ROWS
+    if not text.isdigit():
+        from ..errors import UserError
+
+        raise UserError(f"PLINTH_KERNEL_ROWS={text!r}: give a whole number of activation rows (0 = never the kernels)")
+    return int(text)
+
+
+KERNEL_MAX_ROWS = _kernel_rows_from_env()
 #: f32 bytes of one dequantized tile in the prompt path
 TILE_BYTES = 4 << 20
 
