@@ -96,8 +96,10 @@ def clean_text(text: str, what: str) -> str:
 def _spec_names(args: argparse.Namespace) -> list[str]:
     """The --spec drafter names, each checked against the registry before any model is loaded."""
     names = [n.strip() for n in (getattr(args, "spec", None) or "").split(",") if n.strip()]
+    reg = args.registry
     for n in names:
-        args.registry.owner("drafters", n)  # an unknown name raises, listing the available drafters
+        if n not in reg.names("drafters") or ("drafters", n) in reg.conflicts():
+            reg.owner("drafters", n)  # an unknown or ambiguous name raises, listing the available drafters
     return names
 
 
