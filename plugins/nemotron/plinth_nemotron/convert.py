@@ -13,7 +13,10 @@ Reads ``config.json`` (top level or under ``text_config``) and the safetensors, 
 * tensor names may carry the ``backbone.`` or the ``model.`` prefix; the router bias may be
   spelled ``e_score_correction_bias`` or ``e_score_correction.bias``; experts may be stored
   one by one (``experts.{e}.up_proj.weight``) or stacked (``experts.up_proj``);
-* ``mtp.*`` tensors (multi-token-prediction heads) are dropped, with a note;
+* the MTP head (``mtp.layers.{i}.*``; blocks from ``mtp_block_configs`` for Puzzle, else
+  ``mtp_layers_block_type`` / ``mtp_hybrid_override_pattern``) is appended as ``blk.{n_layer + i}``
+  with ``nextn.{eh_proj,enorm,hnorm}`` on the first and ``nextn.shared_head_norm`` on the last, and
+  ``nextn_predict_layers`` = 2 (option ``mtp``: auto = when present, yes = required, no = dropped);
 * ``A_log`` is written as ``ssm_a = -exp(A_log)``; ``conv1d.weight [C, 1, K]`` as ``[C, K]``;
   the gated norm weight as ``[G, d_inner / G]``.
 
@@ -42,6 +45,7 @@ BLOCK_TYPES = {"mamba": MAMBA, "linear_attention": MAMBA, "M": MAMBA,
                "attention": ATTENTION, "full_attention": ATTENTION, "*": ATTENTION,
                "mlp": MLP, "-": MLP, "moe": MOE, "E": MOE}
 OUTTYPES = ("f32", "f16", "bf16")
+MTP_CHOICES = ("auto", "yes", "no", "true", "false", "1", "0")
 
 # per-layer renames (after the prefix is stripped): HF suffix -> GGUF suffix
 _LAYER_MAP = {
@@ -83,11 +87,15 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"mixer\.experts\.(\d+)\.(up|down)_proj\.weight")
 
 
-def normalise_name(name: str) -> str | None:
-    """HF tensor name -> prefix-free name with the router-bias spelling unified; None for MTP tensors."""
-    if name.startswith("mtp."):
-        return None
-    for prefix in ("backbone.", "model."):
+# the MTP head's own tensors (``mtp.layers.{i}.<name>``; the rest are ordinary block tensors)
+_MTP_MAP = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
+            "eh_proj.weight": "nextn.eh_proj.weight", "final_layernorm.weight": "nextn.shared_head_norm.weight"}
+_MTP_RE = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
+
+
+def normalise_name(name: str) -> str:
+    """HF tensor name -> prefix-free name with the router-bias spelling unified (``mtp.*`` keeps its prefix)."""
+    for prefix in ("backbone.", "model.", "language_model."):
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
@@ -103,8 +111,41 @@ def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def mtp_configs(config: Mapping[str, Any], source: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(per-block configs, kinds) of the MTP head a NemotronH / Puzzle config declares (empty: none).
+
+    Puzzle lists its MTP blocks in ``mtp_block_configs`` (each overriding the global config, like
+    ``block_configs``); NemotronH repeats ``mtp_layers_block_type`` (or the legacy
+    ``mtp_hybrid_override_pattern``) ``num_nextn_predict_layers`` times.
+    """
+    cfg = _text_config(config)
+    depth = int(cfg.get("num_nextn_predict_layers") or 0)
+    blocks = cfg.get("mtp_block_configs")
+    if blocks:
+        if depth > 1:
+            raise UserError(f"{source}: num_nextn_predict_layers = {depth} with mtp_block_configs; plinth-nemotron "
+                            "exports one MTP depth")
+        kinds, per = [], []
+        for i, blk in enumerate(blocks):
+            bt = blk.get("block_type")
+            if bt not in BLOCK_TYPES:
+                raise UserError(f"{source}: mtp_block_configs[{i}].block_type is {bt!r}; expected attention or moe")
+            kinds.append(BLOCK_TYPES[bt])
+            per.append({**cfg, **{k: v for k, v in blk.items() if v is not None}})
+        return per, kinds
+    if depth == 0:
+        return [], []
+    if depth > 1:
+        raise UserError(f"{source}: num_nextn_predict_layers = {depth}; plinth-nemotron exports one MTP depth")
+    types = cfg.get("mtp_layers_block_type") or list(cfg.get("mtp_hybrid_override_pattern") or "*E")
+    bad = [t for t in types if t not in BLOCK_TYPES]
+    if bad:
+        raise UserError(f"{source}: unknown MTP layer type(s) {sorted(set(map(str, bad)))}")
+    return [dict(cfg) for _ in types], [BLOCK_TYPES[t] for t in types]
+
+
 def layer_configs(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
-    """(global config, per-layer configs, per-layer kinds) of a NemotronH or Puzzle config."""
+    """(global config, per-layer configs, per-layer kinds) of a NemotronH or Puzzle config (the trunk)."""
     cfg = _text_config(config)
     blocks = cfg.get("block_configs")
     if blocks:
@@ -137,9 +178,16 @@ def _uniform(values: list[Any], what: str, source: str) -> Any:
     return values[0] if values else None
 
 
-def gguf_metadata(config: Mapping[str, Any], source: str, name: str) -> dict[str, Any]:
-    """The GGUF metadata of a NemotronH(-Puzzle) config."""
+def gguf_metadata(config: Mapping[str, Any], source: str, name: str, mtp: bool = False) -> dict[str, Any]:
+    """The GGUF metadata of a NemotronH(-Puzzle) config; ``mtp``: append its MTP blocks after the trunk."""
     cfg, per, kinds = layer_configs(config, source)
+    n_trunk = len(kinds)
+    if mtp:
+        mtp_per, mtp_kinds = mtp_configs(config, source)
+        if mtp_kinds != [ATTENTION, MOE]:
+            raise UserError(f"{source}: the MTP head has blocks {mtp_kinds}; plinth-nemotron exports an MTP head of "
+                            "one attention block then one MoE block")
+        per, kinds = per + mtp_per, kinds + mtp_kinds
     n_layer = len(kinds)
     has_moe = MOE in kinds
     arch = "nemotron_h_moe" if has_moe else "nemotron_h"
@@ -174,7 +222,7 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str) -> dict[str
         f"{a}.vocab_size": int(cfg["vocab_size"]),
         f"{a}.context_length": int(cfg.get("max_position_embeddings", 4096)),
         f"{a}.embedding_length": hidden,
-        f"{a}.block_count": n_layer,
+        f"{a}.block_count": n_layer,  # the MTP blocks included, as llama.cpp counts them
         f"{a}.feed_forward_length": n_ff,
         f"{a}.attention.head_count": heads[0] if len(heads) == 1 else (n_head if heads else 0),
         f"{a}.attention.head_count_kv": n_head_kv,
@@ -185,6 +233,8 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str) -> dict[str
         f"{a}.ssm.time_step_rank": m["mamba_num_heads"],
         f"{a}.ssm.group_count": m["n_groups"],
     }
+    if n_layer > n_trunk:
+        md[f"{a}.nextn_predict_layers"] = n_layer - n_trunk
     if head_dim:
         md[f"{a}.attention.key_length"] = head_dim
         md[f"{a}.attention.value_length"] = head_dim
@@ -217,24 +267,39 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str) -> dict[str
 
 # ============================================================================ tensors
 
-def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """GGUF-named float32 tensors, and notes about what was left out."""
+def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int,
+                    n_mtp: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
+    """GGUF-named float32 tensors, and notes about what was left out.
+
+    n_mtp: MTP blocks to export (``mtp.layers.{i}.*`` -> ``blk.{n_layer + i}.*``); 0 drops ``mtp.*``
+    with a note.
+    """
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[int, str], dict[int, str]] = {}
     dropped_mtp = []
     for hf_name in st.names():
         name = normalise_name(hf_name)
-        if name is None:
+        mtp = _MTP_RE.fullmatch(name)
+        if name.startswith("mtp.") and (not n_mtp or mtp is None):
             dropped_mtp.append(hf_name)
             continue
         if name in _GLOBAL_MAP:
             out[_GLOBAL_MAP[name]] = st.get(hf_name)
             continue
-        m = _LAYER_RE.fullmatch(name)
+        if mtp is not None:
+            i, rest = int(mtp.group(1)), mtp.group(2)
+            if i >= n_mtp:
+                raise UserError(f"{st.dir}: tensor {hf_name!r} belongs to MTP block {i}, but the config has {n_mtp}")
+            if rest in _MTP_MAP:
+                out[f"blk.{n_layer + i}.{_MTP_MAP[rest]}"] = st.get(hf_name)
+                continue
+            m = _LAYER_RE.fullmatch(f"layers.{n_layer + i}.{rest}")
+        else:
+            m = _LAYER_RE.fullmatch(name)
         if m is None:
             raise UserError(f"{st.dir}: tensor {hf_name!r} has no GGUF name in plinth-nemotron's mapping")
         il, rest = int(m.group(1)), m.group(2)
-        if il >= n_layer:
+        if il >= n_layer + (n_mtp if mtp is not None else 0):
             raise UserError(f"{st.dir}: tensor {hf_name!r} belongs to layer {il}, but the config has {n_layer} layers")
         e = _EXPERT_RE.fullmatch(rest)
         if e is not None:
@@ -261,8 +326,8 @@ def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int) -> tuple[di
         out[f"blk.{il}.ffn_{which}_exps.weight"] = np.stack([st.get(by_index[i]) for i in idx])
     notes = []
     if dropped_mtp:
-        notes.append(f"dropped {len(dropped_mtp)} MTP tensor(s) (mtp.*): plinth-nemotron does not export "
-                     "Nemotron-H multi-token-prediction heads")
+        notes.append(f"dropped {len(dropped_mtp)} MTP tensor(s) (mtp.*): the MTP head is not exported "
+                     "(mtp=no, or the config declares no MTP layers)")
     return out, notes
 
 
@@ -280,18 +345,26 @@ class NemotronHConverter:
         the SSM vectors stay f32).
         """
         outtype = str(options.get("outtype", "f32")).lower()
-        unknown = sorted(set(options) - {"outtype"})
-        if unknown or outtype not in OUTTYPES:
-            raise UserError(f"plinth-nemotron converter options: outtype in {', '.join(OUTTYPES)}; "
-                            f"got {dict(options)}")
+        mtp_opt = str(options.get("mtp", "auto")).lower()
+        unknown = sorted(set(options) - {"outtype", "mtp"})
+        if unknown or outtype not in OUTTYPES or mtp_opt not in MTP_CHOICES:
+            raise UserError(f"plinth-nemotron converter options: outtype in {', '.join(OUTTYPES)}, mtp in "
+                            f"{', '.join(MTP_CHOICES)}; got {dict(options)}")
         source = str(Path(model_dir) / "config.json")
         config = read_config(model_dir)
         name = str(config.get("_name_or_path") or Path(model_dir).name)
-        md = gguf_metadata(config, source, name)
+        st = SafetensorsDir(model_dir)
+        has_mtp = bool(mtp_configs(config, source)[1]) and any(normalise_name(n).startswith("mtp.") for n in st.names())
+        if mtp_opt in ("yes", "true", "1") and not has_mtp:
+            raise UserError(f"{model_dir}: mtp=yes, but the checkpoint has no MTP head (num_nextn_predict_layers / "
+                            "mtp_block_configs and mtp.* tensors)")
+        export_mtp = has_mtp and mtp_opt not in ("no", "false", "0")
+        md = gguf_metadata(config, source, name, mtp=export_mtp)
         arch = md["general.architecture"]
-        n_layer = md[f"{arch}.block_count"]
+        n_mtp = int(md.get(f"{arch}.nextn_predict_layers", 0))
+        n_layer = md[f"{arch}.block_count"] - n_mtp
         cfg = _text_config(config)
-        tensors, notes = convert_tensors(SafetensorsDir(model_dir), n_layer, md[f"{arch}.ssm.group_count"])
+        tensors, notes = convert_tensors(st, n_layer, md[f"{arch}.ssm.group_count"], n_mtp)
         if cfg.get("tie_word_embeddings") and "output.weight" in tensors:
             del tensors["output.weight"]  # tied: the LM head is token_embd
         # check against the architecture's own declaration, so the file we write loads
@@ -313,9 +386,8 @@ class NemotronHConverter:
             q = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}[outtype]
             keep_f32 = ("ssm_a", "ssm_d", "ssm_norm.weight", "ssm_conv1d.weight")
             qtypes = {k: q for k, v in tensors.items() if v.ndim >= 2 and not k.endswith(keep_f32)}
-        if cfg.get("num_nextn_predict_layers") or cfg.get("mtp_block_configs"):
-            if not notes:
-                notes.append("the config declares MTP layers, but no mtp.* tensors were found; none exported")
+        if (cfg.get("num_nextn_predict_layers") or cfg.get("mtp_block_configs")) and not has_mtp and not notes:
+            notes.append("the config declares MTP layers, but no mtp.* tensors were found; none exported")
         write_gguf(out_path, md, tensors, qtypes)
         for note in notes:
             print(f"plinth-nemotron: {note}", file=sys.stderr)
@@ -335,4 +407,4 @@ class NemotronHPuzzleConverter(NemotronHConverter):
 
 
 __all__ = ["NemotronHConverter", "NemotronHPuzzleConverter", "convert_tensors", "gguf_metadata",
-           "layer_configs", "normalise_name"]
+           "layer_configs", "mtp_configs", "normalise_name"]
