@@ -257,6 +257,72 @@ class VisionTower:
         return ops.linear(ops.relu2(ops.linear(x, w["mm.1.weight"])), w["mm.2.weight"])
 
 
+# ============================================================================ the tower's own GGUF (mmproj)
+
+PROJECTOR_TYPE = "nemotron_h_omni"
+_KEYS = {"n_embd": "embedding_length", "n_layer": "block_count", "n_head": "attention.head_count",
+         "n_ff": "feed_forward_length", "patch_size": "patch_size", "n_prefix": "n_prefix_tokens",
+         "max_grid": "max_grid", "text_n_embd": "projection_dim", "projector_n_ff": "projector_ff_length",
+         "eps": "attention.layer_norm_epsilon", "projector_eps": "projector_rms_epsilon",
+         "downsample_ratio": "downsample_ratio", "final_norm": "final_norm", "image_mean": "image_mean",
+         "image_std": "image_std", "min_patches": "min_patches", "max_patches": "max_patches", "video": "video"}
+
+
+def save_vision_gguf(path: str | Path, cfg: VisionConfig, weights: Mapping[str, np.ndarray]) -> Path:
+    """Write the tower and projector as their own GGUF (llama.cpp's mmproj convention: arch ``clip``)."""
+    from plinth.convert import write_gguf
+
+    VisionTower(cfg, weights, str(path))  # check names and shapes before writing
+    md: dict[str, Any] = {"general.architecture": "clip", "general.name": "nemotron-h-vision",
+                          "clip.has_vision_encoder": True, "clip.projector_type": PROJECTOR_TYPE}
+    for field, key in _KEYS.items():
+        value = getattr(cfg, field)
+        md[f"clip.vision.{key}"] = list(value) if isinstance(value, tuple) else value
+    return write_gguf(path, md, {k: np.asarray(v, np.float32) for k, v in weights.items()})
+
+
+def load_vision_gguf(path: str | Path) -> VisionTower:
+    """The tower of a vision GGUF written by :func:`save_vision_gguf`; anything else is one named line."""
+    from plinth.gguf import GGUFFile
+
+    try:
+        gf = GGUFFile(path)
+    except FileNotFoundError:
+        raise UserError(f"{path}: vision model file not found") from None
+    md = gf.metadata
+    if md.get("general.architecture") != "clip" or md.get("clip.projector_type") != PROJECTOR_TYPE:
+        raise UserError(f"{path}: not a Nemotron-H vision tower (general.architecture "
+                        f"{md.get('general.architecture')!r}, clip.projector_type {md.get('clip.projector_type')!r}; "
+                        f"expected 'clip' / {PROJECTOR_TYPE!r})")
+    fields = {}
+    for field, key in _KEYS.items():
+        k = f"clip.vision.{key}"
+        if k not in md:
+            raise UserError(f"{path}: missing required key '{k}'")
+        v = md[k]
+        if field in ("image_mean", "image_std"):
+            fields[field] = tuple(float(x) for x in v)
+        else:
+            default = getattr(attrs.fields(VisionConfig), field).default
+            fields[field] = (int if default is attrs.NOTHING else type(default))(v)
+    cfg = VisionConfig(**fields)
+    return VisionTower(cfg, {n: np.asarray(gf.raw(n), np.float32) for n in gf.tensors}, str(path))
+
+
+def image_rows_for(model: Any, tower: VisionTower | None, image_path: str | Path,
+                   max_rows: int | None = None) -> np.ndarray:
+    """The embedding rows of ``image_path`` for ``model``; refused in one line when the model takes no images."""
+    arch = getattr(model, "arch", "?")
+    if tower is None or not str(arch).startswith("nemotron_h"):
+        raise UserError(f"{getattr(model, 'path', 'the model')}: '{arch}' is a text-only model here (no vision tower "
+                        "given); image input needs a Nemotron-H text model and its vision GGUF")
+    if int(model.hparams.n_embd) != tower.cfg.text_n_embd:
+        raise UserError(f"the vision tower projects to width {tower.cfg.text_n_embd}, the text model "
+                        f"({arch}) has n_embd = {model.hparams.n_embd}; they are not one model")
+    budget = None if max_rows is None else max(max_rows, 1) * tower.cfg.merge ** 2
+    return tower.embed(preprocess(load_image(image_path), tower.cfg, budget))
+
+
 # ============================================================================ prompts with images
 
 def image_prompt(tokens_before: Sequence[int], image_rows: np.ndarray, tokens_after: Sequence[int], *,
@@ -286,5 +352,6 @@ def image_prompt(tokens_before: Sequence[int], image_rows: np.ndarray, tokens_af
     return attrs.evolve(batch, output=out)
 
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "ImageInput", "VisionConfig", "VisionTower", "image_prompt", "load_image",
-           "patch_grid", "pixel_shuffle", "preprocess", "resize_bicubic", "tensor_shapes"]
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ImageInput", "VisionConfig", "VisionTower", "image_prompt", "image_rows_for",
+           "load_image", "load_vision_gguf", "patch_grid", "pixel_shuffle", "preprocess", "resize_bicubic",
+           "save_vision_gguf", "tensor_shapes"]

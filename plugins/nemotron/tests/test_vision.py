@@ -86,6 +86,38 @@ def test_bad_image_input_is_one_named_line(tmp_path):
         VisionTower(VCFG, w)
 
 
+def test_vision_gguf_round_trip_and_image_on_a_text_only_model(tmp_path, spec_text_model):
+    from PIL import Image
+    from plinth_nemotron.vision import image_rows_for, load_vision_gguf, save_vision_gguf
+
+    tower = random_tower()
+    path = save_vision_gguf(tmp_path / "mmproj.gguf", VCFG, tower.w)
+    back = load_vision_gguf(path)
+    import attrs
+
+    a, b = attrs.asdict(back.cfg), attrs.asdict(VCFG)
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-6) for k in a)  # floats kept as f32
+    Image.fromarray((np.random.default_rng(3).random((40, 52, 3)) * 255).astype(np.uint8)).save(tmp_path / "a.png")
+    x = preprocess(load_image(tmp_path / "a.png"), VCFG)
+    np.testing.assert_array_equal(back.embed(x), tower.embed(x))
+    with pytest.raises(UserError, match="is a text-only model here") as e:
+        image_rows_for(spec_text_model, None, tmp_path / "a.png")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="projects to width 64, the text model .* has n_embd = 48"):
+        image_rows_for(spec_text_model, back, tmp_path / "a.png")
+    with pytest.raises(UserError, match="not a Nemotron-H vision tower"):
+        load_vision_gguf(spec_text_model.path)
+
+
+@pytest.fixture(scope="module")
+def spec_text_model(tmp_path_factory):
+    from plinth.model import load_model
+
+    reg = golden.registry()
+    md = mtp_tests.tiny.metadata("M*E-", vocab=True, n_embd=48, top_k=[0, 0, 2, 0], n_ff_exp=[0, 0, 16, 0])
+    return load_model(mtp_tests.tiny.write(tmp_path_factory.mktemp("txt") / "t.gguf", reg, md), registry=reg)
+
+
 # --------------------------------------------------------------------------- reference (torch)
 
 def _omni(torch, text_folder):
