@@ -403,6 +403,26 @@ class NemotronHGraph(BaseGraph):
             y = y + ops.relu2_mlp(x, w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"])
         return y
 
+    # -------------------------------------------------------------- image input (VL models)
+
+    def image_encoder(self, mmproj: str | None) -> Any:
+        """``encode(image_path, max_rows) -> [n, n_embd]`` (numpy) with the vision tower of ``mmproj``."""
+        from .vision import encode_image, load_vision_gguf
+
+        if mmproj is None:
+            raise UserError(f"{self.hp.arch}: the vision tower of a Nemotron-H VL model is its own GGUF (mmproj); "
+                            "pass it with --mmproj FILE")
+        tower = load_vision_gguf(mmproj)
+        n_embd = self.hp.n_embd
+        if tower.cfg.text_n_embd != n_embd:
+            raise UserError(f"{mmproj}: the vision tower projects to width {tower.cfg.text_n_embd}, this "
+                            f"{self.hp.arch} model has n_embd = {n_embd}; they are not one model")
+
+        def encode(path: str, max_rows: int | None = None) -> Any:
+            return encode_image(tower, path, n_embd, max_rows, self.hp.arch)  # host rows: the batch carries them
+
+        return encode
+
     # -------------------------------------------------------------- the MTP head
 
     def draft_heads(self) -> dict[str, Any]:

@@ -316,11 +316,22 @@ def image_rows_for(model: Any, tower: VisionTower | None, image_path: str | Path
     if tower is None or not str(arch).startswith("nemotron_h"):
         raise UserError(f"{getattr(model, 'path', 'the model')}: '{arch}' is a text-only model here (no vision tower "
                         "given); image input needs a Nemotron-H text model and its vision GGUF")
-    if int(model.hparams.n_embd) != tower.cfg.text_n_embd:
+    return encode_image(tower, image_path, int(model.hparams.n_embd), max_rows, str(arch))
+
+
+def encode_image(tower: VisionTower, image_path: str | Path, n_embd: int, max_rows: int | None = None,
+                 what: str = "the text model") -> np.ndarray:
+    """[n, n_embd] rows of ``image_path``; the grid is shrunk toward ``max_rows``, refused when it cannot fit."""
+    if n_embd != tower.cfg.text_n_embd:
         raise UserError(f"the vision tower projects to width {tower.cfg.text_n_embd}, the text model "
-                        f"({arch}) has n_embd = {model.hparams.n_embd}; they are not one model")
+                        f"({what}) has n_embd = {n_embd}; they are not one model")
     budget = None if max_rows is None else max(max_rows, 1) * tower.cfg.merge ** 2
-    return tower.embed(preprocess(load_image(image_path), tower.cfg, budget))
+    image = preprocess(load_image(image_path), tower.cfg, budget)
+    if max_rows is not None and image.n_rows > max_rows:
+        raise UserError(f"{image_path}: the image needs at least {image.n_rows} rows (grid {image.grid[0]}x"
+                        f"{image.grid[1]}, min_patches {tower.cfg.min_patches}), more than the {max_rows} positions "
+                        "the context leaves; use a larger context")
+    return tower.embed(image)
 
 
 # ============================================================================ prompts with images
@@ -352,6 +363,7 @@ def image_prompt(tokens_before: Sequence[int], image_rows: np.ndarray, tokens_af
     return attrs.evolve(batch, output=out)
 
 
-__all__ = ["CLIP_MEAN", "CLIP_STD", "ImageInput", "VisionConfig", "VisionTower", "image_prompt", "image_rows_for",
+__all__ = ["CLIP_MEAN", "CLIP_STD", "ImageInput", "VisionConfig", "VisionTower", "encode_image", "image_prompt",
+           "image_rows_for",
            "load_image", "load_vision_gguf", "patch_grid", "pixel_shuffle", "preprocess", "resize_bicubic",
            "save_vision_gguf", "tensor_shapes"]

@@ -279,3 +279,97 @@ def test_preprocessing_of_a_real_size_png_matches_the_reference_pipeline(tmp_pat
     diff = np.abs(got.patches - ref)
     print(f"preprocess max |pillow - torch| = {float(diff.max()):.3g}, mean {float(diff.mean()):.3g}")
     assert float(diff.max()) <= 5e-4, float(diff.max())
+
+
+# --------------------------------------------------------------------------- plinth generate --image
+
+@pytest.fixture(scope="module")
+def vl_files(tmp_path_factory, spec_text_model):
+    """A tiny VL pair: the text model (n_embd 48) and a vision GGUF projecting to 48; a PNG and a corrupt file."""
+    from PIL import Image
+    from plinth_nemotron.vision import save_vision_gguf
+
+    tmp = tmp_path_factory.mktemp("vlcli")
+    cfg = VisionConfig(**{**attrs_dict(VCFG), "text_n_embd": 48})
+    save_vision_gguf(tmp / "mmproj.gguf", cfg, random_tower(cfg).w)
+    big = VisionConfig(**{**attrs_dict(cfg), "min_patches": 4096, "max_patches": 8192})
+    save_vision_gguf(tmp / "big-mmproj.gguf", big, random_tower(big).w)
+    Image.fromarray((np.random.default_rng(5).random((30, 44, 3)) * 255).astype(np.uint8)).save(tmp / "a.png")
+    Image.fromarray((np.random.default_rng(6).random((400, 400, 3)) * 255).astype(np.uint8)).save(tmp / "big.png")
+    (tmp / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    return tmp
+
+
+def attrs_dict(cfg):
+    import attrs
+
+    return {f.name: getattr(cfg, f.name) for f in attrs.fields(type(cfg))}
+
+
+def _cli(capsys, *argv):
+    from plinth.cli import main
+
+    capsys.readouterr()
+    rc = main(["--plugins", "nemotron", *argv])
+    return rc, capsys.readouterr()
+
+
+def test_generate_with_image_equals_the_python_api(spec_text_model, vl_files, capsys):
+    from plinth.generate import Generator
+    from plinth_nemotron.vision import image_rows_for, load_vision_gguf
+
+    m = str(spec_text_model.path)
+    rc, got = _cli(capsys, "generate", "-m", m, "-n", "10", "--image", str(vl_files / "a.png"), "--mmproj",
+                   str(vl_files / "mmproj.gguf"), "describe")
+    assert rc == 0
+    tower = load_vision_gguf(vl_files / "mmproj.gguf")
+    rows = image_rows_for(spec_text_model, tower, vl_files / "a.png")
+    assert rows.shape[1] == 48
+    ids = spec_text_model.tokenizer.encode("describe", add_special=True)
+    want = Generator(spec_text_model, prefix_embeddings=rows).generate(ids, 10)
+    assert got.out == spec_text_model.tokenizer.decode(want) + "\n"
+    rc, plain = _cli(capsys, "generate", "-m", m, "-n", "10", "describe")
+    assert plain.out != got.out  # the image rows changed the continuation
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("corrupt", r"bad.jpg: not a readable image"),
+    ("too-big", r"the image needs at least 1024 rows .* more than the 511 positions the context leaves"),
+    ("no-mmproj", r"the vision tower of a Nemotron-H VL model is its own GGUF \(mmproj\); pass it with --mmproj"),
+    ("not-a-tower", r"not a Nemotron-H vision tower"),
+    ("with-spec", r"--image with --spec"),
+])
+def test_generate_image_errors_are_one_named_line(spec_text_model, vl_files, capsys, case, pattern):
+    import re
+
+    m = str(spec_text_model.path)
+    image, mmproj, extra = str(vl_files / "a.png"), ["--mmproj", str(vl_files / "mmproj.gguf")], []
+    if case == "corrupt":
+        image = str(vl_files / "bad.jpg")
+    elif case == "too-big":
+        image, mmproj = str(vl_files / "big.png"), ["--mmproj", str(vl_files / "big-mmproj.gguf")]
+    elif case == "no-mmproj":
+        mmproj = []
+    elif case == "not-a-tower":
+        mmproj = ["--mmproj", m]
+    elif case == "with-spec":
+        extra = ["--spec", "ngram"]
+    rc, got = _cli(capsys, "generate", "-m", m, "-n", "4", "--image", image, *mmproj, *extra, "hi")
+    assert rc != 0 and got.out == ""
+    lines = [x for x in got.err.splitlines() if x.startswith("plinth")]  # the rest is the load progress bar
+    assert len(lines) == 1 and re.search(pattern, lines[0]), got.err
+
+
+def test_image_on_a_text_only_architecture_is_refused(tmp_path, vl_files, capsys):
+    from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+
+    reg = make_registry("llama")
+    path = write_synthetic_gguf(tmp_path / "llama.gguf", "llama", {**tiny_metadata("llama", n_vocab=257),
+                                                                    **byte_vocab()}, reg)
+    from plinth.cli import main
+
+    capsys.readouterr()
+    rc = main(["--plugins", "llama", "generate", "-m", str(path), "-n", "4", "--image", str(vl_files / "a.png"),
+               "hi"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("plinth")]
+    assert rc != 0 and len(err) == 1 and "the architecture 'llama' is text-only in plinth; --image needs" in err[0]
