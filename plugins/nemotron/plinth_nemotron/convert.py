@@ -94,8 +94,13 @@ _MTP_RE = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 
 
 def normalise_name(name: str) -> str:
-    """HF tensor name -> prefix-free name with the router-bias spelling unified (``mtp.*`` keeps its prefix)."""
-    for prefix in ("backbone.", "model.", "language_model."):
+    """HF tensor name -> prefix-free name with the router-bias spelling unified (``mtp.*`` keeps its prefix).
+
+    A VL checkpoint nests the text model under ``language_model.`` (then ``backbone.`` or ``model.``).
+    """
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+    for prefix in ("backbone.", "model."):
         if name.startswith(prefix):
             name = name[len(prefix):]
             break
@@ -337,6 +342,12 @@ class NemotronHConverter:
     """``NemotronHForCausalLM`` folder -> ``nemotron_h`` / ``nemotron_h_moe`` GGUF."""
 
     hf_arch = "NemotronHForCausalLM"
+    #: options this converter reads besides outtype and mtp
+    extra_options: tuple[str, ...] = ()
+
+    def text_tensors(self, model_dir: str) -> Any:
+        """The safetensors of the text model (all of them here; a VL converter hides the vision tower's)."""
+        return SafetensorsDir(model_dir)
 
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
         """Write ``out_path``; returns (and prints to stderr) notes on what was left out.
@@ -346,14 +357,14 @@ class NemotronHConverter:
         """
         outtype = str(options.get("outtype", "f32")).lower()
         mtp_opt = str(options.get("mtp", "auto")).lower()
-        unknown = sorted(set(options) - {"outtype", "mtp"})
+        unknown = sorted(set(options) - {"outtype", "mtp", *self.extra_options})
         if unknown or outtype not in OUTTYPES or mtp_opt not in MTP_CHOICES:
             raise UserError(f"plinth-nemotron converter options: outtype in {', '.join(OUTTYPES)}, mtp in "
                             f"{', '.join(MTP_CHOICES)}; got {dict(options)}")
         source = str(Path(model_dir) / "config.json")
         config = read_config(model_dir)
         name = str(config.get("_name_or_path") or Path(model_dir).name)
-        st = SafetensorsDir(model_dir)
+        st = self.text_tensors(model_dir)
         has_mtp = bool(mtp_configs(config, source)[1]) and any(normalise_name(n).startswith("mtp.") for n in st.names())
         if mtp_opt in ("yes", "true", "1") and not has_mtp:
             raise UserError(f"{model_dir}: mtp=yes, but the checkpoint has no MTP head (num_nextn_predict_layers / "
@@ -406,5 +417,131 @@ class NemotronHPuzzleConverter(NemotronHConverter):
         return super().convert(model_dir, out_path, options)
 
 
-__all__ = ["NemotronHConverter", "NemotronHPuzzleConverter", "convert_tensors", "gguf_metadata",
+class _TextOnly:
+    """A :class:`SafetensorsDir` seen without the tensors whose names start with ``hidden``."""
+
+    def __init__(self, st: SafetensorsDir, hidden: tuple[str, ...]) -> None:
+        self._st, self._hidden, self.dir = st, hidden, st.dir
+
+    def names(self) -> list[str]:
+        return [n for n in self._st.names() if not n.startswith(self._hidden)]
+
+    def get(self, name: str, dtype: Any = np.float32) -> np.ndarray:
+        return self._st.get(name, dtype)
+
+
+# the vision tower and projector of a NemotronH_Omni checkpoint (release names, as save_pretrained writes them)
+_VISION_PREFIXES = ("vision_model.", "mlp1.", "vision_projector.", "audio_tower.", "sound_encoder.",
+                    "sound_projection.")
+_RADIO = "vision_model.radio_model.model."
+_RADIO_BLOCK = {"norm1.weight": "ln1.weight", "norm1.bias": "ln1.bias", "norm2.weight": "ln2.weight",
+                "norm2.bias": "ln2.bias", "attn.proj.weight": "attn_out.weight", "attn.proj.bias": "attn_out.bias",
+                "mlp.fc1.weight": "ffn_up.weight", "mlp.fc1.bias": "ffn_up.bias", "mlp.fc2.weight": "ffn_down.weight",
+                "mlp.fc2.bias": "ffn_down.bias", "layer_scale1.lambda1": "ls1", "layer_scale2.lambda1": "ls2"}
+
+
+def vision_config(config: Mapping[str, Any], source: str) -> Any:
+    """The :class:`~plinth_nemotron.vision.VisionConfig` of a NemotronH_Omni config (refusing what is not run)."""
+    from .vision import VisionConfig
+
+    v = dict(config.get("vision_config") or {})
+    if not v:
+        raise UserError(f"{source}: no vision_config")
+    for key, want in (("hidden_act", "gelu"), ("use_swiglu_ffn", False), ("qkv_bias", True), ("num_channels", 3)):
+        if v.get(key, want) != want:
+            raise UserError(f"{source}: vision_config.{key} = {v.get(key)!r}; plinth-nemotron's RADIO tower runs "
+                            f"{want!r} only")
+    ratio = float(config.get("downsample_ratio", 0.5))
+    if ratio != 0.5:
+        raise UserError(f"{source}: downsample_ratio = {ratio}; plinth-nemotron's pixel shuffle merges 2x2 (0.5) only")
+    text = _text_config(config)
+    d = int(v.get("hidden_size", 1280))
+    ps = int(v.get("patch_size", 16))
+    return VisionConfig(
+        n_embd=d, n_layer=int(v.get("num_hidden_layers", 32)), n_head=int(v.get("num_attention_heads", 16)),
+        n_ff=int(d * float(v.get("mlp_ratio", 4.0))), patch_size=ps,
+        n_prefix=int(v.get("num_cls_tokens", 3)) + int(v.get("num_registers", 7)),
+        max_grid=int(v.get("max_img_size", 2048)) // ps, text_n_embd=int(text["hidden_size"]),
+        projector_n_ff=int(config.get("projector_hidden_size", 4096)), eps=float(v.get("layer_norm_eps", 1e-6)),
+        downsample_ratio=ratio, final_norm=int(text.get("num_nextn_predict_layers") or 0) > 0,
+        image_mean=tuple(float(x) for x in v.get("norm_mean", (0.48145466, 0.4578275, 0.40821073))),
+        image_std=tuple(float(x) for x in v.get("norm_std", (0.26862954, 0.26130258, 0.27577711))),
+        video=v.get("video_temporal_patch_size") is not None)
+
+
+def vision_tensors(st: SafetensorsDir, cfg: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The tower's and projector's tensors under :mod:`plinth_nemotron.vision` names, and notes."""
+    out: dict[str, np.ndarray] = {}
+    notes = []
+    d = cfg.n_embd
+    for hf in st.names():
+        if not hf.startswith(_VISION_PREFIXES):
+            continue
+        if hf.startswith(("audio_tower.", "sound_")):
+            notes.append(f"dropped the audio tower ({hf.split('.')[0]}.*): plinth-nemotron takes images only")
+            continue
+        name = hf[len(_RADIO):] if hf.startswith(_RADIO) else hf
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", name)
+        if m is not None:
+            b, rest = f"v.blk.{int(m.group(1))}.", m.group(2)
+            if rest in ("attn.qkv.weight", "attn.qkv.bias"):
+                t = st.get(hf)
+                for i, part in enumerate(("attn_q", "attn_k", "attn_v")):
+                    out[b + part + (".weight" if rest.endswith("weight") else ".bias")] = t[i * d:(i + 1) * d]
+                continue
+            if rest in _RADIO_BLOCK:
+                out[b + _RADIO_BLOCK[rest]] = st.get(hf)
+                continue
+        simple = {"patch_generator.embedder.weight": "v.patch_embd.weight",
+                  "patch_generator.cls_token.token": "v.cls_embd.weight",
+                  "vision_projector.vision_final_layernorm.weight": "v.post_ln.weight",
+                  "vision_projector.vision_final_layernorm.bias": "v.post_ln.bias",
+                  "mlp1.0.weight": "mm.norm.weight", "mlp1.1.weight": "mm.1.weight", "mlp1.3.weight": "mm.2.weight"}
+        if name in simple:
+            out[simple[name]] = st.get(hf)
+        elif name == "patch_generator.pos_embed":
+            out["v.position_embd.weight"] = st.get(hf).reshape(-1, d)
+        elif name in ("patch_generator.video_embedder.weight", "vision_model.radio_model.summary_idxs"):
+            if "video" in name:
+                notes.append("the tower's video patch projection is not exported: plinth-nemotron takes images "
+                             "only (video input is refused)")
+        else:
+            raise UserError(f"{st.dir}: vision tensor {hf!r} has no GGUF name in plinth-nemotron's mapping")
+    if not cfg.final_norm:
+        out.pop("v.post_ln.weight", None)
+        out.pop("v.post_ln.bias", None)
+    return out, sorted(set(notes))
+
+
+class NemotronHOmniConverter(NemotronHConverter):
+    """``NemotronH_Omni_Reasoning_V3`` (Nemotron-H VL) folder -> the text GGUF plus the vision tower's own GGUF.
+
+    The tower goes to its own file (llama.cpp's mmproj convention; option ``mmproj=PATH``, default
+    ``<out>.mmproj.gguf`` beside the text file): the text file stays an ordinary ``nemotron_h(_moe)``
+    file that every text tool reads, and one tower can serve several quantisations of the text model.
+    """
+
+    hf_arch = "NemotronH_Omni_Reasoning_V3"
+    extra_options = ("mmproj",)
+
+    def text_tensors(self, model_dir: str) -> Any:
+        return _TextOnly(SafetensorsDir(model_dir), _VISION_PREFIXES)
+
+    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
+        from .vision import save_vision_gguf
+
+        source = str(Path(model_dir) / "config.json")
+        config = read_config(model_dir)
+        cfg = vision_config(config, source)
+        notes = super().convert(model_dir, out_path, options)
+        weights, vnotes = vision_tensors(SafetensorsDir(model_dir), cfg)
+        mmproj = Path(options.get("mmproj") or Path(out_path).with_suffix(".mmproj.gguf"))
+        save_vision_gguf(mmproj, cfg, weights)
+        vnotes.append(f"wrote the vision tower to {mmproj} (use it with --mmproj)")
+        for note in vnotes:
+            print(f"plinth-nemotron: {note}", file=sys.stderr)
+        return notes + vnotes
+
+
+__all__ = ["NemotronHConverter", "NemotronHOmniConverter", "NemotronHPuzzleConverter", "convert_tensors", "gguf_metadata",
            "layer_configs", "mtp_configs", "normalise_name"]

@@ -14,7 +14,9 @@ plugin = ManifestPlugin(
         converters={
             "NemotronHForCausalLM": "plinth_nemotron.convert:NemotronHConverter",
             "NemotronHPuzzleForCausalLM": "plinth_nemotron.convert:NemotronHPuzzleConverter",
+            "NemotronH_Omni_Reasoning_V3": "plinth_nemotron.convert:NemotronHOmniConverter",
         },
-        description="Nemotron-H hybrids (Mamba-2 + attention + MLP/MoE), LatentMoE, Puzzle per-layer experts, MTP drafter",
+        description="Nemotron-H hybrids (Mamba-2 + attention + MLP/MoE), LatentMoE, Puzzle per-layer experts, "
+                    "MTP drafter, VL image input",
     )
 )

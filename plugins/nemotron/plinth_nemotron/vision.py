@@ -140,6 +140,10 @@ def load_image(path: str | Path) -> np.ndarray:
         raise UserError("image input needs Pillow: pip install pillow") from exc
     try:
         with Image.open(path) as im:
+            frames = int(getattr(im, "n_frames", 1))
+            if frames > 1:
+                raise UserError(f"{path}: an image with {frames} frames; video input is not supported by "
+                                "plinth-nemotron (images only)")
             im.load()
             rgb = im.convert("RGB")
     except FileNotFoundError:

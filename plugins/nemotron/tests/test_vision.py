@@ -373,3 +373,37 @@ def test_image_on_a_text_only_architecture_is_refused(tmp_path, vl_files, capsys
                "hi"])
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("plinth")]
     assert rc != 0 and len(err) == 1 and "the architecture 'llama' is text-only in plinth; --image needs" in err[0]
+
+
+def test_video_frames_are_refused(tmp_path):
+    from PIL import Image
+
+    frames = [Image.fromarray(np.full((8, 8, 3), i * 60, np.uint8)) for i in range(3)]
+    frames[0].save(tmp_path / "clip.gif", save_all=True, append_images=frames[1:])
+    with pytest.raises(UserError, match="clip.gif: an image with 3 frames; video input is not supported"):
+        load_image(tmp_path / "clip.gif")
+
+
+@pytest.mark.ref
+def test_checkpoint_saved_by_transformers_converts_to_text_and_mmproj(reference, tmp_path):
+    """save_pretrained's release names (language_model.backbone.*, vision_model.radio_model.*, mlp1.*) -> two GGUFs."""
+    from plinth.convert import convert
+    from plinth.model import load_model
+    from plinth_nemotron.vision import load_vision_gguf
+
+    torch, model, _, _ = reference
+    model.save_pretrained(tmp_path / "saved")
+    reg = golden.registry()
+    convert(tmp_path / "saved", tmp_path / "vl.gguf", registry=reg)
+    tower = load_vision_gguf(tmp_path / "vl.mmproj.gguf")
+    text = load_model(tmp_path / "vl.gguf", registry=reg)
+    patches, image = _image(torch, (6, 10))
+    with torch.no_grad():
+        ref = model.get_image_features(patches, torch.tensor([[6, 10]])).pooler_output[0].numpy()
+        ids = [5, 17] + [100] * 15 + [9, 42]
+        ref_logits = model(input_ids=torch.tensor([ids]), pixel_values=patches,
+                           image_grid_hw=torch.tensor([[6, 10]]), use_cache=False).logits[0, -1].numpy()
+    rows = tower.embed(image)
+    assert float(np.abs(rows - ref).max()) <= 1e-4
+    out = text.new_context().forward(image_prompt([5, 17], rows, [9, 42], n_ctx=text.n_ctx))
+    assert float(np.abs(text.backend.to_numpy(out.logits)[-1] - ref_logits).max()) <= 1e-4
