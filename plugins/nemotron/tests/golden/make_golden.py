@@ -79,6 +79,25 @@ CASES: dict[str, dict[str, Any]] = {
                                    {"block_type": "mamba"},
                                    {"block_type": "moe", "num_experts_per_tok": 1, "moe_intermediate_size": 16},
                                ])),
+    # Bolt-style heterogeneous MoE: per-layer top-k, expert width, LatentMoE width, shared width and KV heads,
+    # a dense MLP layer among the MoE layers, and an MTP head (attention + MoE with its own top-k)
+    "bolt": dict(seed=306, prompt_seed=406, arch="nemotron_h_moe",
+                 config=dict(_COMMON, **_MOE, architectures=["NemotronHPuzzleForCausalLM"],
+                             model_type="nemotron_h_puzzle", num_nextn_predict_layers=1, block_configs=[
+                                 {"block_type": "mamba"},
+                                 {"block_type": "moe", "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+                                  "moe_latent_size": 24},
+                                 {"block_type": "attention", "num_key_value_heads": 4},
+                                 {"block_type": "mlp", "intermediate_size": 80},
+                                 {"block_type": "moe", "num_experts_per_tok": 1, "moe_intermediate_size": 40,
+                                  "moe_latent_size": 32, "moe_shared_expert_intermediate_size": 24},
+                                 {"block_type": "mamba"},
+                                 {"block_type": "attention", "num_key_value_heads": 1},
+                                 {"block_type": "moe", "num_experts_per_tok": 5, "moe_intermediate_size": 16},
+                             ], mtp_block_configs=[
+                                 {"block_type": "attention"},
+                                 {"block_type": "moe", "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+                             ])),
 }
 
 
@@ -228,7 +247,8 @@ def prompts(case: str) -> list[list[int]]:
 def _hf_config(config: dict[str, Any]) -> Any:
     from transformers import NemotronHConfig
 
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "block_configs", "model_type")}
+    fields = {k: v for k, v in config.items()
+              if k not in ("architectures", "block_configs", "model_type", "mtp_block_configs")}
     cfg = NemotronHConfig(**fields)
     cfg._attn_implementation = "eager"
     return cfg
@@ -244,7 +264,8 @@ class PuzzleReference:
 
         _, per, kinds = layer_configs(config, "golden")
         types = ["linear_attention" if k == "mamba" else "full_attention" if k == "attention" else k for k in kinds]
-        base = {k: v for k, v in config.items() if k not in ("architectures", "block_configs", "model_type")}
+        base = {k: v for k, v in config.items()
+                if k not in ("architectures", "block_configs", "model_type", "mtp_block_configs")}
         t = {k: torch.from_numpy(v) for k, v in state.items()}
         self.embed = t["backbone.embeddings.weight"]
         self.blocks = []
