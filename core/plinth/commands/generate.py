@@ -125,15 +125,14 @@ def image_rows(args: argparse.Namespace, model: Any) -> Any:
 
 def make_generator(args: argparse.Namespace, model: Any) -> Any:
     """A plain or speculative generator from the parsed options."""
+    from ..errors import UserError
     from ..generate import Generator
 
     sampler = _sampler(args)
     names = _spec_names(args)
-    from ..errors import UserError
-
-    rows = image_rows(args, model)
-    if rows is not None and names:
+    if getattr(args, "image", None) is not None and names:
         raise UserError("--image with --spec: speculative decoding of a prompt with image rows is not supported yet")
+    rows = image_rows(args, model)
     if not names:
         return Generator(model, sampler, prefix_embeddings=rows)
     from ..speculative.engine import SpecConfig, SpeculativeGenerator
