@@ -213,3 +213,23 @@ def test_draft_formats_route_describe_to_the_plugin_that_recognises_the_file(plu
     with pytest.raises(PluginConflictError, match="claimed by more than one plugin: mine and greedy"):
         reg.describe_draft("dr", {}, shapes, "f.gguf")
     assert reg.check_manifests() == []
+
+
+def test_draft_head_drafter_declared_by_several_architecture_plugins_is_routed_by_target(plugin_dir):
+    """Two plugins each ship an ``mtp`` drafter for their own architectures' draft heads: no conflict;
+    the target's architecture picks the plugin. A drafter-only clash stays a conflict."""
+    import types
+
+    eps = [write_plugin(plugin_dir, "tp_ha", "ha", archs=("arch_a",), drafters=("mtp",)),
+           write_plugin(plugin_dir, "tp_hb", "hb", archs=("arch_b",), drafters=("mtp",))]
+    reg = discover(entry_points=eps, plugins=None, disable=(), strict=True)
+    assert reg.conflicts() == {}
+    for arch, module in (("arch_a", "tp_ha"), ("arch_b", "tp_hb")):
+        drafter = reg.make_drafter("mtp", types.SimpleNamespace(arch=arch), {"n_max": 2})
+        assert type(drafter).__module__ == module
+    with pytest.raises(PluginError, match="'mtp' is provided by ha and hb, each for its own architectures; none "
+                                          "of them provides the target's architecture 'other'"):
+        reg.make_drafter("mtp", types.SimpleNamespace(arch="other"), {})
+    eps = [write_plugin(plugin_dir, "tp_da", "da", archs=(), drafters=("same_d",)),
+           write_plugin(plugin_dir, "tp_db", "db", archs=(), drafters=("same_d",))]
+    assert ("drafters", "same_d") in discover(entry_points=eps, plugins=None, disable=()).conflicts()

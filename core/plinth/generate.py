@@ -89,21 +89,30 @@ class Generator:
     strings — is shared.
     """
 
-    def __init__(self, model: Any, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: Any, sampler: Sampler | None = None, prefix_embeddings: Any = None) -> None:
+        """``prefix_embeddings``: [n, n_embd] rows (an image's, from the architecture's image encoder)
+        run before the prompt tokens, at positions 0..n-1, as embedding rows of the batch."""
         self.model = model
         self.tokenizer = model.tokenizer
         self.sampler = sampler or Sampler(SamplerConfig(temperature=0.0))
         self.stats = GenerationStats()
         self.tokens_out: list[int] = []
+        self.prefix_embeddings = prefix_embeddings
+
+    @property
+    def n_prefix(self) -> int:
+        rows = getattr(self, "prefix_embeddings", None)
+        return 0 if rows is None else int(rows.shape[0])
 
     def _check_prompt(self, prompt_ids: Sequence[int], max_tokens: int) -> tuple[list[int], int]:
         prompt_ids = list(prompt_ids)
         if not prompt_ids:
             raise UserError("the prompt is empty after tokenization")
-        n_ctx = self.model.n_ctx
-        if len(prompt_ids) >= n_ctx:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; the context holds {n_ctx}")
-        return prompt_ids, min(max_tokens, n_ctx - len(prompt_ids))
+        n_ctx, n_pre = self.model.n_ctx, self.n_prefix
+        if len(prompt_ids) + n_pre >= n_ctx:
+            rows = f" and {n_pre} image rows" if n_pre else ""
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens{rows}; the context holds {n_ctx}")
+        return prompt_ids, min(max_tokens, n_ctx - len(prompt_ids) - n_pre)
 
     def _new_stats(self, n_prompt: int) -> GenerationStats:
         return GenerationStats(n_prompt=n_prompt)
@@ -124,6 +133,10 @@ class Generator:
     def _plain_loop(self, ctx: Any, prompt_ids: list[int], history: list[int], max_tokens: int,
                     t0: float) -> Iterator[int]:
         model, stats = self.model, self.stats
+        if self.n_prefix:
+            from .context import Batch
+
+            ctx.forward(Batch.from_embeddings(self.prefix_embeddings, output="none"))
         out = ctx.decode(prompt_ids)
         stats.prompt_s = time.perf_counter() - t0
         while True:
@@ -152,8 +165,8 @@ class Generator:
         history.append(token)
         stats.n_generated += 1
         if stats.n_generated >= max_tokens:
-            stats.stop_reason = "max tokens" if stats.n_prompt + stats.n_generated < self.model.n_ctx \
-                else "context full"
+            used = stats.n_prompt + self.n_prefix + stats.n_generated
+            stats.stop_reason = "max tokens" if used < self.model.n_ctx else "context full"
             return True
         return False
 

@@ -263,12 +263,39 @@ class PluginRegistry:
     # ------------------------------------------------------------------ routing
 
     def conflicts(self) -> dict[tuple[str, str], list[str]]:
-        """(kind, name) -> plugins declaring it, where more than one does and none is preferred."""
+        """(kind, name) -> plugins declaring it, where more than one does and none is preferred.
+
+        A drafter name declared by several plugins that each provide architectures of their own
+        (a draft head shipped in target files, such as ``mtp``) is no conflict: it is routed by
+        the target's architecture (see :meth:`drafter_owner`).
+        """
         out = {}
         for key, owners in self._owners.items():
             if len(owners) > 1 and not any(p in owners for p in self.prefer):
+                if key[0] == "drafters" and self._arch_scoped(owners):
+                    continue
                 out[key] = list(owners)
         return out
+
+    def _arch_scoped(self, owners: Sequence[str]) -> bool:
+        """Every owner provides architectures, and no architecture twice."""
+        archs = [set(n for (k, n), o in self._owners.items() if k == "architectures" and p in o) for p in owners]
+        return all(archs) and sum(len(a) for a in archs) == len(set().union(*archs))
+
+    def drafter_owner(self, name: str, arch: str | None) -> str:
+        """The plugin serving drafter ``name`` for a target of architecture ``arch``.
+
+        When several plugins declare ``name`` (and none is preferred), the one that also provides
+        ``arch`` serves it: each ships the drafter for its own architectures' draft heads.
+        """
+        owners = self._owners.get(("drafters", name), [])
+        if len(owners) > 1 and not any(p in owners for p in self.prefer) and self._arch_scoped(owners):
+            mine = [p for p in owners if p in self._owners.get(("architectures", str(arch)), [])]
+            if len(mine) == 1:
+                return mine[0]
+            raise PluginError(f"the drafter '{name}' is provided by {' and '.join(owners)}, each for its own "
+                              f"architectures; none of them provides the target's architecture '{arch}'")
+        return self.owner("drafters", name)
 
     def names(self, kind: str) -> list[str]:
         """All names of one kind (``"architectures"``, ``"drafters"``...) that loaded plugins provide."""
@@ -307,7 +334,8 @@ class PluginRegistry:
             return f"'{name}'"
         return _label(name, rec.distribution, rec.version)
 
-    def _guarded(self, kind: str, key: str, step: str, fn: Any, source: str | None = None) -> Any:
+    def _guarded(self, kind: str, key: str, step: str, fn: Any, source: str | None = None,
+                 owner: str | None = None) -> Any:
         """``fn()``; an exception from plugin code is re-raised naming the plugin, its version and ``step``."""
         try:
             return fn()
@@ -315,15 +343,16 @@ class PluginRegistry:
             raise
         except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
             where = f"{source}: " if source else ""
-            raise _hook_error(f"{where}plugin {self.describe(self.owner(kind, key))} failed in {step} for the "
+            raise _hook_error(f"{where}plugin {self.describe(owner or self.owner(kind, key))} failed in {step} for the "
                               f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
 
-    def _call(self, kind: str, key: str, hook: str, *, where: str | None = None, **kwargs: Any) -> Any:
+    def _call(self, kind: str, key: str, hook: str, *, where: str | None = None, owner: str | None = None,
+              **kwargs: Any) -> Any:
         """Call ``hook`` on the one plugin that declares ``key``; ``where`` (a file) starts any error."""
-        owner = self.owner(kind, key)
+        owner = owner or self.owner(kind, key)
         others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
         caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
-        result = self._guarded(kind, key, hook, lambda: caller(**kwargs), where)
+        result = self._guarded(kind, key, hook, lambda: caller(**kwargs), where, owner)
         if result is None:
             raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
@@ -353,7 +382,9 @@ class PluginRegistry:
                              lambda: self.architecture(arch).build(hparams, weights, backend))
 
     def make_drafter(self, name: str, target: Any, options: Mapping[str, Any] | None = None) -> Any:
-        return self._call("drafters", name, "plinth_make_drafter", name=name, target=target, options=dict(options or {}))
+        owner = self.drafter_owner(name, getattr(target, "arch", None))
+        return self._call("drafters", name, "plinth_make_drafter", owner=owner, name=name, target=target,
+                          options=dict(options or {}))
 
     def make_verifier(self, name: str, options: Mapping[str, Any] | None = None) -> Any:
         return self._call("verifiers", name, "plinth_make_verifier", name=name, options=dict(options or {}))

@@ -15,6 +15,12 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--outfile", required=True, help="the GGUF file to write")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a converter option (repeatable; see the plugin's docs)")
+    mtp = p.add_mutually_exclusive_group()
+    mtp.add_argument("--mtp", dest="mtp", action="store_const", const="yes", default=None,
+                     help="export the checkpoint's MTP (next-token-prediction) head; an error when it has none "
+                     "(the converter option mtp=yes)")
+    mtp.add_argument("--no-mtp", dest="mtp", action="store_const", const="no",
+                     help="leave the MTP head out (mtp=no); converters that support it export it when present")
     p.set_defaults(func=run_convert)
 
 
@@ -28,6 +34,10 @@ def run_convert(args: argparse.Namespace) -> int:
             raise UserError(f"--option expects KEY=VALUE, got {item!r}")
         k, v = item.split("=", 1)
         options[k] = v
+    if args.mtp is not None:
+        if options.get("mtp", args.mtp) != args.mtp:
+            raise UserError(f"--{'no-' if args.mtp == 'no' else ''}mtp contradicts --option mtp={options['mtp']}")
+        options["mtp"] = args.mtp
     out = convert(args.model_dir, args.outfile, registry=args.registry, options=options)
     print(out)
     return 0

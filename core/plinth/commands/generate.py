@@ -106,19 +106,45 @@ def clean_text(text: str, what: str) -> str:
 def _spec_names(args: argparse.Namespace) -> list[str]:
     """The --spec drafter names, each checked against the registry before any model is loaded."""
     names = [n.strip() for n in (getattr(args, "spec", None) or "").split(",") if n.strip()]
+    reg = args.registry
     for n in names:
-        args.registry.owner("drafters", n)  # an unknown name raises, listing the available drafters
+        if n not in reg.names("drafters") or ("drafters", n) in reg.conflicts():
+            reg.owner("drafters", n)  # an unknown or ambiguous name raises, listing the available drafters
     return names
+
+
+def image_rows(args: argparse.Namespace, model: Any) -> Any:
+    """The embedding rows of ``--image`` (None without it), from the architecture's image encoder.
+
+    A graph that takes images has ``image_encoder(mmproj)`` returning ``encode(path, max_rows) -> [n, n_embd]``
+    (``mmproj``: the ``--mmproj`` file holding the vision tower, or None); any other model is refused.
+    """
+    from ..errors import UserError
+
+    path = getattr(args, "image", None)
+    if path is None:
+        if getattr(args, "mmproj", None):
+            raise UserError("--mmproj without --image: give the image to read")
+        return None
+    encoder = getattr(model.graph, "image_encoder", None)
+    if encoder is None:
+        raise UserError(f"{model.path}: the architecture '{model.arch}' is text-only in plinth; --image needs a "
+                        "model whose plugin has an image encoder")
+    return encoder(getattr(args, "mmproj", None))(path, max(1, model.n_ctx - 1))
 
 
 def make_generator(args: argparse.Namespace, model: Any) -> Any:
     """A plain or speculative generator from the parsed options."""
+    from ..errors import UserError
     from ..generate import Generator
 
     sampler = _sampler(args)
     names = _spec_names(args)
+    if getattr(args, "image", None) is not None and names:
+        raise UserError("--image with --spec: speculative decoding of a prompt with image rows is not supported yet")
+    rows = image_rows(args, model)
     if not names:
-        return Generator(model, sampler)
+        return Generator(model, sampler, prefix_embeddings=rows)
     from ..speculative.engine import SpecConfig, SpeculativeGenerator
 
     options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min,
@@ -144,6 +170,11 @@ def register(sub: Any) -> None:
                    help="stop when this string appears (repeatable)")
     p.add_argument("--stats", action="store_true", help="print load time, tokens/s and timing split to stderr")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    p.add_argument("--image", default=None, metavar="FILE",
+                   help="an image (PNG, JPEG... read with Pillow) placed before the prompt, for models with an "
+                   "image encoder")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the vision tower's own GGUF, for models that keep it apart (llama.cpp's mmproj convention)")
     _threads_arg(p)
     _sampling_args(p)
     _spec_args(p)

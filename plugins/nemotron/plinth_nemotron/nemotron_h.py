@@ -22,7 +22,7 @@ Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -30,7 +30,7 @@ import numpy as np
 from plinth import ops
 from plinth.errors import UserError
 from plinth.graph import (KV, Architecture, BaseGraph, Batch, Cache, HParamsError, KeyReader, PerLayer, Recurrent,
-                          Step, TensorSpec, attend)
+                          Step, TensorSpec, attend, seq_groups)
 from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
@@ -46,7 +46,7 @@ SSM_CHUNK = 64
 class NemotronHParams:
     arch: str
     model_type: str  # llama.cpp's size label ("120B.A12B", "75B.A9B", ..., "?B")
-    pattern: str  # one char per layer: M mamba, * attention, - MLP, E MoE
+    pattern: str  # one char per trunk layer: M mamba, * attention, - MLP, E MoE
     n_vocab: int
     n_embd: int
     n_layer: int
@@ -75,6 +75,13 @@ class NemotronHParams:
     ssm_d_state: int
     ssm_n_head: int
     ssm_n_group: int
+    # the MTP head: blocks appended after the trunk (blk.{n_layer}..), "" when the file has none
+    mtp_pattern: str = ""
+
+    @property
+    def n_nextn(self) -> int:
+        """Number of MTP sub-blocks after the trunk (``nextn_predict_layers``; 0 or 2)."""
+        return len(self.mtp_pattern)
 
     @property
     def ssm_head_dim(self) -> int:
@@ -85,13 +92,14 @@ class NemotronHParams:
         return self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state
 
     def _layer(self, il: int, what: str) -> int:
-        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer:
-            raise IndexError(f"{what}({il}): layer out of range (n_layer = {self.n_layer})")
+        if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer + self.n_nextn:
+            extra = f" + {self.n_nextn} MTP blocks" if self.n_nextn else ""
+            raise IndexError(f"{what}({il}): layer out of range (n_layer = {self.n_layer}{extra})")
         return int(il)
 
     def kind(self, il: int) -> str:
-        """The mixer of layer ``il``: "mamba", "attention", "mlp" or "moe"."""
-        return KIND_OF_CHAR[self.pattern[self._layer(il, "kind")]]
+        """The mixer of layer ``il`` (trunk or MTP block): "mamba", "attention", "mlp" or "moe"."""
+        return KIND_OF_CHAR[(self.pattern + self.mtp_pattern)[self._layer(il, "kind")]]
 
     def is_recurrent(self, il: int) -> bool:
         return self.kind(il) == MAMBA
@@ -109,13 +117,16 @@ class NemotronHParams:
         return int(self.moe_latent[il]) or self.n_embd
 
 
-def model_type(arch: str, n_layer: int, n_expert_used: PerLayer) -> str:
-    """llama.cpp's size label: the per-layer top-k array alone tells Puzzle from Super 3."""
+def model_type(arch: str, n_layer: int, n_expert_used: Sequence[int]) -> str:
+    """llama.cpp's size label from the trunk: the per-layer top-k array alone tells Puzzle from Super 3.
+
+    n_expert_used: the trunk layers' top-k (MTP blocks excluded).
+    """
     if arch == "nemotron_h_moe":
         if n_layer == 52:
             return "31B.A3.5B"
         if n_layer == 88:
-            return "120B.A12B" if n_expert_used.uniform else "75B.A9B"
+            return "120B.A12B" if len(set(n_expert_used)) <= 1 else "75B.A9B"
     if n_layer == 56:
         return "9B"
     return "?B"
@@ -124,7 +135,13 @@ def model_type(arch: str, n_layer: int, n_expert_used: PerLayer) -> str:
 def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> NemotronHParams:
     r = KeyReader(metadata, source, arch)
     n_embd = r.get("embedding_length")
-    n_layer = r.get("block_count")
+    # as in llama.cpp, block_count counts the MTP blocks too; per-layer arrays cover all of them
+    n_all = r.get("block_count")
+    n_nextn = r.get("nextn_predict_layers", required=False, default=0)
+    if not 0 <= n_nextn < n_all:
+        raise HParamsError(f"{source}: key '{r.key('nextn_predict_layers')}' = {n_nextn} must lie in "
+                           f"0..{n_all - 1} ('{r.key('block_count')}' = {n_all} counts the MTP blocks too)")
+    n_layer = n_all - n_nextn
     ssm = dict(
         ssm_d_conv=r.get("ssm.conv_kernel"),
         ssm_d_inner=r.get("ssm.inner_size"),
@@ -133,25 +150,25 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         ssm_n_group=r.get("ssm.group_count"),
     )
     norm_eps = r.get("attention.layer_norm_rms_epsilon", float)
-    n_head = r.get_key_or_arr("attention.head_count", n_layer, required=False, default=0)
+    n_head = r.get_key_or_arr("attention.head_count", n_all, required=False, default=0)
     # as in llama.cpp, head_count_kv defaults to head_count (then no layer is recurrent)
-    n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_layer, required=False, default=None)
+    n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_all, required=False, default=None)
     if n_head_kv[0] is None:
         n_head_kv = PerLayer(list(n_head), r.key("attention.head_count_kv"))
-    n_ff = r.get_key_or_arr("feed_forward_length", n_layer, required=False, default=0)
+    n_ff = r.get_key_or_arr("feed_forward_length", n_all, required=False, default=0)
 
     n_expert = r.get("expert_count", required=False, default=0)
     # the central llama.cpp loader reads expert_used_count over every layer; optional unless experts exist
-    n_used = r.get_key_or_arr("expert_used_count", n_layer, required=n_expert > 0, default=0)
-    ff_exp_raw = r.get_key_or_arr("expert_feed_forward_length", n_layer, required=False, default=0)
-    n_ff_shexp = r.get_key_or_arr("expert_shared_feed_forward_length", n_layer, required=False, default=0)
-    latent = r.get_key_or_arr("moe_latent_size", n_layer, required=False, default=0)
+    n_used = r.get_key_or_arr("expert_used_count", n_all, required=n_expert > 0, default=0)
+    ff_exp_raw = r.get_key_or_arr("expert_feed_forward_length", n_all, required=False, default=0)
+    n_ff_shexp = r.get_key_or_arr("expert_shared_feed_forward_length", n_all, required=False, default=0)
+    latent = r.get_key_or_arr("moe_latent_size", n_all, required=False, default=0)
     if n_expert and max(n_used) > n_expert:
         raise HParamsError(f"{source}: key '{r.key('expert_used_count')}' has a layer using {max(n_used)} "
                            f"experts, more than '{r.key('expert_count')}' = {n_expert}")
 
     pattern = []
-    for il in range(n_layer):
+    for il in range(n_all):
         if n_ff[il] == 0:
             pattern.append("M" if n_head_kv[il] == 0 else "*")
         elif n_expert > 0 and n_used[il] > 0:
@@ -159,7 +176,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         else:
             pattern.append("-")
     ff_exp = []
-    for il in range(n_layer):
+    for il in range(n_all):
         if pattern[il] != "E":
             ff_exp.append(0)
         elif ff_exp_raw[il]:
@@ -171,7 +188,11 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
             raise HParamsError(f"{source}: layer {il} is an attention layer (head_count_kv > 0) but key "
                                f"'{r.key('attention.head_count')}' gives it 0 heads")
 
-    attn_heads = [n_head[il] for il in range(n_layer) if pattern[il] == "*"]
+    mtp_pattern = "".join(pattern[n_layer:])
+    if n_nextn and mtp_pattern != "*E":
+        raise HParamsError(f"{source}: the {n_nextn} MTP block(s) after layer {n_layer - 1} have the pattern "
+                           f"{mtp_pattern!r}; a Nemotron-H MTP head is one attention block then one MoE block ('*E')")
+    attn_heads = [n_head[il] for il in range(n_all) if pattern[il] == "*"]
     default_hd = n_embd // attn_heads[0] if attn_heads else 0
     head_dim = r.get("attention.key_length", required=False, default=default_hd)
     scale = r.get("attention.scale", float, required=False, default=0.0)
@@ -185,8 +206,9 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
                            f"split into '{r.key('ssm.group_count')}' = {ssm['ssm_n_group']} groups")
     return NemotronHParams(
         arch=arch,
-        model_type=model_type(arch, n_layer, n_used),
-        pattern="".join(pattern),
+        model_type=model_type(arch, n_layer, n_used[:n_layer]),
+        pattern="".join(pattern[:n_layer]),
+        mtp_pattern=mtp_pattern,
         n_vocab=n_vocab,
         n_embd=n_embd,
         n_layer=n_layer,
@@ -222,9 +244,15 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
         TensorSpec("output.weight", (v, e), required=False),  # absent: tied to token_embd
     ]
     d_in_proj = 2 * hp.ssm_d_inner + 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_n_head
-    for il in range(hp.n_layer):
+    for il in range(hp.n_layer + hp.n_nextn):
         b = f"blk.{il}."
         specs.append(TensorSpec(b + "attn_norm.weight", (e,)))
+        if hp.n_nextn and il == hp.n_layer:  # the MTP head's input: eh_proj([enorm(embed); hnorm(h)])
+            specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e)),
+                      TensorSpec(b + "nextn.enorm.weight", (e,)),
+                      TensorSpec(b + "nextn.hnorm.weight", (e,))]
+        if hp.n_nextn and il == hp.n_layer + hp.n_nextn - 1:  # the MTP head's final norm
+            specs.append(TensorSpec(b + "nextn.shared_head_norm.weight", (e,)))
         kind = hp.kind(il)
         if kind == MAMBA:
             cd, h = hp.ssm_conv_dim, hp.ssm_n_head
@@ -339,8 +367,10 @@ class NemotronHGraph(BaseGraph):
         y = gated_group_rms_norm(y, z, norm_w, g, hp.norm_eps)
         return ops.linear(y, w[b + "ssm_out.weight"], w.get(b + "ssm_out.bias"))
 
-    def attention(self, il: int, x: Any, step: Step) -> Any:
-        """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed)."""
+    def attention(self, il: int, x: Any, step: Step, slot: int | None = None) -> Any:
+        """GQA self-attention of layer ``il`` (no positional encoding). x: [n_rows, n_embd] (normed).
+
+        slot: the cache layer holding its K/V (default ``il``; the MTP head keeps its own cache)."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = x.shape[0]
         q = ops.linear(x, w[b + "attn_q.weight"], w.get(b + "attn_q.bias")).reshape(n, hp.n_head[il], hp.head_dim)
@@ -348,7 +378,7 @@ class NemotronHGraph(BaseGraph):
                                                                                     hp.head_dim)
         v = ops.linear(x, w[b + "attn_v.weight"], w.get(b + "attn_v.bias")).reshape(n, hp.n_head_kv[il],
                                                                                     hp.head_dim_v)
-        out = attend(il, q, k, v, step, scale=hp.attn_scale)
+        out = attend(il if slot is None else slot, q, k, v, step, scale=hp.attn_scale)
         return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"], w.get(b + "attn_output.bias"))
 
     def mlp(self, il: int, x: Any, step: Step | None = None) -> Any:
@@ -373,6 +403,61 @@ class NemotronHGraph(BaseGraph):
             y = y + ops.relu2_mlp(x, w[b + "ffn_up_shexp.weight"], w[b + "ffn_down_shexp.weight"])
         return y
 
+    # -------------------------------------------------------------- image input (VL models)
+
+    def image_encoder(self, mmproj: str | None) -> Any:
+        """``encode(image_path, max_rows) -> [n, n_embd]`` (numpy) with the vision tower of ``mmproj``."""
+        from .vision import encode_image, load_vision_gguf
+
+        if mmproj is None:
+            raise UserError(f"{self.hp.arch}: the vision tower of a Nemotron-H VL model is its own GGUF (mmproj); "
+                            "pass it with --mmproj FILE")
+        tower = load_vision_gguf(mmproj)
+        n_embd = self.hp.n_embd
+        if tower.cfg.text_n_embd != n_embd:
+            raise UserError(f"{mmproj}: the vision tower projects to width {tower.cfg.text_n_embd}, this "
+                            f"{self.hp.arch} model has n_embd = {n_embd}; they are not one model")
+
+        def encode(path: str, max_rows: int | None = None) -> Any:
+            return encode_image(tower, path, n_embd, max_rows, self.hp.arch)  # host rows: the batch carries them
+
+        return encode
+
+    # -------------------------------------------------------------- the MTP head
+
+    def draft_heads(self) -> dict[str, Any]:
+        """The file's MTP head as the draft head "mtp" (none when the file has no MTP blocks)."""
+        return {"mtp": MtpHead(self)} if self.hp.n_nextn else {}
+
+    def mtp(self, batch: Batch, hidden: Any, cache: Cache) -> "MtpOutput":
+        """The MTP head over its own ``cache`` (one :class:`KV` for its attention block).
+
+        Row i pairs the token t_{p+1} (``batch.tokens``) with the hidden row h_p of position p
+        (``batch.positions``): ``x = eh_proj([enorm(embed(t)); hnorm(h)])``, then the attention
+        block and the MoE block (``x += mixer(rms_norm(x))`` each), ``shared_head_norm``, and the
+        target's LM head. hidden: [n, n_embd], the target's final-normed output rows (or this
+        head's own ``hidden`` output when chaining). Returns logits [n, n_vocab] for every row and
+        the head's normed output [n, n_embd].
+        """
+        hp, w, xp = self.hp, self.w, self.xp
+        il0 = hp.n_layer
+        b = f"blk.{il0}.nextn."
+        emb = ops.rms_norm(self.embed_table[xp.asarray(batch.tokens)], w[b + "enorm.weight"], hp.norm_eps)
+        hn = ops.rms_norm(hidden, w[b + "hnorm.weight"], hp.norm_eps)
+        x = ops.linear(xp.concatenate([emb, hn], axis=-1), w[b + "eh_proj.weight"])
+        cache.begin(batch.positions, batch.seq_ids)
+        step = Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
+        try:
+            for j, il in enumerate(range(il0, il0 + hp.n_nextn)):
+                h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
+                x = x + (self.attention(il, h, step, slot=j) if hp.kind(il) == ATTENTION else self.moe(il, h))
+        except BaseException:
+            cache.rollback_pending()
+            raise
+        cache.commit()
+        out = ops.rms_norm(x, w[f"blk.{il0 + hp.n_nextn - 1}.nextn.shared_head_norm.weight"], hp.norm_eps)
+        return MtpOutput(logits=self.head(out), hidden=out)
+
     # -------------------------------------------------------------- forward
 
     def step(self, batch: Batch, cache: Cache) -> Step:
@@ -390,6 +475,46 @@ class NemotronHGraph(BaseGraph):
                         f"{self.hp.arch}: sequence {seq} continues at position {int(pos[0])}, but its recurrent "
                         f"state stands at position {start}; drop rows with Cache.restore(snapshot), not seq_rm")
         return step
+
+
+# ============================================================================ the MTP draft head
+
+@attrs.frozen
+class MtpOutput:
+    """logits: [n, n_vocab] — the token after next, per row; hidden: [n, n_embd] — the head's normed output."""
+
+    logits: Any
+    hidden: Any
+
+
+class MtpHead:
+    """The draft head "mtp" that the ``mtp`` drafter drives.
+
+    taps: the target feature tap it reads (n_layer: the residual before the final norm);
+    :meth:`target_rows` turns tapped rows into the head's input, :meth:`run` runs the head
+    (:meth:`NemotronHGraph.mtp`) over a cache from :meth:`new_cache`.
+    """
+
+    def __init__(self, graph: NemotronHGraph) -> None:
+        self._graph = graph
+        self.n_blocks = 1  # one MTP depth of hp.n_nextn sub-blocks
+        self.taps = (graph.hp.n_layer,)
+        self.xp = graph.xp
+
+    def new_cache(self) -> Cache:
+        hp = self._graph.hp
+        layout = [(KV(),) if hp.kind(il) == ATTENTION else () for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)]
+        return Cache(hp.n_nextn, self.xp, layout)
+
+    def target_rows(self, tapped: Any) -> Any:
+        """Tapped residual rows [n, n_embd] -> the target's final-normed rows the head reads."""
+        return self._graph.final_norm(tapped)
+
+    def run(self, batch: Batch, hidden: Any, cache: Cache) -> MtpOutput:
+        return self._graph.mtp(batch, hidden, cache)
+
+    def to_numpy(self, a: Any) -> Any:
+        return self._graph.backend.to_numpy(a)
 
 
 # ============================================================================ architectures
@@ -413,5 +538,5 @@ class NemotronHMoE(NemotronH):
     name = "nemotron_h_moe"
 
 
-__all__ = ["NemotronH", "NemotronHGraph", "NemotronHMoE", "NemotronHParams", "load_hparams", "model_type",
-           "tensor_specs"]
+__all__ = ["MtpHead", "MtpOutput", "NemotronH", "NemotronHGraph", "NemotronHMoE", "NemotronHParams", "load_hparams",
+           "model_type", "tensor_specs"]

@@ -219,3 +219,17 @@ def test_check_architecture(registry, tmp_path, backend):
                        latent=[0, 0, 0, 0, 0, 16])
     model = check_architecture(registry, "nemotron_h_moe", md, tmp_path, scale=0.1, backend=backend)
     assert model.new_context().rollback_plan(0, 0, 4) == "snapshot"  # Mamba state: snapshot + replay
+
+
+def test_check_architecture_with_an_mtp_head_and_the_mtp_drafter(registry, tmp_path):
+    """A file with the MTP head passes the same contract, and the mtp drafter passes the drafter contract on it."""
+    from plinth.testing import check_architecture
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_nemotron.mtp import make_mtp_drafter
+
+    md = tiny.metadata("M*EM-E*E", n_vocab=257, n_embd=48, top_k=[0, 0, 2, 0, 0, 3, 0, 2],
+                       n_ff_exp=[0, 0, 16, 0, 0, 24, 0, 16], nextn_predict_layers=2)
+    model = check_architecture(registry, "nemotron_h_moe", md, tmp_path, scale=0.1)
+    assert model.hparams.mtp_pattern == "*E" and model.target_view().draft_heads == ["mtp"]
+    check_drafter_contract(model, lambda: make_mtp_drafter(model, {"n_max": 3}), [[1, 2, 3, 1, 2, 3], [40, 7]],
+                           max_tokens=16, n_max=3, atol=1e-4, rtol=1e-4)

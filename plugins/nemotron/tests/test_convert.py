@@ -3,7 +3,8 @@
 The Puzzle case's HF folder is rewritten in the other spellings a release may use: the
 ``model.*`` prefix instead of ``backbone.*``, the router bias as ``e_score_correction.bias``,
 experts stacked in one tensor, extra ``mtp.*`` tensors. Every spelling must convert to the
-same GGUF tensors; MTP tensors are dropped with a note and leave no trace in the file.
+same GGUF tensors; with ``mtp=no`` MTP tensors are dropped with a note and leave no trace in the
+file (exporting the MTP head: ``test_mtp.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def puzzle_state():
     return golden.hf_random_state(c["config"], c["seed"])
 
 
-def convert_state(tmp, reg, state, config=None, name="m"):
+def convert_state(tmp, reg, state, config=None, name="m", options=None):
     from plinth.convert import convert
 
     folder = tmp / f"{name}-hf"
@@ -40,7 +41,7 @@ def convert_state(tmp, reg, state, config=None, name="m"):
     (folder / "config.json").write_text(json.dumps(config or golden.CASES["puzzle"]["config"]))
     golden.write_safetensors(folder / "model.safetensors", state)
     out = tmp / f"{name}.gguf"
-    convert(folder, out, registry=reg)
+    convert(folder, out, registry=reg, options=options)
     return GGUFFile(out)
 
 
@@ -86,7 +87,7 @@ def test_model_prefix_router_bias_spelling_stacked_experts_and_mtp(tmp_path, reg
     state["mtp.eh_proj.weight"] = np.zeros((64, 128), np.float32)
     config = dict(golden.CASES["puzzle"]["config"], mtp_block_configs=[{"block_type": "attention"},
                                                                        {"block_type": "moe"}])
-    gf = convert_state(tmp_path, reg, state, config=config, name="variant")
+    gf = convert_state(tmp_path, reg, state, config=config, name="variant", options={"mtp": "no"})
     note = capsys.readouterr().err
     assert "dropped 2 MTP tensor(s) (mtp.*)" in note
     got = tensors(gf)

@@ -135,3 +135,20 @@ def test_folder_saved_by_transformers_converts_and_matches(case, tmp_path):
         diff = float(np.abs(model.logits(prompt) - ref.logits(prompt)).max())
         assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: {diff:.3g}"
     assert torch is not None
+
+
+def test_bolt_case_is_heterogeneous_and_info_shows_it(models, capsys):
+    """The Bolt-style file: per-layer top-k, widths, latent sizes, shared widths and KV heads, and an MTP head."""
+    from plinth.cli import main
+
+    hp = models["bolt"].hparams
+    moe = [il for il in range(hp.n_layer) if hp.kind(il) == "moe"]
+    assert [hp.n_expert_used(il) for il in moe] == [3, 1, 5]
+    assert [hp.n_ff_exp(il) for il in moe] == [24, 40, 16]
+    assert [hp.moe_latent[il] for il in moe] == [24, 32, 0]
+    assert [hp.n_head_kv[il] for il in (2, 6)] == [4, 1]
+    assert hp.pattern == "ME*-EM*E" and hp.mtp_pattern == "*E" and hp.n_expert_used(hp.n_layer + 1) == 2
+    capsys.readouterr()
+    assert main(["--plugins", "nemotron", "info", "-m", str(models["bolt"].path)]) == 0
+    out = capsys.readouterr().out
+    assert "mtp_pattern      *E" in out and "n_expert_used_arr (0, 3, 0, 0, 1, 0, 0, 5, 0, 2)" in out

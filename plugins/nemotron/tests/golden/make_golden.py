@@ -79,6 +79,25 @@ CASES: dict[str, dict[str, Any]] = {
                                    {"block_type": "mamba"},
                                    {"block_type": "moe", "num_experts_per_tok": 1, "moe_intermediate_size": 16},
                                ])),
+    # Bolt-style heterogeneous MoE: per-layer top-k, expert width, LatentMoE width, shared width and KV heads,
+    # a dense MLP layer among the MoE layers, and an MTP head (attention + MoE with its own top-k)
+    "bolt": dict(seed=306, prompt_seed=406, arch="nemotron_h_moe",
+                 config=dict(_COMMON, **_MOE, architectures=["NemotronHPuzzleForCausalLM"],
+                             model_type="nemotron_h_puzzle", num_nextn_predict_layers=1, block_configs=[
+                                 {"block_type": "mamba"},
+                                 {"block_type": "moe", "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+                                  "moe_latent_size": 24},
+                                 {"block_type": "attention", "num_key_value_heads": 4},
+                                 {"block_type": "mlp", "intermediate_size": 80},
+                                 {"block_type": "moe", "num_experts_per_tok": 1, "moe_intermediate_size": 40,
+                                  "moe_latent_size": 32, "moe_shared_expert_intermediate_size": 24},
+                                 {"block_type": "mamba"},
+                                 {"block_type": "attention", "num_key_value_heads": 1},
+                                 {"block_type": "moe", "num_experts_per_tok": 5, "moe_intermediate_size": 16},
+                             ], mtp_block_configs=[
+                                 {"block_type": "attention"},
+                                 {"block_type": "moe", "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+                             ])),
 }
 
 
@@ -90,62 +109,85 @@ def layer_kinds(config: dict[str, Any]) -> list[str]:
     return layer_configs(config, "golden")[2]
 
 
-def hf_random_state(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
-    """Random weights under transformers' saved NemotronH names, scaled so activations stay O(1)."""
-    from plinth_nemotron.convert import layer_configs
-
-    rng = np.random.default_rng(seed)
-    _, per, kinds = layer_configs(config, "golden")
-    d = config["hidden_size"]
-
+def _draw(rng: Any) -> tuple[Any, Any]:
     def lin(n_out: int, n_in: int) -> np.ndarray:
         return (rng.standard_normal((n_out, n_in)) / np.sqrt(n_in)).astype(np.float32)
 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    return lin, norm
+
+
+def _block_state(sd: dict[str, np.ndarray], p: str, c: dict[str, Any], kind: str, d: int, rng: Any) -> None:
+    """One block's tensors under prefix ``p`` (``backbone.layers.{i}.`` or ``mtp.layers.{i}.``)."""
+    lin, norm = _draw(rng)
+    sd[p + "norm.weight"] = norm(d)
+    m = p + "mixer."
+    if kind == "mamba":
+        h, hd, g, n, k = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"], c["ssm_state_size"], \
+            c["conv_kernel"]
+        di = h * hd
+        conv = di + 2 * g * n
+        sd[m + "in_proj.weight"] = lin(di + conv + h, d)
+        sd[m + "conv1d.weight"] = (0.5 * rng.standard_normal((conv, 1, k))).astype(np.float32)
+        sd[m + "conv1d.bias"] = (0.1 * rng.standard_normal(conv)).astype(np.float32)
+        sd[m + "dt_bias"] = (0.5 * rng.standard_normal(h)).astype(np.float32)
+        sd[m + "A_log"] = np.log(rng.uniform(1.0, 8.0, h)).astype(np.float32)
+        sd[m + "D"] = rng.standard_normal(h).astype(np.float32)
+        sd[m + "norm.weight"] = norm(di)
+        sd[m + "out_proj.weight"] = lin(d, di)
+    elif kind == "attention":
+        hd = c["head_dim"]
+        sd[m + "q_proj.weight"] = lin(c["num_attention_heads"] * hd, d)
+        sd[m + "k_proj.weight"] = lin(c["num_key_value_heads"] * hd, d)
+        sd[m + "v_proj.weight"] = lin(c["num_key_value_heads"] * hd, d)
+        sd[m + "o_proj.weight"] = lin(d, c["num_attention_heads"] * hd)
+    elif kind == "mlp":
+        sd[m + "up_proj.weight"] = lin(c["intermediate_size"], d)
+        sd[m + "down_proj.weight"] = lin(d, c["intermediate_size"])
+    else:
+        e, ff, sh = c["n_routed_experts"], c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
+        lat = c.get("moe_latent_size") or d
+        sd[m + "gate.weight"] = (2.0 * lin(e, d))
+        sd[m + "gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
+        for j in range(e):
+            sd[m + f"experts.{j}.up_proj.weight"] = lin(ff, lat)
+            sd[m + f"experts.{j}.down_proj.weight"] = lin(lat, ff)
+        sd[m + "shared_experts.up_proj.weight"] = lin(sh, d)
+        sd[m + "shared_experts.down_proj.weight"] = lin(d, sh)
+        if c.get("moe_latent_size"):
+            sd[m + "fc1_latent_proj.weight"] = lin(lat, d)
+            sd[m + "fc2_latent_proj.weight"] = lin(d, lat)
+
+
+def hf_random_state(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Random weights under transformers' saved NemotronH names, scaled so activations stay O(1).
+
+    When the config declares an MTP head, its ``mtp.layers.*`` tensors (release names) are added,
+    drawn from their own generator so the trunk's weights do not depend on it.
+    """
+    from plinth_nemotron.convert import layer_configs, mtp_configs
+
+    rng = np.random.default_rng(seed)
+    _, per, kinds = layer_configs(config, "golden")
+    d = config["hidden_size"]
     sd = {"backbone.embeddings.weight": rng.standard_normal((config["vocab_size"], d)).astype(np.float32)}
     for i, (c, kind) in enumerate(zip(per, kinds)):
-        p = f"backbone.layers.{i}."
-        sd[p + "norm.weight"] = norm(d)
-        m = p + "mixer."
-        if kind == "mamba":
-            h, hd, g, n, k = c["mamba_num_heads"], c["mamba_head_dim"], c["n_groups"], c["ssm_state_size"], \
-                c["conv_kernel"]
-            di = h * hd
-            conv = di + 2 * g * n
-            sd[m + "in_proj.weight"] = lin(di + conv + h, d)
-            sd[m + "conv1d.weight"] = (0.5 * rng.standard_normal((conv, 1, k))).astype(np.float32)
-            sd[m + "conv1d.bias"] = (0.1 * rng.standard_normal(conv)).astype(np.float32)
-            sd[m + "dt_bias"] = (0.5 * rng.standard_normal(h)).astype(np.float32)
-            sd[m + "A_log"] = np.log(rng.uniform(1.0, 8.0, h)).astype(np.float32)
-            sd[m + "D"] = rng.standard_normal(h).astype(np.float32)
-            sd[m + "norm.weight"] = norm(di)
-            sd[m + "out_proj.weight"] = lin(d, di)
-        elif kind == "attention":
-            hd = c["head_dim"]
-            sd[m + "q_proj.weight"] = lin(c["num_attention_heads"] * hd, d)
-            sd[m + "k_proj.weight"] = lin(c["num_key_value_heads"] * hd, d)
-            sd[m + "v_proj.weight"] = lin(c["num_key_value_heads"] * hd, d)
-            sd[m + "o_proj.weight"] = lin(d, c["num_attention_heads"] * hd)
-        elif kind == "mlp":
-            sd[m + "up_proj.weight"] = lin(c["intermediate_size"], d)
-            sd[m + "down_proj.weight"] = lin(d, c["intermediate_size"])
-        else:
-            e, ff, sh = c["n_routed_experts"], c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
-            lat = c.get("moe_latent_size") or d
-            sd[m + "gate.weight"] = (2.0 * lin(e, d))
-            sd[m + "gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
-            for j in range(e):
-                sd[m + f"experts.{j}.up_proj.weight"] = lin(ff, lat)
-                sd[m + f"experts.{j}.down_proj.weight"] = lin(lat, ff)
-            sd[m + "shared_experts.up_proj.weight"] = lin(sh, d)
-            sd[m + "shared_experts.down_proj.weight"] = lin(d, sh)
-            if c.get("moe_latent_size"):
-                sd[m + "fc1_latent_proj.weight"] = lin(lat, d)
-                sd[m + "fc2_latent_proj.weight"] = lin(d, lat)
+        _block_state(sd, f"backbone.layers.{i}.", c, kind, d, rng)
+    lin, norm = _draw(rng)
     sd["backbone.norm_f.weight"] = norm(d)
     sd["lm_head.weight"] = lin(config["vocab_size"], d)
+    mtp_per, mtp_kinds = mtp_configs(config, "golden")
+    if mtp_kinds:
+        rng = np.random.default_rng(seed + 7)
+        lin, norm = _draw(rng)
+        sd["mtp.layers.0.enorm.weight"] = norm(d)
+        sd["mtp.layers.0.hnorm.weight"] = norm(d)
+        sd["mtp.layers.0.eh_proj.weight"] = lin(d, 2 * d)
+        for i, (c, kind) in enumerate(zip(mtp_per, mtp_kinds)):
+            _block_state(sd, f"mtp.layers.{i}.", c, kind, d, rng)
+        sd[f"mtp.layers.{len(mtp_kinds) - 1}.final_layernorm.weight"] = norm(d)
     return sd
 
 
@@ -205,7 +247,8 @@ def prompts(case: str) -> list[list[int]]:
 def _hf_config(config: dict[str, Any]) -> Any:
     from transformers import NemotronHConfig
 
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "block_configs", "model_type")}
+    fields = {k: v for k, v in config.items()
+              if k not in ("architectures", "block_configs", "model_type", "mtp_block_configs")}
     cfg = NemotronHConfig(**fields)
     cfg._attn_implementation = "eager"
     return cfg
@@ -221,7 +264,8 @@ class PuzzleReference:
 
         _, per, kinds = layer_configs(config, "golden")
         types = ["linear_attention" if k == "mamba" else "full_attention" if k == "attention" else k for k in kinds]
-        base = {k: v for k, v in config.items() if k not in ("architectures", "block_configs", "model_type")}
+        base = {k: v for k, v in config.items()
+                if k not in ("architectures", "block_configs", "model_type", "mtp_block_configs")}
         t = {k: torch.from_numpy(v) for k, v in state.items()}
         self.embed = t["backbone.embeddings.weight"]
         self.blocks = []
