@@ -163,6 +163,7 @@ def test_missing_ray_extra_is_one_line(monkeypatch, model_path):
     (["generate", "--ray-stages", "2", "--ray-split", "0", "x"], "layer numbers start at 1"),
     (["generate", "--ray-stages", "0", "x"], "--ray-stages"),
     (["bench", "--ray-cpus", "0", "--ray-stages", "2"], "--ray-cpus"),
+    (["generate", "--ray-stages", "2", "--image", "x.png", "x"], "--image with --ray-stages"),
     (["serve", "--ray-address", "auto"], "--ray-address needs --ray REPLICAS"),
     (["serve", "--ray", "2", "--ray-max-replicas", "1"], "--ray-max-replicas 1 is smaller than --ray 2"),
 ])

@@ -62,6 +62,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         for flag, value in (("--ray-address", getattr(args, "ray_address", None)),
                             ("--ray-split", getattr(args, "ray_split", None))):
             require(sub, value is None, f"{flag} needs --ray-stages N")
+    elif getattr(args, "image", None) is not None:
+        require(sub, False, "--image with --ray-stages: a pipeline takes token prompts only (the image encoder "
+                "needs the model in one process)")
     elif args.ray_split is not None:
         require(sub, len(args.ray_split) == args.ray_stages - 1,
                 f"--ray-split gives {len(args.ray_split)} first layer(s); {args.ray_stages} stages need "
