@@ -275,3 +275,48 @@ def test_rows_shared_by_several_sequences_are_refused(models):
     shared = Batch(tokens=b.tokens, positions=b.positions, seq_ids=np.array([[0, 1], [0, 1]]), output=b.output)
     with pytest.raises(UserError, match="a row shared by several sequences is not supported"):
         m.graph.forward(shared, KVCache(m.hparams.n_layer))
+
+
+# ---------------------------------------------------------------- live reference (torch)
+
+
+@pytest.mark.ref
+@pytest.mark.parametrize("case", CASES)
+def test_live_reference_reproduces_golden(case, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    folder = g41.v4.write_hf_folder(g41.CASES[case]["base"], tmp_path / case)
+    for (p, rows, logits, greedy), (lp, llogits, lgreedy) in zip(load(case)[1], g41.reference(case, folder)):
+        assert p == lp
+        np.testing.assert_allclose(llogits[rows], logits, atol=1e-5, rtol=0)
+        assert lgreedy == greedy
+
+
+@pytest.mark.ref
+def test_engram_block_equals_the_torch_formula():
+    """plinth's Engram (numpy hash + gather + gate) against the torch evaluation of the spec's
+    formula with the Python-integer hash, on the engram_hc2 constants and random streams."""
+    torch = pytest.importorskip("torch")
+    from plinth_deepseek41 import engram as eg
+
+    c = g41.engram_constants("engram_hc2")
+    t = g41.engram_tensors("engram_hc2")
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 256, 17).tolist()
+    X = rng.standard_normal((17, 2, 64)).astype(np.float32)
+    md, _ = g41.engram_metadata(c)
+    from plinth.hparams import KeyReader
+
+    ep = eg.read_engram(KeyReader(md, "t.gguf", "deepseek41"), n_layer=3, n_vocab=256)
+    for k, il in enumerate(c["layer_ids"]):
+        b = f"blk.{il}."
+        w = eg.EngramWeights(t[b + "engram_embd.weight"], t[b + "engram_wkv.weight"], t[b + "engram_q.weight"],
+                             t[b + "engram_k.weight"])
+        ctx, _ = eg.engram_rows_for_batch(np.asarray(toks), None, [(0, slice(0, 17))], {}, ep)
+        rows = eg.hash_rows(ctx, ep.multipliers[k], ep.primes[k], ep.offsets[k], ep.n_head)
+        got = eg.engram_mix(X, eg.gather_rows(w.table, rows, np).reshape(17, -1), w, 1e-6)
+        tw = {"table": torch.from_numpy(w.table), "wkv": torch.from_numpy(w.wkv), "q": torch.from_numpy(w.q_norm),
+              "k": torch.from_numpy(w.k_norm)}
+        want = g41.engram_torch(torch.from_numpy(X)[None], toks, 0, c, k, tw, 1e-6)[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert np.abs(got - X).max() > 0.1
