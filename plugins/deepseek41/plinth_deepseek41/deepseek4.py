@@ -566,11 +566,15 @@ class DeepSeek4Graph:
         self.indexers: dict[int, Compressor] = {}
         self.tid2eid: dict[int, Any] = {}
         self.topk_ties = 0  # indexer top-k boundary ties seen so far (see TopKSelection)
+        # the layer whose compressed stream each compressed layer attends to (itself in V4; deepseek41
+        # lets a layer without a compressor read an earlier one's, see ``stream_sources``)
+        self.stream_source: dict[int, int] = self.stream_sources(hp, weights)
         for il in range(hp.n_layer + self.n_mtp):
             b, kind = f"blk.{il}.", hp.kind(il)
-            if kind != WINDOW:
-                self.compressors[il] = Compressor(weights[b + "attn_compressor_kv.weight"],
-                                                  weights[b + "attn_compressor_gate.weight"],
+            if kind != WINDOW and self.stream_source[il] == il:
+                kv = weights[b + "attn_compressor_kv.weight"]
+                gate = weights.get(b + "attn_compressor_gate.weight")
+                self.compressors[il] = Compressor(kv, xp.zeros(kv.shape, dtype=np.float32) if gate is None else gate,
                                                   weights[b + "attn_compressor_ape.weight"],
                                                   weights[b + "attn_compressor_norm.weight"], hp.ratio(il),
                                                   kind == CSA)
@@ -581,6 +585,10 @@ class DeepSeek4Graph:
                                                weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
             if hp.is_hash(il):
                 self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+
+    def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
+        """Per compressed layer, the layer that compresses the stream it reads: V4 layers own theirs."""
+        return {il: il for il in range(hp.n_layer + hp.n_nextn) if hp.kind(il) != WINDOW}
 
     def target_view(self) -> TargetView:
         """What drafters may use of this model (embedding, head, final norm, the MTP draft head)."""
@@ -596,7 +604,8 @@ class DeepSeek4Graph:
 
     def cache_layout(self) -> list[tuple[Any, ...]]:
         """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""
-        return [(KV(),) if self.hp.kind(il) == WINDOW else (KV(), CompressedStreams()) for il in range(self.hp.n_layer)]
+        return [(KV(), CompressedStreams()) if self.hp.kind(il) != WINDOW and self.stream_source[il] == il else (KV(),)
+                for il in range(self.hp.n_layer)]
 
     # -------------------------------------------------------------- attention
 
@@ -626,7 +635,12 @@ class DeepSeek4Graph:
             keys, kpos = lc.raw(pos, kv[sel])
             d_q = pos[:, None] - kpos[None, :]
             vis = (d_q >= 0) & (d_q < hp.n_swa)
-            if kind != WINDOW:
+            if kind != WINDOW and self.stream_source[il] != il:  # read an earlier layer's stream (same ratio)
+                entries = LayerCache(cache, self.stream_source[il], seq, xp).streams([(d, 1)])[0].entries
+                keys = xp.concatenate([keys, entries])
+                ent_vis = np.arange(entries.shape[0])[None, :] < ((pos + 1) // hp.ratio(il))[:, None]
+                vis = np.concatenate([vis, ent_vis], axis=1)
+            elif kind != WINDOW:
                 comp = self.compressors[il]
                 shapes = [(d, 2 if kind == CSA else 1)] + ([(hp.idx_head_dim, 2)] if kind == CSA else [])
                 streams = lc.streams(shapes)

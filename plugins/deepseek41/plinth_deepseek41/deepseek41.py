@@ -17,9 +17,13 @@ routing, the MTP block) is reused from :mod:`.deepseek4`; what V4.1 changes, top
 * **Embedding rows** (an image's rows) are accepted when no layer is hash-routed: they take
   the pad id in the Engram hash, and routed layers select experts with ``exp_probs_b_vl``
   (the vision routing bias) when the file has it.
-* **V4.1 shared compressed sources** are not implemented: a compressed layer must carry its own
-  compressor (the V4 form); a file whose compressed layers read another layer's stream, or that
-  has index-key owners (``indexer.attn_k``) or candidate-block keys, is refused by name.
+* **Shared compressed sources** (roles by tensor presence, ``stream_sources``): a compressed
+  layer with a compressor is a KV source; a window-less layer without one attends to the latest
+  earlier source's compressed stream (same ratio; no stream of its own in the cache). A
+  compressor without a gate is allowed at ratio 1 only. Not implemented, and refused by name:
+  CSA layers without their own compressor and indexer, index-key owners (``indexer.attn_k``:
+  index keys derived from the shared latent) and the candidate-block keys
+  (``attention.candidate_*``), whose upstream form is unknown.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from plinth.tensors import TensorSpec
 
 from .deepseek4 import (
     CSA,
+    WINDOW,
     DeepSeek4Graph,
     DeepSeek4Params,
     hc_collapse,
@@ -89,7 +94,8 @@ def tensor_specs(hp: DeepSeek41Params) -> list[TensorSpec]:
     """deepseek4's tensors without the hc head, plus the Engram tensors and the optional vision
     routing bias. The hc head and V4.1 sparse-attention tensors are declared optional so that a
     file carrying them is refused by name (:class:`DeepSeek41Graph`) instead of silently ignored."""
-    specs = [s if s.name not in HC_HEAD else attrs.evolve(s, required=False) for s in v4_tensor_specs(hp)]
+    specs = [attrs.evolve(s, required=False) if s.name in HC_HEAD or _compressor_part(s.name) else s
+             for s in v4_tensor_specs(hp)]
     e, hc = hp.n_embd, hp.hc
     for il in range(hp.n_layer):
         b = f"blk.{il}."
@@ -106,6 +112,11 @@ def tensor_specs(hp: DeepSeek41Params) -> list[TensorSpec]:
                       TensorSpec(b + "engram_q.weight", (hc, e)),
                       TensorSpec(b + "engram_k.weight", (hc, e))]
     return specs
+
+
+def _compressor_part(name: str) -> bool:
+    """A compressor or indexer tensor: optional per layer in V4.1 (roles by presence, checked at build)."""
+    return name.startswith("blk.") and (".attn_compressor_" in name or ".indexer" in name)
 
 
 # ============================================================================ graph
@@ -136,6 +147,44 @@ class DeepSeek41Graph(DeepSeek4Graph):
                                                 weights[b + "engram_q.weight"], weights[b + "engram_k.weight"])
         self.vision_bias = {il: weights[f"blk.{il}.exp_probs_b_vl.bias"] for il in range(hp.n_layer)
                             if f"blk.{il}.exp_probs_b_vl.bias" in weights}
+
+    def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
+        """V4.1 roles by tensor presence: a compressed layer with ``attn_compressor_kv`` compresses its own
+        stream (a KV source); one without reads the latest earlier source's, which must have its ratio.
+        A compressor without a gate is allowed at ratio 1 only; a CSA layer must own its compressor and
+        indexer (V4.1's index keys derived from a shared latent are not implemented)."""
+        out: dict[int, int] = {}
+        latest = None
+        for il in range(hp.n_layer + hp.n_nextn):
+            if hp.kind(il) == WINDOW:
+                continue
+            b, r = f"blk.{il}.", hp.ratio(il)
+            if b + "attn_compressor_kv.weight" in weights:
+                need = [b + "attn_compressor_ape.weight", b + "attn_compressor_norm.weight"]
+                if hp.kind(il) == CSA:
+                    need += [b + n for n in ("attn_compressor_gate.weight", "indexer.proj.weight",
+                                             "indexer.attn_q_b.weight", "indexer_compressor_kv.weight",
+                                             "indexer_compressor_gate.weight", "indexer_compressor_ape.weight",
+                                             "indexer_compressor_norm.weight")]
+                missing = [n for n in need if n not in weights]
+                if missing:
+                    raise UserError(f"{ARCH}: layer {il} has a compressor (a KV source) but lacks {missing}")
+                if b + "attn_compressor_gate.weight" not in weights and r != 1:
+                    raise UserError(f"{ARCH}: layer {il}'s compressor has no gate (attn_compressor_gate), which is "
+                                    f"allowed at ratio 1 only; its ratio is {r}")
+                out[il] = latest = il
+                continue
+            if hp.kind(il) == CSA:
+                raise UserError(f"{ARCH}: CSA layer {il} has no compressor of its own: reading a shared compressed "
+                                "source with V4.1 index keys is not implemented")
+            if latest is None:
+                raise UserError(f"{ARCH}: layer {il} (compress ratio {r}) has no compressor, and no earlier layer "
+                                "compresses a stream for it to read")
+            if hp.ratio(latest) != r:
+                raise UserError(f"{ARCH}: layer {il} (compress ratio {r}) would read layer {latest}'s compressed "
+                                f"stream, whose ratio is {hp.ratio(latest)}; a layer must share its source's ratio")
+            out[il] = latest
+        return out
 
     def cache_layout(self) -> list[tuple[Any, ...]]:
         """deepseek4's layout; with Engram, layer 0 also keeps each sequence's last N-1 token ids."""

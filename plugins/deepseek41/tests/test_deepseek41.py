@@ -51,7 +51,7 @@ def prompt(n, seed=7, v=256):
 @pytest.mark.parametrize("case", CASES)
 def test_golden_file_matches_this_case(case):
     info, runs = load(case)
-    assert info == json.loads(json.dumps({"base": g41.CASES[case]["base"], "engram": g41.CASES[case]["engram"]}))
+    assert info == json.loads(json.dumps(g41.info(case)))
     assert [p for p, *_ in runs] == g41.prompts(case)
 
 
@@ -103,10 +103,55 @@ def test_lag_and_engram_change_the_output(models, tmp_path):
     assert np.abs(plain.logits(p) - models["engram_hc2"].logits(p)).max() > 0.5
 
 
+def test_shared_source_roles(models, tmp_path):
+    """shared_hca: layers 0 and 2 compress (KV sources), layer 3 has no compressor and reads layer 2's
+    stream (the latest earlier source; it keeps no stream of its own). Reading its own compressor's
+    stream instead would change the logits."""
+    import plinth
+
+    m = models["shared_hca"]
+    assert m.graph.stream_source == {0: 0, 2: 2, 3: 2}
+    assert [[type(k).__name__ for k in kinds] for kinds in m.graph.cache_layout()] == [
+        ["KV", "CompressedStreams", "EngramTokens"], ["KV"], ["KV", "CompressedStreams"], ["KV"]]
+    reg = g41.v4.registry()
+    md, tensors, forced = g41.deepseek41_parts("shared_hca", tmp_path, reg)
+    folder = g41.write_hf_folder("shared_hca", tmp_path / "own")
+    from plinth.convert import convert
+    from plinth.gguf import GGUFFile
+
+    gf = GGUFFile(convert(folder, tmp_path / "own-v4.gguf", registry=reg))
+    tensors.update({n: np.array(gf.raw(n)) for n in gf.tensors if n.startswith("blk.3.attn_compressor_")})
+    own = plinth.load_model(g41.write_file(tmp_path / "own.gguf", md, tensors, forced), registry=reg)
+    assert own.graph.stream_source[3] == 3
+    p = prompt(40)
+    assert np.abs(own.logits(p) - m.logits(p)).max() > 0.05
+
+
+@pytest.mark.parametrize("case, drop, add, message", [
+    ("lag_flash", "blk.2.attn_compressor_", None,
+     r"layer 2 \(compress ratio 8\) would read layer 1's compressed stream, whose ratio is 4"),
+    ("lag_flash", "blk.1.attn_compressor_", None, "CSA layer 1 has no compressor of its own"),
+    ("lag_flash", "blk.2.attn_compressor_gate", None, "layer 2's compressor has no gate .* allowed at ratio 1 only"),
+    ("lag_flash", "blk.1.indexer_compressor_kv", None, r"layer 1 has a compressor .* lacks \['blk.1.indexer_compressor"),
+    ("lag_flash", None, ("blk.1.indexer.attn_k.weight", (16, 32)), "V4.1 index-key owner"),
+    ("engram_hca", "blk.0.attn_compressor_", None, "no earlier layer compresses a stream for it to read"),
+])
+def test_sparse_attention_roles_are_checked(tmp_path, case, drop, add, message):
+    import plinth
+
+    reg = g41.v4.registry()
+    md, tensors, forced = g41.deepseek41_parts(case, tmp_path, reg)
+    tensors = {k: v for k, v in tensors.items() if drop is None or not k.startswith(drop)}
+    if add is not None:
+        tensors[add[0]] = np.zeros(add[1], np.float32)
+    with pytest.raises(UserError, match=message):
+        plinth.load_model(g41.write_file(tmp_path / "roles.gguf", md, tensors, forced), registry=reg)
+
+
 # ---------------------------------------------------------------- cache contract
 
 
-@pytest.mark.parametrize("case", ["engram_hc2", "lag_flash"])
+@pytest.mark.parametrize("case", ["engram_hc2", "lag_flash", "shared_hca"])
 def test_prefill_then_decode_equals_full_forward(models, case):
     m = models[case]
     check_prefill_then_decode(m.graph, m.hparams.n_layer, prompt(45), 19, atol=2e-5)
@@ -285,7 +330,7 @@ def test_rows_shared_by_several_sequences_are_refused(models):
 def test_live_reference_reproduces_golden(case, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    folder = g41.v4.write_hf_folder(g41.CASES[case]["base"], tmp_path / case)
+    folder = g41.write_hf_folder(case, tmp_path / case)
     for (p, rows, logits, greedy), (lp, llogits, lgreedy) in zip(load(case)[1], g41.reference(case, folder)):
         assert p == lp
         np.testing.assert_allclose(llogits[rows], logits, atol=1e-5, rtol=0)

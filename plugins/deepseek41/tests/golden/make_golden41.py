@@ -22,7 +22,9 @@ No implementation of V4.1 is public, so each case starts from a deepseek4 case o
   the spec text, not from plinth's code.
 
 For prompts of 1, 7, 40 and 301 tokens it stores the logits of one forward and a 32-token greedy
-continuation (``generate`` with transformers' cache, which re-runs the patched layers).
+continuation (``generate`` with transformers' cache, which re-runs the patched layers; by
+full forwards where a layer reads a shared compressed source: ``share_sources`` hands a reader
+layer's attention the source layer's compressor applied to the source's input, without a cache).
 """
 
 from __future__ import annotations
@@ -56,15 +58,42 @@ CASES: dict[str, dict[str, Any]] = {
     "engram_hca": dict(base="hca_only", engram=dict(
         seed=712, layer_ids=[1], n_head=3, max_ngram=2, key_length=32, pad_id=0, mult_bits=37, spare=0,
         primes=[[67, 71, 73]], fold=256)),
+    # shared compressed sources: HCA layers 0 and 2 compress, layer 3 has no compressor and reads layer 2's
+    # stream (the latest earlier source); Engram at the reader
+    "shared_hca": dict(base=dict(seed=505, prompt_seed=605, config=dict(
+        v4._COMMON, num_hidden_layers=4, layer_types=[v4.H, v4.S, v4.H, v4.H], compress_rates={v4.C: 4, v4.H: 8},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"])), readers=[3], engram=dict(
+        seed=713, layer_ids=[3], n_head=2, max_ngram=2, key_length=32, pad_id=1, mult_bits=37, spare=0,
+        primes=[[53, 59]], fold=256)),
 }
 
 
+def v4_case(case: str) -> dict[str, Any]:
+    """The deepseek4 weights a case starts from: a case of make_golden.py, or its own (seed, prompt_seed, config)."""
+    base = CASES[case]["base"]
+    return v4.CASES[base] if isinstance(base, str) else base
+
+
 def base_config(case: str) -> dict[str, Any]:
-    return v4.CASES[CASES[case]["base"]]["config"]
+    return v4_case(case)["config"]
+
+
+def readers(case: str) -> list[int]:
+    """Compressed layers without a compressor of their own (they read an earlier layer's stream)."""
+    return list(CASES[case].get("readers", []))
 
 
 def prompts(case: str) -> list[list[int]]:
-    return v4.prompts(CASES[case]["base"])
+    rng = np.random.default_rng(v4_case(case)["prompt_seed"])
+    return [rng.integers(0, base_config(case)["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
+
+
+def write_hf_folder(case: str, folder: Path) -> Path:
+    """The case's deepseek4 weights as an HF folder (all of them: the reference keeps readers' compressors)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(base_config(case), indent=1))
+    v4.write_safetensors(folder / "model.safetensors", v4.hf_random_state(base_config(case), v4_case(case)["seed"]))
+    return folder
 
 
 # --------------------------------------------------------------------------- Engram constants and tensors
@@ -145,10 +174,11 @@ def deepseek41_parts(case: str, tmp: Path, reg: Any = None) -> tuple[dict[str, A
     from plinth.gguf import GGUFFile
 
     reg = reg or v4.registry()
-    folder = v4.write_hf_folder(CASES[case]["base"], tmp / f"{case}-hf")
+    folder = write_hf_folder(case, tmp / f"{case}-hf")
     gf = GGUFFile(convert(folder, tmp / f"{case}-v4.gguf", registry=reg))
     md = relabel(dict(gf.metadata))
-    tensors = {n: np.array(gf.raw(n)) for n in gf.tensors if not n.startswith("output_hc_")}
+    dropped = tuple(f"blk.{il}.attn_compressor_" for il in readers(case))
+    tensors = {n: np.array(gf.raw(n)) for n in gf.tensors if not n.startswith(("output_hc_",) + dropped)}
     forced: dict[str, str] = {}
     c = engram_constants(case)
     if c is not None:
@@ -306,9 +336,36 @@ def lagged_reference_model(case: str, folder: Path) -> Any:
 
     for layer in model.model.layers:
         layer.forward = types.MethodType(lagged_forward, layer)
+    share_sources(model, readers(case))
     # no learned hc head: the last FFN's pre collapses the streams
     model.model.hc_head.forward = lambda x: (state["pre"].unsqueeze(-1) * x).sum(dim=2)
     return model
+
+
+def share_sources(model: Any, reader_layers: list[int]) -> None:
+    """Make each reader layer's attention use the latest earlier compressing layer's compressor on that
+    layer's own input (recorded by a forward pre-hook), i.e. attend to the source's compressed stream.
+    Only for forwards without a cache (the reference then decodes greedily by full forwards)."""
+    import torch
+
+    layers = model.model.layers
+    saved: dict[int, Any] = {}
+
+    class SharedCompressor(torch.nn.Module):
+        def __init__(self, src: int) -> None:
+            super().__init__()
+            self.src = src
+
+        def forward(self, hidden_states: Any, q_residual: Any, position_ids: Any, cache: Any, layer_idx: int) -> Any:
+            if cache is not None:
+                raise RuntimeError("the shared-source reference runs without a cache")
+            return layers[self.src].self_attn.compressor(saved[self.src], q_residual, position_ids, None, self.src)
+
+    for il in reader_layers:
+        src = max(j for j in range(il) if j not in reader_layers and layers[j].self_attn.compressor is not None)
+        layers[src].self_attn.compressor.register_forward_pre_hook(
+            lambda mod, args, src=src: saved.__setitem__(src, args[0]))
+        layers[il].self_attn.compressor = SharedCompressor(src)
 
 
 def reference(case: str, folder: Path) -> list[tuple[list[int], np.ndarray, list[int]]]:
@@ -320,15 +377,27 @@ def reference(case: str, folder: Path) -> list[tuple[list[int], np.ndarray, list
         for p in prompts(case):
             ids = torch.tensor([p])
             logits = model(ids, use_cache=False).logits[0].float().numpy()
-            gen = model.generate(ids, max_new_tokens=N_GREEDY, do_sample=False, min_new_tokens=N_GREEDY)
-            out.append((p, logits, gen[0, len(p):].tolist()))
+            if readers(case):  # greedy by full forwards (no cache)
+                seq = list(p)
+                for _ in range(N_GREEDY):
+                    seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+                gen = seq[len(p):]
+            else:
+                gen = model.generate(ids, max_new_tokens=N_GREEDY, do_sample=False,
+                                     min_new_tokens=N_GREEDY)[0, len(p):].tolist()
+            out.append((p, logits, gen))
     return out
 
 
+def info(case: str) -> dict[str, Any]:
+    """What a golden file records of its case (compared with ``CASES`` by the tests)."""
+    return {"base": CASES[case]["base"], "engram": CASES[case]["engram"], "readers": readers(case)}
+
+
 def make(case: str, tmp: Path) -> Path:
-    folder = v4.write_hf_folder(CASES[case]["base"], tmp / case)
+    folder = write_hf_folder(case, tmp / case)
     runs = reference(case, folder)
-    rec: dict[str, Any] = {"info": json.dumps({"base": CASES[case]["base"], "engram": CASES[case]["engram"]})}
+    rec: dict[str, Any] = {"info": json.dumps(info(case))}
     for i, (p, logits, greedy) in enumerate(runs):
         rows = v4.stored_rows(len(p))
         rec[f"prompt_{i}"] = np.asarray(p, np.int32)
