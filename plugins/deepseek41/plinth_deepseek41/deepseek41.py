@@ -56,6 +56,7 @@ from .engram import (
     EngramParams,
     EngramTokens,
     EngramWeights,
+    advise_random_access,
     engram_mix,
     engram_rows_for_batch,
     gather_rows,
@@ -145,6 +146,7 @@ class DeepSeek41Graph(DeepSeek4Graph):
                 b = f"blk.{il}."
                 self.engram[il] = EngramWeights(weights[b + "engram_embd.weight"], weights[b + "engram_wkv.weight"],
                                                 weights[b + "engram_q.weight"], weights[b + "engram_k.weight"])
+                advise_random_access(self.engram[il].table)  # fault in single rows, not read-around windows
         self.vision_bias = {il: weights[f"blk.{il}.exp_probs_b_vl.bias"] for il in range(hp.n_layer)
                             if f"blk.{il}.exp_probs_b_vl.bias" in weights}
 

@@ -205,6 +205,26 @@ class EngramWeights:
     k_norm: Any
 
 
+def advise_random_access(table: Any) -> bool:
+    """Tell the kernel that a memory-mapped table is read at random rows (``madvise(MADV_RANDOM)``), so
+    a page fault reads that page only instead of megabytes of read-around. Returns whether it was
+    applied (host arrays that view a file mapping, on Linux)."""
+    raw = table.raw if isinstance(table, QuantWeight) else table
+    if not isinstance(raw, np.ndarray) or raw.flags.owndata or raw.nbytes == 0:
+        return False
+    try:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        addr = raw.__array_interface__["data"][0]
+        start = addr - addr % mmap.PAGESIZE
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(addr + raw.nbytes - start),
+                            getattr(mmap, "MADV_RANDOM", 1)) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
 def gather_rows(table: Any, rows: np.ndarray, xp: Any) -> Any:
     """table[rows] as float32 [*rows.shape, dk], reading only those rows."""
     if isinstance(table, QuantWeight):
@@ -245,5 +265,5 @@ def engram_rows_for_batch(tokens: np.ndarray, is_embd: np.ndarray | None, seq_ro
     return ctx, after
 
 
-__all__ = ["AtLeast", "EngramParams", "EngramTokens", "EngramWeights", "engram_mix", "engram_rows_for_batch",
+__all__ = ["AtLeast", "advise_random_access", "EngramParams", "EngramTokens", "EngramWeights", "engram_mix", "engram_rows_for_batch",
            "gather_rows", "hash_rows", "map_tokens", "ngram_context", "read_engram"]

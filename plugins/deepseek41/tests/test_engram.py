@@ -170,6 +170,8 @@ def test_bf16_table_is_read_row_by_row_from_the_mapped_file(tmp_path):
         base = base.base
     base = base.obj if isinstance(base, memoryview) else base
     assert isinstance(base, mmap.mmap)  # a view of the file, not a copy
+    assert eg.advise_random_access(table)  # MADV_RANDOM: a fault reads its page, not a read-around window
+    assert not eg.advise_random_access(np.zeros((4, 4), np.float32))  # nothing to advise on owned memory
     taken = []
     real = QuantWeight.take
 
