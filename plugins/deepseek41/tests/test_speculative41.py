@@ -50,3 +50,28 @@ def test_drafter_contract_on_deepseek41(target, which):
         assert all(s.n_accepted == s.n_drafted for s in stats)
     if which == "faulty":
         assert all(0 < s.n_accepted < s.n_drafted for s in stats)
+
+
+def test_mtp_drafter_is_lossless_on_deepseek41(tmp_path):
+    """A deepseek41 file with a random MTP block (run as V4's block: an assumption, see the README):
+    the ``mtp`` drafter's greedy output equals plain decoding and the target's cache matches."""
+    import plinth
+    from plinth.testing import byte_vocab, random_tensors
+    from plinth_deepseek41.deepseek41 import load_hparams, tensor_specs
+    from plinth_deepseek41.mtp import MtpDrafter
+
+    reg = g41.v4.registry()
+    md, tensors, forced = g41.deepseek41_parts("engram_hc2", tmp_path, reg)
+    md.update(byte_vocab())
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"][:256]
+    md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"][:256]
+    del md["tokenizer.ggml.eos_token_id"]
+    md["deepseek41.nextn_predict_layers"] = 1
+    hp = load_hparams(md, "mtp.gguf")
+    extra = random_tensors([s for s in tensor_specs(hp) if s.name.startswith(f"blk.{hp.n_layer}.")], seed=9,
+                           scale=0.3)
+    target = plinth.load_model(g41.write_file(tmp_path / "mtp.gguf", md, {**tensors, **extra}, forced), registry=reg)
+    assert target.graph.n_mtp == 1
+    stats = check_drafter_contract(target, lambda: MtpDrafter(target, n_draft=3), prompts(), max_tokens=20, n_max=3,
+                                   atol=2e-5, rtol=2e-5)
+    assert sum(s.n_drafts for s in stats) > 0
