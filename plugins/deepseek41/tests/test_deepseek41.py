@@ -127,6 +127,15 @@ def test_shared_source_roles(models, tmp_path):
     assert np.abs(own.logits(p) - m.logits(p)).max() > 0.05
 
 
+def test_a_compressor_without_a_gate_at_ratio_1(models):
+    """gateless_r1: HCA layers at ratio 1 whose file has no attn_compressor_gate (one row an entry);
+    its golden (transformers' compressor, gate and all) is matched by test_logits_match_reference."""
+    m = models["gateless_r1"]
+    assert [m.hparams.ratio(il) for il in range(3)] == [1, 0, 1]
+    assert not any("attn_compressor_gate" in n for n in m.weights)
+    assert m.graph.stream_source == {0: 0, 2: 2}
+
+
 @pytest.mark.parametrize("case, drop, add, message", [
     ("lag_flash", "blk.2.attn_compressor_", None,
      r"layer 2 \(compress ratio 8\) would read layer 1's compressed stream, whose ratio is 4"),

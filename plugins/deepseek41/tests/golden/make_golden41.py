@@ -65,6 +65,12 @@ CASES: dict[str, dict[str, Any]] = {
         mlp_layer_types=["hash_moe", "moe", "moe", "moe"])), readers=[3], engram=dict(
         seed=713, layer_ids=[3], n_head=2, max_ngram=2, key_length=32, pad_id=1, mult_bits=37, spare=0,
         primes=[[53, 59]], fold=256)),
+    # a compressor without a gate (allowed at ratio 1 only): HCA at ratio 1, no attn_compressor_gate in the file
+    # (one row an entry: the softmax over one slot is 1 whatever the gate; the reference keeps its gate)
+    "gateless_r1": dict(base=dict(seed=506, prompt_seed=606, config=dict(
+        v4._COMMON, num_hidden_layers=3, hc_mult=2, layer_types=[v4.H, v4.S, v4.H],
+        compress_rates={v4.C: 4, v4.H: 1}, mlp_layer_types=["moe"] * 3)), drop=["attn_compressor_gate"],
+        engram=None),
 }
 
 
@@ -178,6 +184,8 @@ def deepseek41_parts(case: str, tmp: Path, reg: Any = None) -> tuple[dict[str, A
     gf = GGUFFile(convert(folder, tmp / f"{case}-v4.gguf", registry=reg))
     md = relabel(dict(gf.metadata))
     dropped = tuple(f"blk.{il}.attn_compressor_" for il in readers(case))
+    dropped += tuple(f"blk.{il}.{name}" for il in range(base_config(case)["num_hidden_layers"])
+                     for name in CASES[case].get("drop", []))
     tensors = {n: np.array(gf.raw(n)) for n in gf.tensors if not n.startswith(("output_hc_",) + dropped)}
     forced: dict[str, str] = {}
     c = engram_constants(case)
@@ -391,7 +399,8 @@ def reference(case: str, folder: Path) -> list[tuple[list[int], np.ndarray, list
 
 def info(case: str) -> dict[str, Any]:
     """What a golden file records of its case (compared with ``CASES`` by the tests)."""
-    return {"base": CASES[case]["base"], "engram": CASES[case]["engram"], "readers": readers(case)}
+    return {"base": CASES[case]["base"], "engram": CASES[case]["engram"], "readers": readers(case),
+            "drop": CASES[case].get("drop", [])}
 
 
 def make(case: str, tmp: Path) -> Path:
