@@ -113,7 +113,7 @@ def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[s
 
     Values are typed as llama.cpp reads them: bool, uint32 (int32 when negative),
     float32, string, or arrays of those. ``int_types`` forces a key's integer type
-    ("u64", "i64", "i32", "u32"). Integer numpy tensors (e.g. a ``d2t`` map) are
+    ("u64", "i64", "i32", "u32"; for an array key, its elements' type). Integer numpy tensors (e.g. a ``d2t`` map) are
     written with their own type; float tensors as F32 unless ``qtypes`` names a
     ``gguf.GGMLQuantizationType`` for them (quantized with gguf's quantizer).
     """
@@ -126,7 +126,11 @@ def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[s
     for key, value in metadata.items():
         if key == "general.architecture":
             continue
-        if key in forced:
+        if key in forced and isinstance(value, (list, tuple, np.ndarray)):
+            sub = {"u64": gguf.GGUFValueType.UINT64, "i64": gguf.GGUFValueType.INT64,
+                   "i32": gguf.GGUFValueType.INT32, "u32": gguf.GGUFValueType.UINT32}[forced[key]]
+            writer.add_key_value(key, [int(v) for v in value], gguf.GGUFValueType.ARRAY, sub_type=sub)
+        elif key in forced:
             adder = {"u64": writer.add_uint64, "i64": writer.add_int64, "i32": writer.add_int32,
                      "u32": writer.add_uint32}[forced[key]]
             adder(key, int(value))

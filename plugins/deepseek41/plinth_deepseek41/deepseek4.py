@@ -114,13 +114,18 @@ class DeepSeek4Params:
 
 
 def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
-    r = KeyReader(metadata, source, ARCH)
+    return DeepSeek4Params(**read_v4_params(KeyReader(metadata, source, ARCH), metadata, source))
+
+
+def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The fields of :class:`DeepSeek4Params` from the keys under ``r.arch`` (``deepseek4``, or
+    ``deepseek41``, which inherits every V4 key)."""
     n_layer = r.get("block_count")
     n_nextn = r.get("nextn_predict_layers", required=False, default=0)
     head_dim = r.get("attention.key_length")
     gating = r.get("expert_gating_func", required=False, default=GATING_SQRT_SOFTPLUS)
     if gating != GATING_SQRT_SOFTPLUS:
-        raise HParamsError(f"{source}: key '{r.key('expert_gating_func')}' = {gating}; deepseek4 routes experts "
+        raise HParamsError(f"{source}: key '{r.key('expert_gating_func')}' = {gating}; {r.arch} routes experts "
                            f"with sqrt-softplus scores only (value {GATING_SQRT_SOFTPLUS}); this file is not a "
                            "DeepSeek V4 model or was converted wrongly")
     csa, hca = r.get("attention.csa_ratio", required=False, default=4), r.get("attention.hca_ratio",
@@ -131,7 +136,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
                            f"n_layer = {n_layer}" + (f" or n_layer + nextn = {n_layer + n_nextn}" if n_nextn else ""))
     bad = sorted({x for x in ratios if x not in (0, csa, hca)})
     if bad or csa == hca or csa < 1 or hca < 1:
-        raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has ratio(s) {bad}; deepseek4 "
+        raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has ratio(s) {bad}; {r.arch} "
                            f"defines 0 (window only), {csa} (CSA) and {hca} (HCA)")
     n_used = r.get("expert_used_count")
     clamp = _per_layer_with_mtp(r, "swiglu_clamp_exp", n_layer, n_nextn, 0.0)
@@ -147,7 +152,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
                            f"'{r.key('attention.output_group_count')}' = {o_groups} groups")
     hc = r.get("hyper_connection.count")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    return DeepSeek4Params(
+    return dict(
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
         n_embd=r.get("embedding_length"),
         n_layer=n_layer,
@@ -340,6 +345,13 @@ def hc_expand(X: Any, y: Any, mix: HcMix) -> Any:
 
 # ============================================================================ per-layer cache
 
+
+class CompressedStreams(Recurrent):
+    """The compressed streams of one layer (a :class:`Recurrent`: rolled back by snapshot + replay).
+
+    Its own class so that other recurrent kinds on the same layer (deepseek41's Engram token
+    history) are never mistaken for it."""
+
 @attrs.frozen
 class Stream:
     """One compressed stream of one (layer, sequence).
@@ -380,13 +392,13 @@ class LayerCache:
 
     def streams(self, shapes: list[tuple[int, int]]) -> list[Stream]:
         """The layer's streams (empty ones before the first token); shapes: (width, coff) each."""
-        state = self.cache.state(self.il).get(self.seq)
+        state = self.cache.find(self.il, CompressedStreams).get(self.seq)
         if state is None:
             return [Stream.empty(w, c, self.xp) for w, c in shapes]
         return [Stream(*state[3 * i:3 * i + 3]) for i in range(len(shapes))]
 
     def store(self, streams: list[Stream]) -> None:
-        self.cache.state(self.il).set(self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
+        self.cache.find(self.il, CompressedStreams).set(self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
                                                                                      s.rows_score)))
 
 
@@ -554,11 +566,15 @@ class DeepSeek4Graph:
         self.indexers: dict[int, Compressor] = {}
         self.tid2eid: dict[int, Any] = {}
         self.topk_ties = 0  # indexer top-k boundary ties seen so far (see TopKSelection)
+        # the layer whose compressed stream each compressed layer attends to (itself in V4; deepseek41
+        # lets a layer without a compressor read an earlier one's, see ``stream_sources``)
+        self.stream_source: dict[int, int] = self.stream_sources(hp, weights)
         for il in range(hp.n_layer + self.n_mtp):
             b, kind = f"blk.{il}.", hp.kind(il)
-            if kind != WINDOW:
-                self.compressors[il] = Compressor(weights[b + "attn_compressor_kv.weight"],
-                                                  weights[b + "attn_compressor_gate.weight"],
+            if kind != WINDOW and self.stream_source[il] == il:
+                kv = weights[b + "attn_compressor_kv.weight"]
+                gate = weights.get(b + "attn_compressor_gate.weight")
+                self.compressors[il] = Compressor(kv, xp.zeros(kv.shape, dtype=np.float32) if gate is None else gate,
                                                   weights[b + "attn_compressor_ape.weight"],
                                                   weights[b + "attn_compressor_norm.weight"], hp.ratio(il),
                                                   kind == CSA)
@@ -569,6 +585,10 @@ class DeepSeek4Graph:
                                                weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
             if hp.is_hash(il):
                 self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+
+    def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
+        """Per compressed layer, the layer that compresses the stream it reads: V4 layers own theirs."""
+        return {il: il for il in range(hp.n_layer + hp.n_nextn) if hp.kind(il) != WINDOW}
 
     def target_view(self) -> TargetView:
         """What drafters may use of this model (embedding, head, final norm, the MTP draft head)."""
@@ -584,7 +604,8 @@ class DeepSeek4Graph:
 
     def cache_layout(self) -> list[tuple[Any, ...]]:
         """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""
-        return [(KV(),) if self.hp.kind(il) == WINDOW else (KV(), Recurrent()) for il in range(self.hp.n_layer)]
+        return [(KV(), CompressedStreams()) if self.hp.kind(il) != WINDOW and self.stream_source[il] == il else (KV(),)
+                for il in range(self.hp.n_layer)]
 
     # -------------------------------------------------------------- attention
 
@@ -614,7 +635,12 @@ class DeepSeek4Graph:
             keys, kpos = lc.raw(pos, kv[sel])
             d_q = pos[:, None] - kpos[None, :]
             vis = (d_q >= 0) & (d_q < hp.n_swa)
-            if kind != WINDOW:
+            if kind != WINDOW and self.stream_source[il] != il:  # read an earlier layer's stream (same ratio)
+                entries = LayerCache(cache, self.stream_source[il], seq, xp).streams([(d, 1)])[0].entries
+                keys = xp.concatenate([keys, entries])
+                ent_vis = np.arange(entries.shape[0])[None, :] < ((pos + 1) // hp.ratio(il))[:, None]
+                vis = np.concatenate([vis, ent_vis], axis=1)
+            elif kind != WINDOW:
                 comp = self.compressors[il]
                 shapes = [(d, 2 if kind == CSA else 1)] + ([(hp.idx_head_dim, 2)] if kind == CSA else [])
                 streams = lc.streams(shapes)
@@ -648,14 +674,18 @@ class DeepSeek4Graph:
 
     # -------------------------------------------------------------- MoE
 
-    def moe(self, il: int, x: Any, tokens: Any) -> Any:
-        """sqrt-softplus routed SwiGLU experts (hash-routed in the first layers) + the shared expert."""
+    def moe(self, il: int, x: Any, tokens: Any, bias: Any = None) -> Any:
+        """sqrt-softplus routed SwiGLU experts (hash-routed in the first layers) + the shared expert.
+
+        bias: the selection bias of a routed layer ([n_expert] or per row [n, n_expert]); default
+        the layer's ``exp_probs_b``."""
         hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
         scores = xp.sqrt(ops.softplus(ops.linear(x, w[b + "ffn_gate_inp.weight"])))  # [n, n_expert]
         if hp.is_hash(il):
             ids = self.tid2eid[il][tokens]
         else:
-            ids = ops.top_k(scores + w[b + "exp_probs_b.bias"], hp.n_expert_used, axis=-1).indices
+            bias = w[b + "exp_probs_b.bias"] if bias is None else bias
+            ids = ops.top_k(scores + bias, hp.n_expert_used, axis=-1).indices
         weights = xp.take_along_axis(scores, ids, axis=-1)
         if hp.expert_weights_norm:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
@@ -798,5 +828,5 @@ class DeepSeek4:
         return DeepSeek4Graph(hparams, weights, backend)
 
 
-__all__ = ["DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream", "TopKSelection",
+__all__ = ["CompressedStreams", "DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream", "TopKSelection",
            "compress", "hc_mix", "indexer_topk", "load_hparams", "sinkhorn", "tensor_specs"]

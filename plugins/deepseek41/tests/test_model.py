@@ -79,8 +79,8 @@ def test_cache_keeps_compressed_streams_and_raw_keys(flash):
         if hp.kind(il) == "csa":
             assert state[3].shape == (30 // r, hp.idx_head_dim)  # indexer keys
     layout = g.cache_layout()
-    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [["KV"], ["KV", "Recurrent"]] + \
-        [["KV", "Recurrent"]] * 2
+    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [["KV"], ["KV", "CompressedStreams"]] + \
+        [["KV", "CompressedStreams"]] * 2
     ctx = flash.new_context()
     ctx.forward(Batch.from_tokens(prompt(30)))
     assert ctx.recurrent and ctx.rollback_plan(0, 30, 33) == "snapshot"
