@@ -83,7 +83,31 @@ class Context:
         return self.forward(Batch.from_tokens(tokens, start=start, seq=seq, output=output))
 
 
-class Model:
+class ModelFile:
+    """What a model knows from its file: ``n_vocab`` and the tokenizer built from the GGUF metadata
+    (on first use). Needs ``hparams``, ``metadata``, ``path`` and ``_tokenizer`` (None at first)."""
+
+    hparams: Any
+    metadata: dict[str, Any]
+    path: Path
+    _tokenizer: Any
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.hparams.n_vocab)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+
+            tok = Tokenizer.from_metadata(self.metadata, source=str(self.path))
+            check_vocab(tok, self.n_vocab, str(self.path))
+            self._tokenizer = tok
+        return self._tokenizer
+
+
+class Model(ModelFile):
     """A loaded model: hparams, weights on a backend, the architecture's graph."""
 
     def __init__(self, path: Path, arch: str, plugin: str, hparams: Any, specs: Sequence[TensorSpec],
@@ -102,20 +126,6 @@ class Model:
         self.stats = stats
         self.n_ctx = int(n_ctx or hparams.n_ctx_train or 4096)
         self._tokenizer: Any = None
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self.hparams.n_vocab)
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-
-            tok = Tokenizer.from_metadata(self.metadata, source=str(self.path))
-            check_vocab(tok, self.n_vocab, str(self.path))
-            self._tokenizer = tok
-        return self._tokenizer
 
     def target_view(self) -> Any:
         """What a drafter may use of this model: :class:`plinth.graph.TargetView` (embedding, head, sizes)."""

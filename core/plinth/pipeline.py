@@ -31,6 +31,7 @@ import numpy as np
 
 from .context import Batch, ForwardOutput
 from .errors import UserError
+from .model import ModelFile
 
 #: snapshots a stage keeps (the engine takes one per speculative step and restores at most that one)
 MAX_SNAPSHOTS = 8
@@ -290,7 +291,7 @@ class _HostBackend:
         return np.asarray(array)
 
 
-class PipelineModel:
+class PipelineModel(ModelFile):
     """:class:`plinth.model.Model` whose layers run on Ray actors (see :func:`load_pipeline`)."""
 
     def __init__(self, stages: list[Any], ranges: list[tuple[int, int]], infos: list[dict[str, Any]],
@@ -310,21 +311,6 @@ class PipelineModel:
         self.backend = _HostBackend()
         self._tokenizer: Any = None
         self._context: PipelineContext | None = None
-
-    @property
-    def n_vocab(self) -> int:
-        return int(self.hparams.n_vocab)
-
-    @property
-    def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-            from .validation import check_vocab
-
-            tok = Tokenizer.from_metadata(self.metadata, source=str(self.path))
-            check_vocab(tok, self.n_vocab, str(self.path))
-            self._tokenizer = tok
-        return self._tokenizer
 
     def describe(self) -> str:
         parts = [f"layers {a}-{b - 1} on {i['node']} (pid {i['pid']})" for (a, b), i in zip(self.ranges, self.infos)]
