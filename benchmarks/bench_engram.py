@@ -219,11 +219,13 @@ def main() -> None:
         decode_speed(on, warm, 2, 1)
         prompt = rng.integers(0, 8192, args.prompt_tokens).tolist()
         rss1, pages1 = rss_kib(), resident_pages(addr, length)
+        from plinth_deepseek41 import deepseek41 as ds41
+
         taken: list[np.ndarray] = []
-        real_take = table.take
-        table.take = lambda rows: taken.append(np.asarray(rows).ravel()) or real_take(rows)  # record the rows read
-        tps_on, out = decode_speed(on, prompt, args.decode_tokens, args.runs)
-        del table.take
+        real_gather = ds41.gather_rows
+        ds41.gather_rows = lambda t, rows, xp: taken.append(np.asarray(rows).ravel()) or real_gather(t, rows, xp)
+        tps_on, out = decode_speed(on, prompt, args.decode_tokens, args.runs)  # (the rows read, recorded)
+        ds41.gather_rows = real_gather
         rows = np.unique(np.concatenate(taken))
         pages = pages_of_rows(rows)
         toks = prompt + out[:-1]  # the last token is never run

@@ -227,6 +227,12 @@ def advise_random_access(table: Any) -> bool:
 
 def gather_rows(table: Any, rows: np.ndarray, xp: Any) -> Any:
     """table[rows] as float32 [*rows.shape, dk], reading only those rows."""
+    if isinstance(table, QuantWeight) and table.type_name in ("BF16", "F16") and table.raw16 is not None:
+        # a few rows a token: decode them in numpy (no kernel launch across threads for 8 rows)
+        bits = table.raw16[np.asarray(rows)]  # [..., dk] uint16, read from the mapping
+        vals = (bits.astype(np.uint32) << 16).view(np.float32) if table.type_name == "BF16" else \
+            bits.view(np.float16).astype(np.float32)
+        return xp.asarray(vals)
     if isinstance(table, QuantWeight):
         return xp.asarray(table.take(rows))  # a quantized (BF16/F16) table: dequantize just these rows
     return xp.asarray(table[xp.asarray(rows)], dtype=np.float32)

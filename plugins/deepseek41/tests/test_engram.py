@@ -155,7 +155,7 @@ def test_table_with_too_few_rows_is_a_named_error_and_spare_rows_are_fine(tmp_pa
 
 def test_bf16_table_is_read_row_by_row_from_the_mapped_file(tmp_path):
     """A BF16 table loads as a QuantWeight over the memory-mapped file (nothing copied), and a
-    forward dequantizes only the rows it hashes to (recorded through ``take``)."""
+    forward decodes only the rows it hashes to (recorded through ``gather_rows``)."""
     import mmap
 
     from plinth.context import Batch
@@ -172,19 +172,23 @@ def test_bf16_table_is_read_row_by_row_from_the_mapped_file(tmp_path):
     assert isinstance(base, mmap.mmap)  # a view of the file, not a copy
     assert eg.advise_random_access(table)  # MADV_RANDOM: a fault reads its page, not a read-around window
     assert not eg.advise_random_access(np.zeros((4, 4), np.float32))  # nothing to advise on owned memory
+    from plinth_deepseek41 import deepseek41 as ds41
+
     taken = []
-    real = QuantWeight.take
+    real = ds41.gather_rows
 
-    def spy(self, rows):
+    def spy(table_, rows, xp):
         taken.append(np.asarray(rows).copy())
-        return real(self, rows)
+        out = real(table_, rows, xp)
+        np.testing.assert_array_equal(out, table_.take(rows))  # numpy's BF16 decode == the row kernel's
+        return out
 
-    QuantWeight.take = spy
+    ds41.gather_rows = spy
     try:
         toks = [5, 9, 200, 31]
         m.graph.forward(Batch.from_tokens(toks), new_cache(m.graph, m.hparams.n_layer))
     finally:
-        QuantWeight.take = real
+        ds41.gather_rows = real
     ep = m.hparams.engram
     assert len(taken) == 1 and taken[0].shape == (len(toks), ep.n_cols)
     c = g41.engram_constants("engram_hca")
