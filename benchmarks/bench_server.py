@@ -180,7 +180,8 @@ def _report(engine: str, n: int, r: dict) -> str:
 def _start(engine: str, path: str, port: int, args: argparse.Namespace, log: Path):
     from plinth.testing.server import served
 
-    env = {"OPENBLAS_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}
+    env = {"OPENBLAS_NUM_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads),
+           "PLINTH_THREADS": str(args.threads)}  # plinth's kernel threads too, as llama.cpp's --threads
     if engine == "plinth":
         cmd = [sys.executable, "-m", "plinth", "serve", "-m", path, "--port", str(port), "--model-alias", "bench",
                "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--n-ctx", str(args.n_ctx)]
