@@ -7,8 +7,8 @@ Usage::
     python benchmarks/bench_server.py --soak 600 --clients 8 --engines plinth     # the 10-minute soak
 
 Each engine is started as its own server process on 127.0.0.1 (a free port), on the
-same GGUF file: ``plinth serve`` and ``python -m llama_cpp.server`` (``pip install
-'llama-cpp-python[server]'``), both with ``--threads`` threads. For each client count N,
+same GGUF file: ``plinth serve`` and ``python -m llama_cpp.server`` (the ``peer`` extra:
+``pip install -e '.[peer]'``), both with ``--threads`` threads. For each client count N,
 N clients each send streaming chat completions (greedy, ``--max-tokens``, prompts from a
 fixed list) back to back for ``--duration`` seconds, then every client stops (closing the
 streams still running). Printed per level: aggregate generated tokens/s (tokens streamed
