@@ -233,8 +233,12 @@ def make(case: str, tmp: Path) -> Path:
     folder = write_hf_folder(case, tmp / case)
     runs = reference(case, folder)
     c = CASES[case]
-    rec: dict[str, Any] = {"info": json.dumps({"seed": c["seed"], "prompt_seed": c["prompt_seed"],
-                                               "config": c["config"]})}
+    return save_runs(case, {"seed": c["seed"], "prompt_seed": c["prompt_seed"], "config": c["config"]}, runs)
+
+
+def save_runs(case: str, info: dict[str, Any], runs: list[tuple[Any, Any, Any]]) -> Path:
+    """``HERE/case.npz``: the info and, per run, the prompt, the stored logit rows and the greedy tokens."""
+    rec: dict[str, Any] = {"info": json.dumps(info)}
     for i, (p, logits, greedy) in enumerate(runs):
         rec[f"prompt_{i}"] = np.asarray(p, np.int32)
         rows = stored_rows(len(p))

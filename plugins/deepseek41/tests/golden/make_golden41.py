@@ -405,17 +405,7 @@ def info(case: str) -> dict[str, Any]:
 
 def make(case: str, tmp: Path) -> Path:
     folder = write_hf_folder(case, tmp / case)
-    runs = reference(case, folder)
-    rec: dict[str, Any] = {"info": json.dumps(info(case))}
-    for i, (p, logits, greedy) in enumerate(runs):
-        rows = v4.stored_rows(len(p))
-        rec[f"prompt_{i}"] = np.asarray(p, np.int32)
-        rec[f"rows_{i}"] = rows.astype(np.int32)
-        rec[f"logits_{i}"] = logits[rows].astype(np.float32)
-        rec[f"greedy_{i}"] = np.asarray(greedy, np.int32)
-    path = HERE / f"{case}.npz"
-    np.savez_compressed(path, **rec)
-    return path
+    return v4.save_runs(case, info(case), reference(case, folder))
 
 
 def main(argv: list[str]) -> None:
