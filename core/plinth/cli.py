@@ -88,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
         return 130
 
 
+def plugin_selection(args: argparse.Namespace) -> dict[str, object]:  # noqa: F821
+    """The :func:`plinth.plugins.discover` arguments of the global plugin options in ``args``."""
+    return {"plugins": args.plugins, "disable": args.disable_plugins, "strict": args.strict_plugins,
+            "prefer": args.prefer}
+
+
 def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
     """Parse a command line as ``plinth`` does (plugin discovery from the global options and the
     environment, every option and rule checked) without running it: ``args.func(args)`` runs it.
@@ -102,8 +108,7 @@ def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
 
     from .plugins import discover
 
-    registry = discover(plugins=pre.plugins, disable=pre.disable_plugins,
-                        strict=pre.strict_plugins, prefer=pre.prefer)
+    registry = discover(**plugin_selection(pre))
     parser = build_parser(registry, strict=bool(registry.strict))
     args = parser.parse_args(rest)
     for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):

@@ -51,6 +51,17 @@ class Context:
         self.cache = Cache(n_layer, model.backend.xp, layout() if layout is not None else None)
 
     def forward(self, batch: Batch) -> ForwardOutput:
+        return self._run(batch, lambda: self.model.graph.forward(batch, self.cache, taps=self.taps,
+                                                                 pooling=self.pooling))
+
+    def forward_stage(self, batch: Batch, x: Any, start: int, stop: int) -> Any:
+        """Layers ``start..stop-1`` only (:meth:`plinth.graph.BaseGraph.forward_stage`): one stage of a
+        model split by layers, with the residual rows ``x`` of the stage before (None on the first)."""
+        return self._run(batch, lambda: self.model.graph.forward_stage(batch, self.cache, x, start, stop,
+                                                                       taps=self.taps, pooling=self.pooling))
+
+    def _run(self, batch: Batch, forward: Any) -> Any:
+        """``forward()`` inside the context limit, with the cache told the batch's positions before and after."""
         for seq in np.unique(batch.seq_ids):
             n = int(self.cache.n_cached(int(seq)) + np.count_nonzero(batch.seq_ids == seq))
             if n > self.model.n_ctx:
@@ -59,7 +70,7 @@ class Context:
                     f"the context holds {self.model.n_ctx} (raise it with n_ctx=...)"
                 )
         self.cache.begin(batch.positions, batch.seq_ids)
-        out = self.model.graph.forward(batch, self.cache, taps=self.taps, pooling=self.pooling)
+        out = forward()
         for seq in np.unique(batch.seq_ids):
             self.cache.observe(int(seq), int(batch.positions[batch.seq_ids == seq].max()) + 1)
         return out

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from .context import Batch, ForwardOutput
-from .errors import UserError
+from .errors import UserError, missing_extra
 from .model import ModelFile
 
 #: snapshots a stage keeps (the engine takes one per speculative step and restores at most that one)
@@ -60,8 +60,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise UserError(f"a pipeline over Ray actors needs the 'ray' extra ({exc.name} is missing): "
-                        "pip install 'plinth[ray]'") from None
+        raise missing_extra("a pipeline over Ray actors", "ray", exc) from None
     return ray
 
 
@@ -118,18 +117,7 @@ class Stage:
 
     def forward(self, batch: Batch, x: Any) -> Any:
         """This stage's layers on ``batch`` (``x``: the stage before's residual; None on stage 0)."""
-        cache = self.ctx.cache
-        seqs = np.unique(batch.seq_ids)
-        if self.start == 0:
-            for seq in seqs:
-                n = int(cache.n_cached(int(seq)) + np.count_nonzero(batch.seq_ids == seq))
-                if n > self.model.n_ctx:
-                    raise UserError(f"context limit exceeded: sequence {int(seq)} would hold {n} tokens, "
-                                    f"the context holds {self.model.n_ctx}")
-        cache.begin(batch.positions, batch.seq_ids)
-        out = self.model.graph.forward_stage(batch, cache, x, self.start, self.stop)
-        for seq in seqs:
-            cache.observe(int(seq), int(batch.positions[batch.seq_ids == seq].max()) + 1)
+        out = self.ctx.forward_stage(batch, x, self.start, self.stop)
         to_numpy = self.model.backend.to_numpy
         if self.last:
             return np.asarray(out.rows), np.asarray(to_numpy(out.logits), dtype=np.float32)

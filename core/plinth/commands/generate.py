@@ -56,19 +56,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     from ..plugins import PluginError
 
     sub = subparser_of(parser, args)
-    if not hasattr(args, "ray_stages"):
-        pass
-    elif args.ray_stages is None:
-        for flag, value in (("--ray-address", getattr(args, "ray_address", None)),
-                            ("--ray-split", getattr(args, "ray_split", None))):
-            require(sub, value is None, f"{flag} needs --ray-stages N")
-    elif getattr(args, "image", None) is not None:
-        require(sub, False, "--image with --ray-stages: a pipeline takes token prompts only (the image encoder "
-                "needs the model in one process)")
-    elif args.ray_split is not None:
-        require(sub, len(args.ray_split) == args.ray_stages - 1,
-                f"--ray-split gives {len(args.ray_split)} first layer(s); {args.ray_stages} stages need "
-                f"{args.ray_stages - 1}")
+    if hasattr(args, "ray_stages"):
+        _check_pipeline_args(sub, args)
     if hasattr(args, "spec_n_max"):
         require(sub, args.spec_n_min <= args.spec_n_max,
                 f"--spec-n-min {args.spec_n_min} is larger than --spec-n-max {args.spec_n_max}")
@@ -228,12 +217,12 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
     _set_threads(args)
     t0 = time.perf_counter()
     if getattr(args, "ray_stages", None):
+        from ..cli import plugin_selection
         from ..pipeline import load_pipeline
 
-        plugins = {"plugins": args.plugins, "disable": args.disable_plugins, "strict": args.strict_plugins,
-                   "prefer": args.prefer}
         model = load_pipeline(args.model or hub.DEFAULT_MODEL, args.ray_stages, address=args.ray_address,
-                              split=args.ray_split, backend=getattr(args, "backend", "numpy"), plugins=plugins,
+                              split=args.ray_split, backend=getattr(args, "backend", "numpy"),
+                              plugins=plugin_selection(args),
                               threads=args.threads, cpus=args.ray_cpus)
         if tokenizer:
             model.tokenizer
@@ -360,6 +349,19 @@ def _pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="first layer of stages 2..N (default: layers split evenly)")
     g.add_argument("--ray-cpus", type=float_range(0.0, lo_open=True), default=1.0, metavar="CPUS",
                    help="CPUs Ray reserves for each stage (default 1)")
+
+
+def _check_pipeline_args(sub: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.ray_stages is None:
+        for flag, value in (("--ray-address", args.ray_address), ("--ray-split", args.ray_split)):
+            require(sub, value is None, f"{flag} needs --ray-stages N")
+        return
+    require(sub, getattr(args, "image", None) is None, "--image with --ray-stages: a pipeline takes token prompts "
+            "only (the image encoder needs the model in one process)")
+    if args.ray_split is not None:
+        require(sub, len(args.ray_split) == args.ray_stages - 1,
+                f"--ray-split gives {len(args.ray_split)} first layer(s); {args.ray_stages} stages need "
+                f"{args.ray_stages - 1}")
 
 
 def _int_list(text: str) -> list[int]:

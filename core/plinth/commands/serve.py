@@ -79,10 +79,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError as exc:
-        from ..errors import UserError
+        from ..errors import missing_extra
 
-        raise UserError(f"plinth serve needs the 'serve' extra ({exc.name} is missing): "
-                        "pip install 'plinth[serve]'") from None
+        raise missing_extra("plinth serve", "serve", exc) from None
     from ..serve.app import build_app
 
     server = build_server(args, progress=True)
@@ -95,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
     """The model, its scheduler and drafters from parsed ``plinth serve`` options: what one server (or one
     Ray Serve replica) runs. The scheduler is started by the app's lifespan."""
-    from ..errors import UserError
+    from ..errors import UserError, missing_extra
 
     if args.spec_synthetic is not None:
         raise UserError("--spec-synthetic is for benchmarks of `plinth generate`; a server must return the "
@@ -103,8 +102,7 @@ def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
     try:
         from ..serve.app import Server
     except ImportError as exc:
-        raise UserError(f"plinth serve needs the 'serve' extra ({exc.name} is missing): "
-                        "pip install 'plinth[serve]'") from None
+        raise missing_extra("plinth serve", "serve", exc) from None
     from .. import hub
     from ..model import load_model
     from ..serve.scheduler import Scheduler

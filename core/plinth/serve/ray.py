@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from ..errors import UserError
+from ..errors import UserError, missing_extra
 
 #: environment variables carried to every replica (plugin selection, kernels, threads)
 CARRIED_ENV = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGINS", "PLINTH_PREFER", "PLINTH_STRICT_PLUGINS", "PLINTH_THREADS",
@@ -41,8 +41,7 @@ def _ray() -> tuple[Any, Any]:
         import ray
         from ray import serve
     except ImportError as exc:
-        raise UserError(f"plinth on Ray needs the 'ray' extra ({exc.name} is missing): "
-                        "pip install 'plinth[ray]'") from None
+        raise missing_extra("plinth on Ray", "ray", exc) from None
     return ray, serve
 
 
@@ -60,12 +59,12 @@ class PlinthReplica:
     """One Ray Serve replica: a whole ``plinth serve`` (model, scheduler, OpenAI routes)."""
 
     def __init__(self, fields: dict[str, Any]) -> None:
+        from ..cli import plugin_selection
         from ..commands.serve import build_server
         from ..plugins import discover
 
         args = argparse.Namespace(**fields)
-        args.registry = discover(plugins=args.plugins, disable=args.disable_plugins, strict=args.strict_plugins,
-                                 prefer=args.prefer)
+        args.registry = discover(**plugin_selection(args))
         self.server = build_server(args)
 
     def __serve_build_asgi_app__(self) -> Any:
