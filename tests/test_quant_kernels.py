@@ -3,7 +3,9 @@
 Oracle: ``gguf.quants.dequantize`` (gguf-py, an independent implementation of the block
 formats) times x in float64. The f32-activation kernels must agree within 1e-5 relative
 (max abs error over max abs reference) for decode-sized (1..16 rows, the block kernels)
-and prompt-sized batches (dequantized tiles into BLAS).
+and prompt-sized batches (dequantized tiles into BLAS). The int8-activation kernels quantize
+x per 32 values as gguf-py's Q8_0 quantizer does (checked against it) and must then agree
+within 1e-5 with the dequantized weight times the dequantized activations.
 """
 
 from __future__ import annotations
@@ -53,10 +55,22 @@ def _rel_err(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max())
 
 
+@pytest.fixture
+def f32_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The f32-activation kernels (as with PLINTH_INT8=0 or a CPU without AVX2)."""
+    monkeypatch.setitem(quant._state, "i8", False)
+
+
+needs_int8 = pytest.mark.skipif(quant.compiled_i8() is None, reason="int8 kernels off here (no AVX2/F16C or numba)")
+I8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+
+
 @pytest.mark.parametrize("type_name", TYPES)
-@pytest.mark.parametrize("kernel_rows", [quant.KERNEL_MAX_ROWS, 16])  # the kernels also at larger m
-def test_kernel_product_matches_gguf_dequantizer(type_name: str, kernel_rows: int, monkeypatch) -> None:
+@pytest.mark.parametrize("kernel_rows", [quant.F32_KERNEL_MAX_ROWS, 16])  # the kernels also at larger m
+def test_kernel_product_matches_gguf_dequantizer(type_name: str, kernel_rows: int, monkeypatch,
+                                                 f32_activations) -> None:
     monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", kernel_rows)
+    monkeypatch.setattr(quant, "F32_KERNEL_MAX_ROWS", kernel_rows)
     raw = _packed(type_name)
     ref_w = _reference(raw, type_name)
     w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
@@ -72,7 +86,76 @@ def test_kernel_product_matches_gguf_dequantizer(type_name: str, kernel_rows: in
     assert np.array_equal(np.asarray(w), ref_w.astype(np.float32))
 
 
-def test_stack_and_views_stay_quantized() -> None:
+def _q8_round_trip(x: np.ndarray) -> np.ndarray:
+    """x as the int8 kernels see it: quantized per 32 values and back (float64)."""
+    k8 = quant.compiled_i8()
+    m, n = x.shape
+    xq, xd = np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32)
+    k8.quantize_rows(x, xq, xd, np.empty((m, n // 32), np.int32), np.empty((m, n // 16), np.int32))
+    return (xq.reshape(m, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(m, n)
+
+
+@needs_int8
+def test_int8_activations_are_gguf_q8_0() -> None:
+    """quantize_rows makes the blocks gguf-py's Q8_0 quantizer makes (llama.cpp's activation format;
+    it stores the scale as f16, the kernels keep it f32)."""
+    k8 = quant.compiled_i8()
+    x = (np.random.default_rng(6).standard_normal((5, N_IN)) * 3).astype(np.float32)
+    x[1, :32] = 0.0  # an all-zero block
+    xq, xd = np.empty((5, N_IN), np.int8), np.empty((5, N_IN // 32), np.float32)
+    xs, xs16 = np.empty((5, N_IN // 32), np.int32), np.empty((5, N_IN // 16), np.int32)
+    k8.quantize_rows(x, xq, xd, xs, xs16)
+    blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
+    ref_d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(5, -1)
+    ref_q = blocks[:, 2:].view(np.int8).reshape(5, N_IN)
+    assert np.allclose(xd, ref_d, rtol=1e-3, atol=0)
+    assert np.abs(xq.astype(int) - ref_q).max() <= 1 and (xq == ref_q).mean() > 0.999
+    assert np.array_equal(xs, xq.reshape(5, -1, 32).sum(-1)) and np.array_equal(xs16, xq.reshape(5, -1, 16).sum(-1))
+
+
+@needs_int8
+@pytest.mark.parametrize("type_name", I8_TYPES)
+def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
+    raw = _packed(type_name, seed=7)
+    ref_w = _reference(raw, type_name)
+    w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
+    rng = np.random.default_rng(8)
+    for m in (1, 2, 4, 7, 16, quant.KERNEL_MAX_ROWS):  # one row, the four-row steps and their tails
+        x = (rng.standard_normal((m, N_IN)) + 0.5).astype(np.float32)
+        y = w.matmul(x)
+        assert y.shape == (m, N_OUT) and y.dtype == np.float32
+        err = _rel_err(y, _q8_round_trip(x) @ ref_w.T)
+        assert err < 1e-5, f"{type_name} m={m}: relative error {err:.2e} against the Q8_0 activations"
+        assert _rel_err(y, x.astype(np.float64) @ ref_w.T) < 3e-2  # what the activation rounding costs
+
+
+@needs_int8
+def test_int8_rows_do_not_depend_on_the_batch() -> None:
+    """A row's product is bit for bit the same alone or among others (four-row groups and tails):
+    a verify batch or a server step computes each row as a lone decode would."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((7, N_IN)).astype(np.float32)
+    for name in I8_TYPES:
+        w = QuantWeight(_packed(name, seed=3), int(GGMLType[name]), (N_OUT, N_IN))
+        together = w.matmul(x)
+        for r in range(7):
+            assert np.array_equal(w.matmul(x[r:r + 1])[0], together[r]), f"{name} row {r}"
+
+
+@needs_int8
+def test_int8_stacked_parts_in_one_product() -> None:
+    """A stack of parts of different types (a fused QKV) is one int8 product, equal to the parts'."""
+    names = ["Q5_0", "Q6_K", "Q8_0"]
+    raws = [_packed(n, seed=10 + i) for i, n in enumerate(names)]
+    parts = [QuantWeight(r, int(GGMLType[n]), (N_OUT, N_IN)) for r, n in zip(raws, names)]
+    s = quant.stack(parts)
+    x = np.random.default_rng(9).standard_normal((5, N_IN)).astype(np.float32)
+    ref = _q8_round_trip(x) @ np.concatenate([_reference(r, n) for r, n in zip(raws, names)]).T
+    assert _rel_err(s.matmul(x), ref) < 1e-5
+    assert np.array_equal(s.matmul(x), np.concatenate([p.matmul(x) for p in parts], axis=1))
+
+
+def test_stack_and_views_stay_quantized(f32_activations) -> None:
     import plinth.ops as ops
 
     a, b = _packed("Q4_K", 2), _packed("Q4_K", 3)

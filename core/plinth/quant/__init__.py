@@ -5,7 +5,10 @@ pass it to :func:`plinth.ops.linear` like a float32 ``[n_out, n_in]`` matrix and
 :func:`plinth.ops.linear` dispatches on it.
 
 - Decode and small batches (1..``KERNEL_MAX_ROWS`` rows): a compiled kernel reads every block
-  once for all rows (:mod:`plinth.quant.kernels`).
+  once for all rows. On CPUs with AVX2 the activation rows are quantized per 32 values to int8
+  and meet the blocks in integer SIMD dot products (:mod:`plinth.quant.kernels_i8`, as llama.cpp
+  does); elsewhere, or with ``PLINTH_INT8=0``, f32 activations multiply the dequantized values
+  (:mod:`plinth.quant.kernels`; also MXFP4, F16 and BF16 always).
 - Prompt batches: tiles of output rows are dequantized on the fly into a small f32 buffer and
   multiplied with BLAS; no f32 copy of the whole weight stays resident.
 - Embedding lookups: :meth:`QuantWeight.take` dequantizes only the rows asked for.
@@ -28,13 +31,20 @@ from typing import Any
 
 import numpy as np
 
+from . import blas
+
 log = logging.getLogger("plinth.quant")
 
-#: at most this many activation rows go through the block kernels; more use dequantized tiles + BLAS.
-#: A kernel pass costs about m times one row, a tile pass about the same for any m up to ~64, so
-#: the two cross at 5-6 rows (a SmolLM2 Q4_1 forward, one thread: 5 rows 153 vs 207 ms, 6 rows
-#: 230 vs 202 ms; benchmarks/README.md "Quantized weights")
-KERNEL_MAX_ROWS = 5
+#: at most this many activation rows go through the int8 kernels; more use dequantized tiles + BLAS.
+#: The int8 kernels read each weight block once for all rows, four rows to an unpacked block, so
+#: their cost grows slowly with m; the tiles pay a dequantization of the whole model per forward.
+#: SmolLM2 Q4_1 forward of m rows after 64 cached tokens, 2 threads: kernels 56.6 / 97.7 / 193.6 /
+#: 327.2 ms at m = 16 / 32 / 64 / 128, tiles 434 / 428 / 272 / 327 ms (benchmarks/README.md)
+KERNEL_MAX_ROWS = 64
+#: the same bound for the f32-activation kernels (no AVX2, PLINTH_INT8=0, MXFP4/F16/BF16), whose
+#: cost is about m times one row: they cross the tiles at 5-6 rows (a SmolLM2 Q4_1 forward, one
+#: thread: 5 rows 153 vs 207 ms, 6 rows 230 vs 202 ms)
+F32_KERNEL_MAX_ROWS = 5
 
 
 def _kernel_rows_from_env() -> int:
@@ -50,10 +60,11 @@ def _kernel_rows_from_env() -> int:
 
 
 KERNEL_MAX_ROWS = _kernel_rows_from_env()
+F32_KERNEL_MAX_ROWS = min(F32_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS)
 #: f32 bytes of one dequantized tile in the prompt path
 TILE_BYTES = 4 << 20
 
-_state: dict[str, Any] = {"kernels": None, "threads": None, "note": None}
+_state: dict[str, Any] = {"kernels": None, "i8": None, "threads": None, "note": None}
 
 
 def compiled() -> Any:
@@ -63,12 +74,45 @@ def compiled() -> Any:
     return _state["kernels"] or None
 
 
+def compiled_i8() -> Any:
+    """The int8-activation kernel module, or None (kernels off, ``PLINTH_INT8=0``, or no AVX2/F16C)."""
+    if compiled() is None:
+        return None
+    if _state["i8"] is None:
+        _state["i8"] = _load_i8()
+    return _state["i8"] or None
+
+
+def _load_i8() -> Any:
+    if compiled() is None:
+        return False
+    text = os.environ.get("PLINTH_INT8", "1")
+    if text not in ("0", "1"):
+        from ..errors import UserError
+
+        raise UserError(f"PLINTH_INT8={text!r}: 1 (int8 activations where the CPU has AVX2) or 0 (f32 activations)")
+    if text == "0":
+        return False
+    from . import simd
+
+    if not simd.available():
+        _note("this CPU lacks AVX2/F16C: quantized weights use the f32-activation kernels (slower)")
+        return False
+    from . import kernels_i8
+
+    return kernels_i8
+
+
 def _load_kernels() -> Any:
     if os.environ.get("PLINTH_KERNELS", "1") == "0":
         _note("PLINTH_KERNELS=0: quantized weights are multiplied through numpy tiles (slow)")
         return False
     try:
-        os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # no spinning pool next to OpenBLAS
+        # OpenMP's pool: a parallel region starts in microseconds (the workqueue layer takes ~50 us, which
+        # a decode step of ~200 products cannot afford). Its threads spin a while after each region, so
+        # only decode-sized products run in parallel regions; prompt tiles dequantize on the calling
+        # thread while BLAS has the cores.
+        os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", "omp tbb workqueue")
         from . import kernels as k
     except ImportError as exc:
         _note(f"numba is not importable ({exc}); quantized weights use numpy tiles (slow): pip install numba")
@@ -123,6 +167,12 @@ def threads() -> int:
     return int(_state["threads"] or default_threads())
 
 
+def blas_threads() -> int:
+    """OpenBLAS threads for prompt tiles: the kernel threads, or fewer where OPENBLAS_NUM_THREADS says so."""
+    env = os.environ.get("OPENBLAS_NUM_THREADS", "")
+    return min(threads(), int(env)) if env.isdigit() and int(env) > 0 else threads()
+
+
 def _cache_warm(k: Any) -> bool:
     """Whether numba's on-disk cache already holds the kernels (else the first call compiles)."""
     from pathlib import Path
@@ -130,7 +180,8 @@ def _cache_warm(k: Any) -> bool:
     dirs = [Path(k.__file__).parent / "__pycache__"]
     if os.environ.get("NUMBA_CACHE_DIR"):
         dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
-    return any(any(d.rglob("kernels.matmul_fast-*.nbi")) for d in dirs if d.is_dir())
+    return any(any(d.rglob("kernels_i8.linear-*.nbi")) and any(d.rglob("kernels.dequantize_fast_serial-*.nbi"))
+               for d in dirs if d.is_dir())
 
 
 class QuantWeight:
@@ -162,6 +213,7 @@ class QuantWeight:
             raise ValueError(f"QuantWeight: {self.raw.shape[1]} bytes a row do not hold {self.shape[1]} "
                              f"{self.type_name} values")
         self.raw16 = self.raw.view(np.uint16) if self.raw.shape[1] % 2 == 0 else None
+        self._i8: Any = None  # the int8 kernel's arguments once known (False: not that path)
 
     # ------------------------------------------------------------------ array-like
 
@@ -197,18 +249,20 @@ class QuantWeight:
 
     def dequantize(self) -> np.ndarray:
         """The whole tensor as float32 [n_out, n_in] (a new array)."""
-        return self.take(np.arange(self.shape[0]))
+        return self.take(np.arange(self.shape[0]), parallel=True)
 
-    def take(self, rows: Any) -> np.ndarray:
-        """float32 [*rows.shape, n_in]: the given rows dequantized (an embedding lookup)."""
+    def take(self, rows: Any, parallel: bool = False) -> np.ndarray:
+        """float32 [*rows.shape, n_in]: the given rows dequantized (an embedding lookup), on the
+        calling thread; ``parallel=True``: over the kernel threads (a whole tensor)."""
         rows = np.asarray(rows)
         flat = rows.reshape(-1).astype(np.intp)
         out = np.empty((flat.size, self.shape[1]), dtype=np.float32)
         k = compiled()
         if k is not None and self.raw16 is not None and flat.size and self.ggml_type in k.FAST_TYPES:
-            k.dequantize_fast(self.ggml_type, self.raw, self.raw16, flat, k.F16_TABLE, out)
+            (k.dequantize_fast if parallel else k.dequantize_fast_serial)(self.ggml_type, self.raw, self.raw16, flat,
+                                                                          k.F16_TABLE, out)
         elif k is not None and self.raw16 is not None and flat.size:
-            k.dequantize_rows(self.ggml_type, self.qk, self.raw, self.raw16, flat, k.F16_TABLE,
+            (k.dequantize_rows if parallel else k.dequantize_rows_serial)(self.ggml_type, self.qk, self.raw, self.raw16, flat, k.F16_TABLE,
                               k.FP4_VALUES, out)
         elif flat.size:
             from ..gguf import quants
@@ -229,7 +283,15 @@ class QuantWeight:
         k = compiled()
         if m == 0:
             return out
-        if k is not None and m <= KERNEL_MAX_ROWS and self.raw16 is not None:
+        if m <= KERNEL_MAX_ROWS and self._i8 is not None and self._i8 is not False and k is not None:
+            blas.use(1)
+            compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
+            return out
+        if self._i8 is None and m <= KERNEL_MAX_ROWS:  # first product: settle the int8 path once
+            self._i8 = _i8_args([self]) or False
+            return self.matmul(x)
+        if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
+            blas.use(1)
             x = np.ascontiguousarray(x, dtype=np.float32)
             if self.ggml_type in k.FAST_TYPES:
                 k.matmul_fast(self.ggml_type, self.raw, self.raw16, x, k.F16_TABLE, out)
@@ -238,6 +300,7 @@ class QuantWeight:
             k.matmul_rows(self.ggml_type, self.qk, self.raw, self.raw16, x, k.F16_TABLE, k.FP4_VALUES, out,
                           chunk)
             return out
+        blas.use(blas_threads())
         tile = max(64, TILE_BYTES // (4 * self.shape[1]))
         for o0 in range(0, self.shape[0], tile):
             o1 = min(self.shape[0], o0 + tile)
@@ -258,6 +321,7 @@ class StackedWeight:
         self.parts = list(parts)
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         self._starts = np.cumsum([0] + [p.shape[0] for p in parts])
+        self._i8: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -283,7 +347,32 @@ class StackedWeight:
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
+        m = x.shape[0]
+        if self._i8 is None:
+            self._i8 = _i8_args(self.parts) or False
+        if 0 < m <= KERNEL_MAX_ROWS and self._i8 is not False and compiled() is not None:  # one int8 product
+            blas.use(1)
+            out = np.empty((m, self.shape[0]), dtype=np.float32)
+            compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
+            return out
         return np.concatenate([p.matmul(x) for p in self.parts], axis=1)
+
+
+def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
+    """(types, raws, starts) for :func:`plinth.quant.kernels_i8.linear`, or None where the int8
+    kernels are off or some part is of another type (or too many parts)."""
+    k8 = compiled_i8()
+    if k8 is None or not 0 < len(parts) <= k8.MAX_PARTS:
+        return None
+    if any(p.ggml_type not in k8.I8_TYPES or p.shape[1] % 32 for p in parts):
+        return None
+    raws = [np.ascontiguousarray(p.raw) for p in parts]
+    for r in raws:
+        r.flags.writeable = False  # (one array type: one compile)
+    raws += [raws[0]] * (k8.MAX_PARTS - len(raws))
+    ts = np.array([p.ggml_type for p in parts], dtype=np.int64)
+    starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
+    return ts, tuple(raws), starts
 
 
 #: the weight objects ops.linear multiplies through their own ``matmul``

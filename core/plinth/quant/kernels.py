@@ -105,21 +105,31 @@ def matmul_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarr
                 out[r, o] = acc[r]
 
 
+@njit(cache=True, inline="always")
+def _deq_generic_row(t: int, qk: int, row: np.ndarray, row16: np.ndarray, f16: np.ndarray, fp4: np.ndarray,
+                     y: np.ndarray) -> None:
+    """y[:] = one MXFP4, F16 or BF16 weight row as float32."""
+    buf = np.empty(qk, dtype=np.float32)
+    bufu = buf.view(np.uint32)
+    for ib in range(y.shape[0] // qk):
+        _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
+        y[ib * qk:(ib + 1) * qk] = buf
+
+
 @njit(cache=True, parallel=True)
 def dequantize_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray,
                     f16: np.ndarray, fp4: np.ndarray, out: np.ndarray) -> None:
     """out[k] = row ``rows[k]`` of W as float32.  out: float32 [len(rows), n_in]."""
-    n_in = out.shape[1]
-    nb = n_in // qk
     for k in prange(rows.shape[0]):
-        buf = np.empty(qk, dtype=np.float32)
-        bufu = buf.view(np.uint32)
-        o = rows[k]
-        row = raw[o]
-        row16 = raw16[o]
-        for ib in range(nb):
-            _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
-            out[k, ib * qk:(ib + 1) * qk] = buf
+        _deq_generic_row(t, qk, raw[rows[k]], raw16[rows[k]], f16, fp4, out[k])
+
+
+@njit(cache=True)
+def dequantize_rows_serial(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray,
+                           f16: np.ndarray, fp4: np.ndarray, out: np.ndarray) -> None:
+    """:func:`dequantize_rows` on the calling thread (prompt tiles: BLAS has the cores)."""
+    for k in range(rows.shape[0]):
+        _deq_generic_row(t, qk, raw[rows[k]], raw16[rows[k]], f16, fp4, out[k])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,4 +397,12 @@ def dequantize_fast(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray
                     out: np.ndarray) -> None:
     """out[k] = row ``rows[k]`` of W (type t in FAST_TYPES) as float32.  out: [len(rows), n_in]."""
     for k in prange(rows.shape[0]):
+        _deq_row(t, raw[rows[k]], raw16[rows[k]], f16, out[k])
+
+
+@njit(cache=True, fastmath=True)
+def dequantize_fast_serial(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.ndarray, f16: np.ndarray,
+                           out: np.ndarray) -> None:
+    """:func:`dequantize_fast` on the calling thread (prompt tiles: BLAS has the cores)."""
+    for k in range(rows.shape[0]):
         _deq_row(t, raw[rows[k]], raw16[rows[k]], f16, out[k])

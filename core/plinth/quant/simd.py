@@ -1,0 +1,287 @@
+"""AVX2 integer dot products for numba kernels, written as LLVM IR (``numba.extending.intrinsic``).
+
+These are the instructions llama.cpp's x86 kernels are built on: ``pmaddubsw`` multiplies 32
+unsigned bytes by 32 signed bytes and adds neighbouring pairs into 16 int16 lanes, ``pmaddwd``
+against ones widens and pairs them into 8 int32 lanes. A weight block's quants (unpacked in
+registers) meet an activation block quantized to int8, so 32 multiply-adds take a handful of
+instructions where f32 lanes take four FMAs plus the dequantization.
+
+Two kinds of intrinsic:
+
+- ``rows1_<type>`` / ``rows4_<type>`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
+  Q8_0): the whole loop over a weight row's blocks, for one or four activation rows. Each block
+  is unpacked once; the int32 products go to float in their 8 lanes and accumulate there, one
+  horizontal sum per row at the end (the shape of llama.cpp's ``ggml_vec_dot_*_q8_0`` loops).
+- ``dot_bits`` / ``dot_bits_halves`` for the K-quant sub-blocks (one 32-value dot, its int32
+  sum or two 16-value half sums), which the numba code around them scales.
+
+Arrays are passed with element offsets and not bounds-checked: callers index whole blocks.
+Saturation: ``pmaddubsw`` saturates int16 pair sums; with unsigned weights below 64 and int8
+activations in [-127, 127] a pair is at most 2 * 63 * 127 = 16002, and the signed Q8_0 path
+multiplies |w| <= 128 by the sign-moved activation, at most 2 * 128 * 127 = 32512 < 32767.
+
+:func:`available` says whether the host CPU has AVX2 (and F16C); callers fall back to the f32
+kernels where it does not.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_i8, _i16, _i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_v32i8 = ir.VectorType(_i8, 32)
+_v16i8 = ir.VectorType(_i8, 16)
+_v16i16 = ir.VectorType(_i16, 16)
+_v8i32 = ir.VectorType(_i32, 8)
+_v4i32 = ir.VectorType(_i32, 4)
+
+
+def available() -> bool:
+    """AVX2 and F16C on the host (what the kernels of :mod:`plinth.quant.kernels_i8` use)."""
+    try:
+        import llvmlite.binding as llvm
+
+        feats = llvm.get_host_cpu_features()
+        return bool(feats.get("avx2")) and bool(feats.get("f16c"))
+    except Exception:  # pragma: no cover - llvmlite without host feature queries
+        return False
+
+
+def _ptr(context, builder, arrty, arr, off, vecty):
+    """Pointer to element ``off`` of a 1-D contiguous array, cast to ``vecty*``."""
+    a = cgutils.create_struct_proxy(arrty)(context, builder, value=arr)
+    p = builder.gep(a.data, [off])
+    return builder.bitcast(p, vecty.as_pointer())
+
+
+def _load(builder, p):
+    v = builder.load(p)
+    v.align = 1
+    return v
+
+
+def _fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _splat(ty, n, value):
+    return ir.Constant(ir.VectorType(ty, n), [value] * n)
+
+
+def _mask(idx):
+    idx = list(idx)
+    return ir.Constant(ir.VectorType(_i32, len(idx)), idx)
+
+
+def _madd32(builder, w, x):
+    """<8 x i32> pair sums of 32 unsigned w bytes times 32 signed x bytes."""
+    p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8]), [w, x])
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]),
+                        [p16, _splat(_i16, 16, 1)])
+
+
+def _hsum(builder, v, lanes):
+    """Sum of ``lanes`` consecutive int32 lanes of an <8 x i32>, starting at lane 0 or 4."""
+    return builder.call(_fn(builder, "llvm.vector.reduce.add.v4i32", _i32, [_v4i32]), [v]) if lanes == 4 else \
+        builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [_v8i32]), [v])
+
+
+def _halves(builder, v):
+    lo = builder.shuffle_vector(v, v, _mask([0, 1, 2, 3]))
+    hi = builder.shuffle_vector(v, v, _mask([4, 5, 6, 7]))
+    return _hsum(builder, lo, 4), _hsum(builder, hi, 4)
+
+
+def _nibbles(builder, p):
+    """The 32 4-bit quants of 16 bytes at ``p`` (<16 x i8>*): low nibbles first, then high."""
+    qb = _load(builder, p)
+    lo = builder.and_(qb, _splat(_i8, 16, 15))
+    hi = builder.lshr(qb, _splat(_i8, 16, 4))
+    return builder.shuffle_vector(lo, hi, _mask(range(32)))
+
+
+def _add_fifth_bit(builder, w, qh):
+    """w | 16 where bit j of the i32 ``qh`` is set (Q5_0/Q5_1)."""
+    h4 = builder.bitcast(qh, ir.VectorType(_i8, 4))
+    hb = builder.shuffle_vector(h4, h4, _mask([j // 8 for j in range(32)]))
+    bit = builder.and_(hb, ir.Constant(_v32i8, [1 << (j % 8) for j in range(32)]))
+    set_ = builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0))
+    return builder.or_(w, builder.select(set_, _splat(_i8, 32, 16), _splat(_i8, 32, 0)))
+
+
+def _check(*tys):
+    for t in tys:
+        if isinstance(t, types.Array) and t.ndim != 1:
+            raise TypeError("simd intrinsics take 1-D arrays")
+
+
+def _splat_var(builder, v, n):
+    """An i8 vector of n copies of the integer ``v``."""
+    b = builder.trunc(v, _i8) if v.type.width > 8 else v
+    vec = builder.insert_element(ir.Constant(ir.VectorType(_i8, n), None), b, ir.Constant(_i32, 0))
+    return builder.shuffle_vector(vec, vec, _mask([0] * n))
+
+
+def _bits(context, builder, sig, args):
+    """32 unsigned quants ((lo >> lo_shift) & 15) | (((hi >> hi_shift) & hi_mask) << 4), times x."""
+    la, loff, lsh, ha, hoff, hsh, hmask, xa, xoff = args
+    lb = _load(builder, _ptr(context, builder, sig.args[0], la, loff, _v32i8))
+    w = builder.and_(builder.lshr(lb, _splat_var(builder, lsh, 32)), _splat(_i8, 32, 15))
+    hb = _load(builder, _ptr(context, builder, sig.args[3], ha, hoff, _v32i8))
+    h = builder.and_(builder.lshr(hb, _splat_var(builder, hsh, 32)), _splat_var(builder, hmask, 32))
+    w = builder.or_(w, builder.shl(h, _splat(_i8, 32, 4)))
+    xv = _load(builder, _ptr(context, builder, sig.args[7], xa, xoff, _v32i8))
+    return _madd32(builder, w, xv)
+
+
+@intrinsic
+def dot_bits(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo):
+    """sum_j (((lo[lo_o+j] >> lo_shift) & 15) | (((hi[hi_o+j] >> hi_shift) & hi_mask) << 4)) * x[xo+j],
+    j < 32: Q4_K (hi_mask 0) and Q5_K (hi_mask 1) sub-blocks."""
+    _check(lo, hi, x)
+
+    def codegen(context, builder, sig, args):
+        return _hsum(builder, _bits(context, builder, sig, args), 8)
+
+    return types.int32(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo), codegen
+
+
+@intrinsic
+def dot_bits_halves(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo):
+    """:func:`dot_bits` summed separately over j < 16 and 16 <= j < 32 (Q6_K: hi_mask 3)."""
+    _check(lo, hi, x)
+
+    def codegen(context, builder, sig, args):
+        a, b = _halves(builder, _bits(context, builder, sig, args))
+        return context.make_tuple(builder, sig.return_type, [a, b])
+
+    return types.UniTuple(types.int32, 2)(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo), codegen
+
+
+@intrinsic
+def half_at(typingctx, row, off):
+    """The IEEE half stored at byte ``off`` of the uint8 array ``row``, as float32."""
+    _check(row)
+
+    def codegen(context, builder, sig, args):
+        a = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
+        return _half_at(builder, a.data, args[1])
+
+    return types.float32(row, off), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-row dots for the 32-value block types: the loop over blocks is IR too, so the integer
+# products go to float in their 8 lanes and accumulate there (one horizontal sum per row, as
+# llama.cpp's ggml_vec_dot_*_q8_0 loops do). The offset and min terms come from the activation
+# block sums as a scalar.
+
+#: type -> (block bytes, offset of the quants, offset of the min (or None), offset of qh (or None),
+#: value offset folded into the scalar term (-8 for Q4_0: value = d * (q - 8)))
+_ROW_TYPES = {"q4_0": (18, 2, None, None, -8.0), "q4_1": (20, 4, 2, None, 0.0),
+              "q5_0": (22, 6, None, 2, -16.0), "q5_1": (24, 8, 2, 4, 0.0), "q8_0": (34, 2, None, None, 0.0)}
+
+
+def _half_at(builder, base, off):
+    off = ir.Constant(ir.IntType(64), off) if isinstance(off, int) else off
+    p = builder.bitcast(builder.gep(base, [off]), ir.HalfType().as_pointer())
+    v = builder.load(p)
+    v.align = 1
+    return builder.fpext(v, ir.FloatType())
+
+
+def _make_row_dot(kind, R):
+    """The intrinsic for R activation rows of one weight row of type ``kind``."""
+    bs, qoff, moff, hoff, shift = _ROW_TYPES[kind]
+    f32 = ir.FloatType()
+    v8f = ir.VectorType(f32, 8)
+    fast = ("contract",)  # no reassociation: every row sums its blocks in order, alone or in a group
+    i8p = _i8.as_pointer()
+
+    def row_dot(typingctx, row, xq, xd, xs, r0, out, o):
+        _check(row)
+
+        def codegen(context, builder, sig, args):
+            rowa, xqa, xda, xsa, r0v, outa, ov = args
+            arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
+                    for ty, v in zip(sig.args[:4] + (sig.args[5],), (rowa, xqa, xda, xsa, outa))]
+            rowp = arrs[0].data
+            idx = r0v.type
+
+            def row_ptrs(a, ty):  # pointer to row r0 + i of a 2-D C array, for i < R
+                base = builder.bitcast(a.data, i8p)
+                stride = cgutils.unpack_tuple(builder, a.strides)[0]
+                return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(r0v, ir.Constant(idx, i)), stride)]),
+                                        ty.as_pointer()) for i in range(R)]
+
+            xps = row_ptrs(arrs[1], _i8)
+            xdps = row_ptrs(arrs[2], f32)
+            xsps = row_ptrs(arrs[3], _i32)
+            outps = row_ptrs(arrs[4], f32)
+            nb = builder.udiv(cgutils.unpack_tuple(builder, arrs[1].shape)[1], ir.Constant(idx, 32))
+            zero = ir.Constant(v8f, [0.0] * 8)
+            # one accumulator a row, the same operations for a row whether it comes alone or in a
+            # group of four: a row's result does not depend on the batch it is in
+            faccs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+            saccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(R)]
+
+            def block(ib):
+                b = builder.gep(rowp, [builder.mul(ib, ir.Constant(idx, bs))])
+                d = _half_at(builder, b, 0)
+                mn = _half_at(builder, b, moff) if moff is not None else None
+                wp = builder.gep(b, [ir.Constant(idx, qoff)])
+                if kind == "q8_0":
+                    wv = _load(builder, builder.bitcast(wp, _v32i8.as_pointer()))
+                    sign = _fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8])
+                    w = builder.call(sign, [wv, wv])
+                else:
+                    w = _nibbles(builder, builder.bitcast(wp, _v16i8.as_pointer()))
+                    if hoff is not None:
+                        hp = builder.bitcast(builder.gep(b, [ir.Constant(idx, hoff)]), _i32.as_pointer())
+                        w = _add_fifth_bit(builder, w, _load(builder, hp))
+                for i in range(R):
+                    xv = _load(builder, builder.bitcast(builder.gep(xps[i], [builder.mul(ib, ir.Constant(idx, 32))]),
+                                                        _v32i8.as_pointer()))
+                    if kind == "q8_0":
+                        xv = builder.call(sign, [xv, wv])
+                    pf = builder.sitofp(_madd32(builder, w, xv), v8f)
+                    xdv = builder.load(builder.gep(xdps[i], [ib]))
+                    scale = builder.fmul(d, xdv, flags=fast)
+                    sv = builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(_i32, 0))
+                    sv = builder.shuffle_vector(sv, sv, _mask([0] * 8))
+                    facc = faccs[i]
+                    builder.store(builder.fadd(builder.load(facc), builder.fmul(pf, sv, flags=fast), flags=fast), facc)
+                    if moff is not None or shift:
+                        xsv = builder.sitofp(builder.load(builder.gep(xsps[i], [ib])), f32)
+                        k = builder.fmul(mn, xdv, flags=fast) if moff is not None else \
+                            builder.fmul(scale, ir.Constant(f32, shift), flags=fast)
+                        builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsv, flags=fast),
+                                                   flags=fast), saccs[i])
+
+            with cgutils.for_range(builder, nb) as loop:
+                block(loop.index)
+            red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
+            for i in range(R):
+                v = builder.load(faccs[i])
+                total = builder.fadd(builder.call(red, [ir.Constant(f32, 0.0), v]), builder.load(saccs[i]), flags=fast)
+                builder.store(total, builder.gep(outps[i], [ov]))
+            return context.get_dummy_value()
+
+        return types.void(row, xq, xd, xs, r0, out, o), codegen
+
+    row_dot.__name__ = f"rows{R}_{kind}"
+    row_dot.__doc__ = (f"out[r0 + i, o] = x[r0 + i] . W[o] for i < {R}: one {kind.upper()} weight row ``row``"
+                       " (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and sums xs).")
+    return intrinsic(row_dot)
+
+
+#: kind -> (one-row, four-row) intrinsics
+ROW_DOTS = {kind: (_make_row_dot(kind, 1), _make_row_dot(kind, 4)) for kind in _ROW_TYPES}
+rows1_q4_0, rows4_q4_0 = ROW_DOTS["q4_0"]
+rows1_q4_1, rows4_q4_1 = ROW_DOTS["q4_1"]
+rows1_q5_0, rows4_q5_0 = ROW_DOTS["q5_0"]
+rows1_q5_1, rows4_q5_1 = ROW_DOTS["q5_1"]
+rows1_q8_0, rows4_q8_0 = ROW_DOTS["q8_0"]
