@@ -321,6 +321,34 @@ def test_attention_non_causal_and_two_sequences():
     np.testing.assert_allclose(yn, naive_attention(q, k, v, pos, pos, 0.5, causal=False), rtol=1e-4, atol=1e-5)
 
 
+def test_attention_row_kernel_with_bias_and_soft_cap_is_batch_invariant():
+    """The compiled path (few query rows, an additive bias as the graphs pass it): the naive result,
+    and each row's output bit for bit the same when computed alone."""
+    import importlib
+
+    attn_mod = importlib.import_module("plinth.ops.attention")  # (plinth.ops.attention is the function)
+
+    if attn_mod._rows_kernel() is None:
+        pytest.skip("numba kernels off here")
+    for n_q, n_head, n_head_kv, hd, cap in ((1, 6, 2, 16, None), (7, 4, 4, 8, 5.0), (16, 8, 2, 32, None)):
+        q, k, v = make_qkv(n_q, 40, n_head, n_head_kv, hd)
+        kp = np.arange(40)
+        qp = np.arange(40 - n_q, 40)
+        vis = (kp[None, :] <= qp[:, None]) & (RNG.random((n_q, 40)) > 0.2)
+        vis[0] = False  # a row that sees nothing: zeros
+        bias = np.where(vis, 0.0, -np.inf).astype(np.float32)
+        assert n_q <= attn_mod.KERNEL_MAX_Q
+        y = ops.attention(q, k, v, scale=0.3, causal=False, bias=bias, soft_cap=cap)
+        np.testing.assert_allclose(y, naive_attention(q, k, v, qp, kp, 0.3, causal=False, soft_cap=cap, mask=vis),
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(y[0], 0.0)
+        for i in range(n_q):
+            alone = ops.attention(q[i:i + 1], k, v, scale=0.3, causal=False, bias=bias[i:i + 1], soft_cap=cap)
+            assert np.array_equal(alone[0], y[i]), f"row {i} of {n_q}"
+        assert np.array_equal(ops.attention(q, k, v, scale=0.3, causal=False, soft_cap=cap)[3 % n_q],
+                              ops.attention(q[3 % n_q:3 % n_q + 1], k, v, scale=0.3, causal=False, soft_cap=cap)[0])
+
+
 # ---------------------------------------------------------------- FFN / linear
 
 

@@ -1,0 +1,70 @@
+"""Compiled attention for a few query rows (decode and verify batches), one (row, head) at a time.
+
+Every query row runs exactly the same loops whether it comes alone or with others, so a row's
+output does not depend on the batch it is in: a verify batch of k draft tokens produces, row for
+row, the activations k single-token decode steps would. The int8-activation kernels make that
+matter: they round activations to int8 per 32 values, so a last-bit difference from a BLAS product
+of another shape can move a rounding and change a logit by far more than float error (and flip a
+near-tie); with this kernel and the row-wise weight kernels, speculative decoding and the server's
+batched decode give the tokens a lone decode gives.
+
+Semantics of :func:`plinth.ops.attention` without sinks and with at most an additive bias:
+scores ``q . k * scale``, optional ``soft_cap * tanh(s / soft_cap)``, plus ``bias[i, j]`` (0 or
+-inf), softmax over keys, weighted sum of values; grouped-query heads (query head h reads kv head
+h // (n_head / n_head_kv)); a row that sees no key yields zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+# no 'nnan'/'ninf': the bias and the row maxima hold -inf
+_FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
+
+
+@njit(cache=True, parallel=True, fastmath=_FLAGS)
+def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, scale: float,
+                   soft_cap: float, out: np.ndarray) -> None:
+    """q [n_q, n_head, hd], k [n_kv, n_head_kv, hd], v [n_kv, n_head_kv, hd_v] float32 (C order);
+    bias [n_q, n_kv] float32 (read when ``has_bias``); soft_cap 0 = none; out [n_q, n_head, hd_v]."""
+    n_q, n_head, hd = q.shape
+    n_kv, n_head_kv, _ = k.shape
+    hd_v = v.shape[2]
+    g = n_head // n_head_kv
+    sc = np.float32(scale)
+    cap = np.float32(soft_cap)
+    for t in prange(n_q * n_head):
+        i = t // n_head
+        h = t - i * n_head
+        hk = h // g
+        qs = np.empty(hd, dtype=np.float32)
+        for d in range(hd):
+            qs[d] = q[i, h, d] * sc
+        s = np.empty(n_kv, dtype=np.float32)
+        mx = -np.inf
+        for j in range(n_kv):
+            a = np.float32(0.0)
+            for d in range(hd):
+                a += qs[d] * k[j, hk, d]
+            if cap > 0:
+                a = np.float32(np.tanh(a / cap)) * cap
+            if has_bias:
+                a += bias[i, j]
+            s[j] = a
+            if a > mx:
+                mx = a
+        o = np.zeros(hd_v, dtype=np.float32)
+        if mx == -np.inf:  # sees no key
+            out[i, h, :] = o
+            continue
+        den = np.float32(0.0)
+        for j in range(n_kv):
+            p = np.float32(np.exp(s[j] - mx))
+            den += p
+            if p != 0:
+                for d in range(hd_v):
+                    o[d] += p * v[j, hk, d]
+        inv = np.float32(1.0) / den
+        for d in range(hd_v):
+            out[i, h, d] = o[d] * inv
