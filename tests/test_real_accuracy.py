@@ -88,41 +88,42 @@ def test_logits_match_transformers(loaded, key):
     print(f"{key} max |plinth - transformers|: " + ", ".join(report))
 
 
-#: llama.cpp's greedy 64 tokens leave transformers' on 2 of the 5 prompts of each model, each time at a
-#: near-tie (transformers' top-2 margin 0.005-0.206; benchmarks/README.md "llama.cpp peer"): the bar
-#: for plinth's int8-activation decode, which rounds activations as llama.cpp does
+#: transformers' top-2 margin under which a different argmax counts as a near-tie: llama.cpp's own
+#: disagreements with transformers on these models reach 0.327 (benchmarks/README.md "llama.cpp peer")
 NEAR_TIE = 0.5
-MAX_DIVERGING_PROMPTS = 2
+#: teacher-forced top-1 agreement with transformers that the int8 decode must reach: llama.cpp's
+#: (97.66% SmolLM2, 96.29% Gemma-3 on the peer corpus), less a margin for 320 positions instead of 512
+MIN_AGREEMENT = 0.95
 
 
 @pytest.mark.parametrize("key", MODELS)
-def test_int8_decode_leaves_transformers_only_at_near_ties(loaded, key):
-    """Greedy decode one token at a time (the int8-activation kernels where the CPU has them): the
-    64 tokens equal transformers' or leave them at a position where transformers' own top-2 margin
-    is under NEAR_TIE and plinth picks a token of its top 8; on at most as many prompts as llama.cpp."""
+def test_int8_decode_agrees_with_transformers_as_llama_cpp_does(loaded, key):
+    """Teacher-forced decode one token at a time (the int8-activation kernels where the CPU has them)
+    over the 64 continuation positions of the 5 golden prompts: plinth's argmax is transformers' at
+    MIN_AGREEMENT of the positions or more, and every disagreement is a near-tie of transformers'
+    own logits (plinth's token in its top 8, within NEAR_TIE of its best)."""
     model, _, runs = loaded(key)
-    diverged = []
+    n_agree = n_pos = 0
+    ties = []
     for r in runs:
         ctx = model.new_context()
         logits = np.asarray(ctx.decode(r["prompt"]).logits[-1])
-        picks = []
-        for i in range(golden.N_GREEDY):
-            picks.append(int(np.argmax(logits)))
-            if picks[-1] != r["greedy"][i]:
-                break
-            if i + 1 < golden.N_GREEDY:
-                logits = np.asarray(ctx.decode([picks[-1]]).logits[-1])
-        if picks == r["greedy"]:
-            continue
-        i = len(picks) - 1
-        top_ids = r["top_ids"][len(r["prompt"]) - 1 + i].tolist()
-        top_vals = r["top_vals"][len(r["prompt"]) - 1 + i]
-        assert picks[-1] in top_ids, f"{key}/{r['kind']}: token {i} is {picks[-1]}, not in transformers' top 8"
-        margin = float(top_vals[0] - top_vals[top_ids.index(picks[-1])])
-        assert margin < NEAR_TIE, f"{key}/{r['kind']}: token {i} leaves transformers at margin {margin:.3f}"
-        diverged.append(f"{r['kind']} at token {i} (margin {margin:.3f})")
-    print(f"{key}: int8 decode diverges on {diverged or 'no prompt'}")
-    assert len(diverged) <= MAX_DIVERGING_PROMPTS, diverged
+        for i, want in enumerate(r["greedy"]):
+            got = int(np.argmax(logits))
+            n_pos += 1
+            if got == want:
+                n_agree += 1
+            else:
+                p = len(r["prompt"]) - 1 + i
+                top_ids = r["top_ids"][p].tolist()
+                assert got in top_ids, f"{key}/{r['kind']} position {i}: {got} not in transformers' top 8"
+                margin = float(r["top_vals"][p][0] - r["top_vals"][p][top_ids.index(got)])
+                assert margin < NEAR_TIE, f"{key}/{r['kind']} position {i}: transformers' margin {margin:.3f}"
+                ties.append(f"{r['kind']}@{i} ({margin:.3f})")
+            if i + 1 < len(r["greedy"]):
+                logits = np.asarray(ctx.decode([want]).logits[-1])  # teacher forcing: transformers' token
+    print(f"{key}: int8 decode agrees at {n_agree}/{n_pos} positions; near-ties {ties}")
+    assert n_agree / n_pos >= MIN_AGREEMENT, (n_agree, n_pos, ties)
 
 
 # --------------------------------------------------------------------------- live reference (opt-in)

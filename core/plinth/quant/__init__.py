@@ -395,7 +395,8 @@ def stack(parts: list[Any]) -> Any:
 
 
 def warm_up() -> float:
-    """Compile (or load from the on-disk cache) every kernel for every kept type; seconds taken."""
+    """Compile (or load from the on-disk cache) every kernel for every kept type, and the decode
+    attention kernel; seconds taken."""
     from ..gguf.constants import BLOCK_SIZES, GGMLType
 
     t0 = time.perf_counter()
@@ -408,6 +409,10 @@ def warm_up() -> float:
         w = QuantWeight(raw, int(GGMLType[name]), (2, n_in))
         w.matmul(np.zeros((1, n_in), dtype=np.float32))
         w.take([0])
+    from .. import ops
+
+    q = np.zeros((1, 1, 8), dtype=np.float32)
+    ops.attention(q, q, q, causal=False)  # the compiled decode attention
     return time.perf_counter() - t0
 
 

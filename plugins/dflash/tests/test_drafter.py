@@ -145,7 +145,9 @@ def test_sliding_window_routing(drafter, targets, monkeypatch):
     full = drafter()
     for d in (big, full):
         prefill(d, targets["qwen3"])
-    np.testing.assert_allclose(big.draft_logits(0, 9, 8, 4), full.draft_logits(0, 9, 8, 4), atol=1e-6)
+    # (1e-5: with no window the block's few query rows take the compiled attention kernel, with one
+    # the numpy path; the two round differently)
+    np.testing.assert_allclose(big.draft_logits(0, 9, 8, 4), full.draft_logits(0, 9, 8, 4), atol=1e-5)
     assert np.abs(dr.draft_logits(0, 9, 8, 4) - full.draft_logits(0, 9, 8, 4)).max() > 1e-4
 
 
