@@ -127,6 +127,8 @@ def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
         err = _rel_err(y, _q8_round_trip(x) @ ref_w.T)
         assert err < 1e-5, f"{type_name} m={m}: relative error {err:.2e} against the Q8_0 activations"
         assert _rel_err(y, x.astype(np.float64) @ ref_w.T) < 3e-2  # what the activation rounding costs
+    x = rng.standard_normal((quant.KERNEL_MAX_ROWS + 1, N_IN)).astype(np.float32)  # beyond: f32 tiles
+    assert _rel_err(w.matmul(x), x.astype(np.float64) @ ref_w.T) < 1e-5
 
 
 @needs_int8

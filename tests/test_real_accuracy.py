@@ -65,9 +65,13 @@ def test_prompt_token_ids_are_unchanged(loaded, key):
 
 
 @pytest.mark.parametrize("key", MODELS)
-def test_logits_match_transformers(loaded, key):
+def test_logits_match_transformers(loaded, key, monkeypatch):
     """Teacher-forced logits over prompt + continuation: within 1e-4 at the stored columns and top-8,
-    and the argmax at every continuation position is the reference's greedy token."""
+    and the argmax at every continuation position is the reference's greedy token (f32-activation
+    kernels: transformers' arithmetic; the int8 path is held to llama.cpp's bar below)."""
+    import plinth.quant as quant
+
+    monkeypatch.setitem(quant._state, "i8", False)
     model, info, runs = loaded(key)
     cols = golden.columns(info["n_vocab"])
     report = []

@@ -36,11 +36,13 @@ from . import blas
 log = logging.getLogger("plinth.quant")
 
 #: at most this many activation rows go through the int8 kernels; more use dequantized tiles + BLAS.
-#: The int8 kernels read each weight block once for all rows, four rows to an unpacked block, so
-#: their cost grows slowly with m; the tiles pay a dequantization of the whole model per forward.
-#: SmolLM2 Q4_1 forward of m rows after 64 cached tokens, 2 threads: kernels 56.6 / 97.7 / 193.6 /
-#: 327.2 ms at m = 16 / 32 / 64 / 128, tiles 434 / 428 / 272 / 327 ms (benchmarks/README.md)
-KERNEL_MAX_ROWS = 64
+#: The int8 kernels read each weight block once for all rows and unpack it once for four, so a
+#: verify batch costs far less than its rows decoded one by one; from about 128 rows they and the
+#: tiles cost the same (a forward of m rows after 64 cached tokens, 2 threads, kernels / tiles:
+#: SmolLM2 Q4_1 m = 128: 364 / 325 ms, 256: 567 / 541, 512: 996 / 1000; Gemma-3 Q4_K_M m = 128:
+#: 329 / 356, 256: 533 / 617, 512: 1313 / 1186). Below the bound a row's result does not depend on
+#: the batch it is in (docs/performance.md), so the bound is high.
+KERNEL_MAX_ROWS = 512
 #: the same bound for the f32-activation kernels (no AVX2, PLINTH_INT8=0, MXFP4/F16/BF16), whose
 #: cost is about m times one row: they cross the tiles at 5-6 rows (a SmolLM2 Q4_1 forward, one
 #: thread: 5 rows 153 vs 207 ms, 6 rows 230 vs 202 ms)
@@ -283,13 +285,10 @@ class QuantWeight:
         k = compiled()
         if m == 0:
             return out
-        if m <= KERNEL_MAX_ROWS and self._i8 is not None and self._i8 is not False and k is not None:
+        if m <= KERNEL_MAX_ROWS and _int8_args(self, [self]):
             blas.use(1)
             compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
             return out
-        if self._i8 is None and m <= KERNEL_MAX_ROWS:  # first product: settle the int8 path once
-            self._i8 = _i8_args([self]) or False
-            return self.matmul(x)
         if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
             blas.use(1)
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -348,14 +347,22 @@ class StackedWeight:
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
         m = x.shape[0]
-        if self._i8 is None:
-            self._i8 = _i8_args(self.parts) or False
-        if 0 < m <= KERNEL_MAX_ROWS and self._i8 is not False and compiled() is not None:  # one int8 product
+        if 0 < m <= KERNEL_MAX_ROWS and _int8_args(self, self.parts):  # all parts in one int8 product
             blas.use(1)
             out = np.empty((m, self.shape[0]), dtype=np.float32)
             compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
             return out
         return np.concatenate([p.matmul(x) for p in self.parts], axis=1)
+
+
+def _int8_args(w: Any, parts: list[QuantWeight]) -> Any:
+    """Whether ``w`` (a weight or a stack of ``parts``) multiplies through the int8 kernels now;
+    its kernel arguments are settled on the first product (False: a part of another type)."""
+    if not (_state["kernels"] and _state["i8"]) and compiled_i8() is None:
+        return False  # kernels off, PLINTH_INT8=0 or no AVX2 (checked on every product: tests switch it)
+    if w._i8 is None:
+        w._i8 = _i8_args(parts) or False
+    return w._i8
 
 
 def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:

@@ -24,8 +24,9 @@ import numpy as np
 from numba import njit, prange
 
 from .kernels import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _k_scale_min
-from .simd import (dot_bits, dot_bits_halves, half_at, rows1_q4_0, rows1_q4_1, rows1_q5_0, rows1_q5_1, rows1_q8_0,
-                   rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q8_0)
+from .simd import (dot_bits_halves_rows1, dot_bits_halves_rows4, dot_bits_rows1, dot_bits_rows4, half_at,
+                   rows1_q4_0, rows1_q4_1, rows1_q5_0, rows1_q5_1, rows1_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0,
+                   rows4_q5_1, rows4_q8_0)
 
 #: the types :func:`linear` computes
 I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -61,41 +62,80 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
 
 
 @njit(cache=True, inline="always")
-def _row_i8(t: int, row: np.ndarray, xr: np.ndarray, xd: np.ndarray, xs: np.ndarray, xs16: np.ndarray) -> float:
-    n = xr.shape[0]
-    s = np.float32(0.0)
-    if t == Q4_K or t == Q5_K:
-        five = t == Q5_K
-        bs = 176 if five else 144
-        hmask = 1 if five else 0
-        for ib in range(n // 256):
-            o = ib * bs
-            d = half_at(row, o)
-            dmin = half_at(row, o + 2)
-            q0 = o + (48 if five else 16)
-            for c in range(4):
-                s1, m1 = _k_scale_min(row, o + 4, 2 * c)
-                s2, m2 = _k_scale_min(row, o + 4, 2 * c + 1)
-                j = ib * 8 + 2 * c
-                i1 = dot_bits(row, q0 + 32 * c, 0, row, o + 16, 2 * c, hmask, xr, 32 * j)
-                i2 = dot_bits(row, q0 + 32 * c, 4, row, o + 16, 2 * c + 1, hmask, xr, 32 * j + 32)
-                s += (xd[j] * (d * np.float32(s1 * i1) - dmin * np.float32(m1 * xs[j]))
-                      + xd[j + 1] * (d * np.float32(s2 * i2) - dmin * np.float32(m2 * xs[j + 1])))
-    else:  # Q6_K
-        for ib in range(n // 256):
-            o = ib * 210
-            d = half_at(row, o + 208)
-            for half in range(2):
-                ql = o + 64 * half
-                qh = o + 128 + 32 * half
-                sc = o + 192 + 8 * half
-                for k in range(4):
-                    j = ib * 8 + half * 4 + k
-                    a, b = dot_bits_halves(row, ql + 32 * (k & 1), 4 * (k >> 1), row, qh, 2 * k, 3, xr, 32 * j)
-                    sa = np.int32(np.int8(row[sc + 2 * k]))
-                    sb = np.int32(np.int8(row[sc + 2 * k + 1]))
-                    s += xd[j] * d * np.float32(sa * (a - 32 * xs16[2 * j]) + sb * (b - 32 * xs16[2 * j + 1]))
-    return s
+def _k45_term(d: float, dmin: float, s1: int, m1: int, s2: int, m2: int, i1: int, i2: int, xd1: float, xd2: float,
+              xs1: int, xs2: int) -> float:
+    """Two Q4_K/Q5_K sub-blocks of one row: xd * (d * sc * i - dmin * m * xs), the same arithmetic
+    for a row alone or in a group."""
+    return (xd1 * (d * np.float32(s1 * i1) - dmin * np.float32(m1 * xs1))
+            + xd2 * (d * np.float32(s2 * i2) - dmin * np.float32(m2 * xs2)))
+
+
+@njit(cache=True, inline="always")
+def _q6_term(d: float, sa: int, sb: int, a: int, b: int, xd: float, xsa: int, xsb: int) -> float:
+    """A Q6_K 32-value stretch (two 16-value sub-blocks) of one row."""
+    return xd * d * np.float32(sa * (a - 32 * xsa) + sb * (b - 32 * xsb))
+
+
+@njit(cache=True, inline="always")
+def _rows_k(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, xs16: np.ndarray,
+            out: np.ndarray, o: int, acc: np.ndarray) -> None:
+    """out[:, o] for one Q4_K, Q5_K or Q6_K weight row: each sub-block's quants unpacked once for
+    four activation rows (then for the rows left one at a time); per row the same operations in
+    the same order either way. ``acc``: float32 [4] scratch."""
+    m, n = xq.shape
+    r = 0
+    while r < m:
+        g = 4 if r + 4 <= m else 1
+        acc[:] = 0.0
+        if t == Q4_K or t == Q5_K:
+            five = t == Q5_K
+            bs = 176 if five else 144
+            hmask = 1 if five else 0
+            for ib in range(n // 256):
+                o0 = ib * bs
+                d = half_at(row, o0)
+                dmin = half_at(row, o0 + 2)
+                q0 = o0 + (48 if five else 16)
+                for c in range(4):
+                    s1, m1 = _k_scale_min(row, o0 + 4, 2 * c)
+                    s2, m2 = _k_scale_min(row, o0 + 4, 2 * c + 1)
+                    j = ib * 8 + 2 * c
+                    if g == 4:
+                        i1 = dot_bits_rows4(row, q0 + 32 * c, 0, row, o0 + 16, 2 * c, hmask, xq, r, 32 * j)
+                        i2 = dot_bits_rows4(row, q0 + 32 * c, 4, row, o0 + 16, 2 * c + 1, hmask, xq, r, 32 * j + 32)
+                        for q in range(4):
+                            acc[q] += _k45_term(d, dmin, s1, m1, s2, m2, i1[q], i2[q], xd[r + q, j], xd[r + q, j + 1],
+                                                xs[r + q, j], xs[r + q, j + 1])
+                    else:
+                        i1 = dot_bits_rows1(row, q0 + 32 * c, 0, row, o0 + 16, 2 * c, hmask, xq, r, 32 * j)
+                        i2 = dot_bits_rows1(row, q0 + 32 * c, 4, row, o0 + 16, 2 * c + 1, hmask, xq, r, 32 * j + 32)
+                        acc[0] += _k45_term(d, dmin, s1, m1, s2, m2, i1[0], i2[0], xd[r, j], xd[r, j + 1],
+                                            xs[r, j], xs[r, j + 1])
+        else:  # Q6_K
+            for ib in range(n // 256):
+                o0 = ib * 210
+                d = half_at(row, o0 + 208)
+                for half in range(2):
+                    ql = o0 + 64 * half
+                    qh = o0 + 128 + 32 * half
+                    sc = o0 + 192 + 8 * half
+                    for k in range(4):
+                        j = ib * 8 + half * 4 + k
+                        sa = np.int32(np.int8(row[sc + 2 * k]))
+                        sb = np.int32(np.int8(row[sc + 2 * k + 1]))
+                        if g == 4:
+                            h = dot_bits_halves_rows4(row, ql + 32 * (k & 1), 4 * (k >> 1), row, qh, 2 * k, 3, xq, r,
+                                                      32 * j)
+                            for q in range(4):
+                                acc[q] += _q6_term(d, sa, sb, h[2 * q], h[2 * q + 1], xd[r + q, j],
+                                                   xs16[r + q, 2 * j], xs16[r + q, 2 * j + 1])
+                        else:
+                            h = dot_bits_halves_rows1(row, ql + 32 * (k & 1), 4 * (k >> 1), row, qh, 2 * k, 3, xq, r,
+                                                      32 * j)
+                            acc[0] += _q6_term(d, sa, sb, h[0], h[1], xd[r, j], xs16[r, 2 * j], xs16[r, 2 * j + 1])
+        for q in range(g):
+            out[r + q, o] = acc[q]
+        r += g
 
 
 @njit(cache=True, inline="always")
@@ -139,7 +179,6 @@ MAX_PARTS = 3
 def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
              xs16: np.ndarray, out: np.ndarray) -> None:
     n_parts = len(ts)
-    m = xq.shape[0]
     for o in prange(out.shape[1]):
         p = 0
         while p + 1 < n_parts and o >= starts[p + 1]:
@@ -149,8 +188,7 @@ def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xd
         if t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q8_0:
             _rows_32(t, row, xq, xd, xs, out, o)
         else:
-            for r in range(m):
-                out[r, o] = _row_i8(t, row, xq[r], xd[r], xs[r], xs16[r])
+            _rows_k(t, row, xq, xd, xs, xs16, out, o, np.empty(4, dtype=np.float32))
 
 
 @njit(cache=True)

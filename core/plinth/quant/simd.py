@@ -12,8 +12,9 @@ Two kinds of intrinsic:
   Q8_0): the whole loop over a weight row's blocks, for one or four activation rows. Each block
   is unpacked once; the int32 products go to float in their 8 lanes and accumulate there, one
   horizontal sum per row at the end (the shape of llama.cpp's ``ggml_vec_dot_*_q8_0`` loops).
-- ``dot_bits`` / ``dot_bits_halves`` for the K-quant sub-blocks (one 32-value dot, its int32
-  sum or two 16-value half sums), which the numba code around them scales.
+- ``dot_bits_rows1/4`` / ``dot_bits_halves_rows1/4`` for the K-quant sub-blocks (one 32-value
+  block unpacked once, dotted with one or four activation rows: per row its int32 sum or two
+  16-value half sums), which the numba code around them scales.
 
 Arrays are passed with element offsets and not bounds-checked: callers index whole blocks.
 Saturation: ``pmaddubsw`` saturates int16 pair sums; with unsigned weights below 64 and int8
@@ -125,40 +126,60 @@ def _splat_var(builder, v, n):
     return builder.shuffle_vector(vec, vec, _mask([0] * n))
 
 
-def _bits(context, builder, sig, args):
-    """32 unsigned quants ((lo >> lo_shift) & 15) | (((hi >> hi_shift) & hi_mask) << 4), times x."""
-    la, loff, lsh, ha, hoff, hsh, hmask, xa, xoff = args
+def _bits_w(context, builder, sig, args):
+    """32 unsigned quants ((lo >> lo_shift) & 15) | (((hi >> hi_shift) & hi_mask) << 4) (args 0..6)."""
+    la, loff, lsh, ha, hoff, hsh, hmask = args[:7]
     lb = _load(builder, _ptr(context, builder, sig.args[0], la, loff, _v32i8))
     w = builder.and_(builder.lshr(lb, _splat_var(builder, lsh, 32)), _splat(_i8, 32, 15))
     hb = _load(builder, _ptr(context, builder, sig.args[3], ha, hoff, _v32i8))
     h = builder.and_(builder.lshr(hb, _splat_var(builder, hsh, 32)), _splat_var(builder, hmask, 32))
-    w = builder.or_(w, builder.shl(h, _splat(_i8, 32, 4)))
-    xv = _load(builder, _ptr(context, builder, sig.args[7], xa, xoff, _v32i8))
-    return _madd32(builder, w, xv)
+    return builder.or_(w, builder.shl(h, _splat(_i8, 32, 4)))
 
 
-@intrinsic
-def dot_bits(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo):
-    """sum_j (((lo[lo_o+j] >> lo_shift) & 15) | (((hi[hi_o+j] >> hi_shift) & hi_mask) << 4)) * x[xo+j],
-    j < 32: Q4_K (hi_mask 0) and Q5_K (hi_mask 1) sub-blocks."""
-    _check(lo, hi, x)
+def _x_rows(context, builder, arrty, arr, r0, xo, n):
+    """<32 x i8> at column ``xo`` of rows r0 .. r0 + n - 1 of a 2-D C int8 array."""
+    a = cgutils.create_struct_proxy(arrty)(context, builder, value=arr)
+    base = builder.bitcast(a.data, _i8.as_pointer())
+    stride = cgutils.unpack_tuple(builder, a.strides)[0]
+    rows = []
+    for i in range(n):
+        off = builder.add(builder.mul(builder.add(r0, ir.Constant(r0.type, i)), stride), xo)
+        rows.append(_load(builder, builder.bitcast(builder.gep(base, [off]), _v32i8.as_pointer())))
+    return rows
 
-    def codegen(context, builder, sig, args):
-        return _hsum(builder, _bits(context, builder, sig, args), 8)
 
-    return types.int32(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo), codegen
+def _make_bits_dot(n_rows, halves):
+    """The K-quant sub-block dot for ``n_rows`` activation rows of a 2-D int8 array: the 32 quants
+    are unpacked once; per row the int32 sum (or its two 16-value half sums, Q6_K)."""
+
+    def dot(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, xq, r0, xo):
+        _check(lo, hi)
+
+        def codegen(context, builder, sig, args):
+            w = _bits_w(context, builder, sig, args)
+            r0v = args[8]
+            xov = args[9] if args[9].type == r0v.type else builder.sext(args[9], r0v.type)
+            sums = []
+            for xv in _x_rows(context, builder, sig.args[7], args[7], r0v, xov, n_rows):
+                p = _madd32(builder, w, xv)
+                sums += list(_halves(builder, p)) if halves else [_hsum(builder, p, 8)]
+            return context.make_tuple(builder, sig.return_type, sums)
+
+        n_out = n_rows * (2 if halves else 1)
+        return types.UniTuple(types.int32, n_out)(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, xq, r0, xo), codegen
+
+    dot.__name__ = f"dot_bits{'_halves' if halves else ''}_rows{n_rows}"
+    dot.__doc__ = (f"Per activation row r0 .. r0 + {n_rows - 1} of the 2-D int8 ``xq``: sum_j (((lo[lo_o+j] >> "
+                   "lo_shift) & 15) | (((hi[hi_o+j] >> hi_shift) & hi_mask) << 4)) * xq[r, xo+j], j < 32"
+                   + (", as the sums over j < 16 and 16 <= j < 32 (Q6_K, hi_mask 3)." if halves else
+                      " (Q4_K: hi_mask 0, Q5_K: hi_mask 1)."))
+    return intrinsic(dot)
 
 
-@intrinsic
-def dot_bits_halves(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo):
-    """:func:`dot_bits` summed separately over j < 16 and 16 <= j < 32 (Q6_K: hi_mask 3)."""
-    _check(lo, hi, x)
-
-    def codegen(context, builder, sig, args):
-        a, b = _halves(builder, _bits(context, builder, sig, args))
-        return context.make_tuple(builder, sig.return_type, [a, b])
-
-    return types.UniTuple(types.int32, 2)(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, x, xo), codegen
+dot_bits_rows1 = _make_bits_dot(1, False)
+dot_bits_rows4 = _make_bits_dot(4, False)
+dot_bits_halves_rows1 = _make_bits_dot(1, True)
+dot_bits_halves_rows4 = _make_bits_dot(4, True)
 
 
 @intrinsic
