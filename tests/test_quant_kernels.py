@@ -120,7 +120,7 @@ def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
     ref_w = _reference(raw, type_name)
     w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
     rng = np.random.default_rng(8)
-    for m in (1, 2, 4, 7, 16, quant.KERNEL_MAX_ROWS):  # one row, the four-row steps and their tails
+    for m in (1, 2, 3, 4, 7, 16, quant.KERNEL_MAX_ROWS):  # one row, the four-row steps and their tails
         x = (rng.standard_normal((m, N_IN)) + 0.5).astype(np.float32)
         y = w.matmul(x)
         assert y.shape == (m, N_OUT) and y.dtype == np.float32

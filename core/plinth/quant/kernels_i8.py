@@ -8,8 +8,8 @@ sums (offsets and mins of the weight types come out of these sums, not out of th
 
 Per 32-value block with integer product ``i = sum(q * xq)`` of the unsigned stored quants q:
 
-- Q4_0 ``d * xd * (i - 8 * xs)``;  Q5_0 ``d * xd * (i - 16 * xs)``;  Q8_0 ``d * xd * i``
-- Q4_1 / Q5_1 ``xd * (d * i + m * xs)``
+- Q4_0 ``d * xd * i - 8 * d * xsd``;  Q5_0 ``d * xd * i - 16 * d * xsd``;  Q8_0 ``d * xd * i``
+- Q4_1 / Q5_1 ``d * xd * i + m * xsd``   (xsd = xd * xs, once per activation block)
 - Q4_K / Q5_K sub-block j: ``xd * (d * sc_j * i - dmin * m_j * xs)``
 - Q6_K per 16 values: ``d * sc * xd * (i16 - 32 * xs16)``
 
@@ -25,8 +25,8 @@ from numba import njit, prange
 
 from .kernels import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _k_scale_min
 from .simd import (dot_bits_halves_rows1, dot_bits_halves_rows4, dot_bits_rows1, dot_bits_rows4, half_at,
-                   rows1_q4_0, rows1_q4_1, rows1_q5_0, rows1_q5_1, rows1_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0,
-                   rows4_q5_1, rows4_q8_0)
+                   rows1_q4_0, rows1_q4_1, rows1_q5_0, rows1_q5_1, rows1_q8_0, rows2_q4_0, rows2_q4_1, rows2_q5_0,
+                   rows2_q5_1, rows2_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q8_0)
 
 #: the types :func:`linear` computes
 I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -139,36 +139,47 @@ def _rows_k(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
 
 
 @njit(cache=True, inline="always")
-def _rows_32(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, out: np.ndarray,
+def _rows_32(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xsd: np.ndarray, out: np.ndarray,
              o: int) -> None:
-    """out[:, o] for one weight row of a 32-value block type: four activation rows at a time
-    (the block is unpacked once for the four), then one at a time."""
+    """out[:, o] for one weight row of a 32-value block type: four activation rows at a time (the
+    block is unpacked once for the four), then two, then one; per row the same operations."""
     m = xq.shape[0]
     r = 0
     while r + 4 <= m:
         if t == Q4_1:
-            rows4_q4_1(row, xq, xd, xs, r, out, o)
+            rows4_q4_1(row, xq, xd, xsd, r, out, o)
         elif t == Q4_0:
-            rows4_q4_0(row, xq, xd, xs, r, out, o)
+            rows4_q4_0(row, xq, xd, xsd, r, out, o)
         elif t == Q8_0:
-            rows4_q8_0(row, xq, xd, xs, r, out, o)
+            rows4_q8_0(row, xq, xd, xsd, r, out, o)
         elif t == Q5_0:
-            rows4_q5_0(row, xq, xd, xs, r, out, o)
+            rows4_q5_0(row, xq, xd, xsd, r, out, o)
         else:
-            rows4_q5_1(row, xq, xd, xs, r, out, o)
+            rows4_q5_1(row, xq, xd, xsd, r, out, o)
         r += 4
-    while r < m:
+    if r + 2 <= m:
         if t == Q4_1:
-            rows1_q4_1(row, xq, xd, xs, r, out, o)
+            rows2_q4_1(row, xq, xd, xsd, r, out, o)
         elif t == Q4_0:
-            rows1_q4_0(row, xq, xd, xs, r, out, o)
+            rows2_q4_0(row, xq, xd, xsd, r, out, o)
         elif t == Q8_0:
-            rows1_q8_0(row, xq, xd, xs, r, out, o)
+            rows2_q8_0(row, xq, xd, xsd, r, out, o)
         elif t == Q5_0:
-            rows1_q5_0(row, xq, xd, xs, r, out, o)
+            rows2_q5_0(row, xq, xd, xsd, r, out, o)
         else:
-            rows1_q5_1(row, xq, xd, xs, r, out, o)
-        r += 1
+            rows2_q5_1(row, xq, xd, xsd, r, out, o)
+        r += 2
+    if r < m:
+        if t == Q4_1:
+            rows1_q4_1(row, xq, xd, xsd, r, out, o)
+        elif t == Q4_0:
+            rows1_q4_0(row, xq, xd, xsd, r, out, o)
+        elif t == Q8_0:
+            rows1_q8_0(row, xq, xd, xsd, r, out, o)
+        elif t == Q5_0:
+            rows1_q5_0(row, xq, xd, xsd, r, out, o)
+        else:
+            rows1_q5_1(row, xq, xd, xsd, r, out, o)
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
@@ -177,7 +188,7 @@ MAX_PARTS = 3
 
 @njit(cache=True, parallel=True)
 def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
-             xs16: np.ndarray, out: np.ndarray) -> None:
+             xsd: np.ndarray, xs16: np.ndarray, out: np.ndarray) -> None:
     n_parts = len(ts)
     for o in prange(out.shape[1]):
         p = 0
@@ -186,7 +197,7 @@ def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xd
         row = raws[p][o - starts[p]]
         t = ts[p]
         if t == Q4_0 or t == Q4_1 or t == Q5_0 or t == Q5_1 or t == Q8_0:
-            _rows_32(t, row, xq, xd, xs, out, o)
+            _rows_32(t, row, xq, xd, xsd, out, o)
         else:
             _rows_k(t, row, xq, xd, xs, xs16, out, o, np.empty(4, dtype=np.float32))
 
@@ -204,4 +215,5 @@ def linear(ts: np.ndarray, raws: tuple, starts: np.ndarray, x: np.ndarray, out: 
     xs = np.empty((m, n // 32), np.int32)
     xs16 = np.empty((m, n // 16), np.int32)
     quantize_rows(x, xq, xd, xs, xs16)
-    _product(ts, raws, starts, xq, xd, xs, xs16, out)
+    xsd = xd * xs.astype(np.float32)  # the offset and min terms' factor per block
+    _product(ts, raws, starts, xq, xd, xs, xsd, xs16, out)

@@ -8,8 +8,8 @@ instructions where f32 lanes take four FMAs plus the dequantization.
 
 Two kinds of intrinsic:
 
-- ``rows1_<type>`` / ``rows4_<type>`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
-  Q8_0): the whole loop over a weight row's blocks, for one or four activation rows. Each block
+- ``rows1_<type>`` / ``rows2_`` / ``rows4_`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
+  Q8_0): the whole loop over a weight row's blocks, for one, two or four activation rows. Each block
   is unpacked once; the int32 products go to float in their 8 lanes and accumulate there, one
   horizontal sum per row at the end (the shape of llama.cpp's ``ggml_vec_dot_*_q8_0`` loops).
 - ``dot_bits_rows1/4`` / ``dot_bits_halves_rows1/4`` for the K-quant sub-blocks (one 32-value
@@ -240,7 +240,7 @@ def _make_row_dot(kind, R):
 
             xps = row_ptrs(arrs[1], _i8)
             xdps = row_ptrs(arrs[2], f32)
-            xsps = row_ptrs(arrs[3], _i32)
+            xsps = row_ptrs(arrs[3], f32)
             outps = row_ptrs(arrs[4], f32)
             nb = builder.udiv(cgutils.unpack_tuple(builder, arrs[1].shape)[1], ir.Constant(idx, 32))
             zero = ir.Constant(v8f, [0.0] * 8)
@@ -263,23 +263,23 @@ def _make_row_dot(kind, R):
                     if hoff is not None:
                         hp = builder.bitcast(builder.gep(b, [ir.Constant(idx, hoff)]), _i32.as_pointer())
                         w = _add_fifth_bit(builder, w, _load(builder, hp))
+                if moff is None and shift:  # shift * d, the same for every row
+                    kd = builder.fmul(d, ir.Constant(f32, shift), flags=fast)
                 for i in range(R):
                     xv = _load(builder, builder.bitcast(builder.gep(xps[i], [builder.mul(ib, ir.Constant(idx, 32))]),
                                                         _v32i8.as_pointer()))
                     if kind == "q8_0":
                         xv = builder.call(sign, [xv, wv])
                     pf = builder.sitofp(_madd32(builder, w, xv), v8f)
-                    xdv = builder.load(builder.gep(xdps[i], [ib]))
-                    scale = builder.fmul(d, xdv, flags=fast)
+                    scale = builder.fmul(d, builder.load(builder.gep(xdps[i], [ib])), flags=fast)
                     sv = builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(_i32, 0))
                     sv = builder.shuffle_vector(sv, sv, _mask([0] * 8))
                     facc = faccs[i]
                     builder.store(builder.fadd(builder.load(facc), builder.fmul(pf, sv, flags=fast), flags=fast), facc)
-                    if moff is not None or shift:
-                        xsv = builder.sitofp(builder.load(builder.gep(xsps[i], [ib])), f32)
-                        k = builder.fmul(mn, xdv, flags=fast) if moff is not None else \
-                            builder.fmul(scale, ir.Constant(f32, shift), flags=fast)
-                        builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsv, flags=fast),
+                    if moff is not None or shift:  # + m * xd * sum(xq), or + shift * d * xd * sum(xq)
+                        xsd = builder.load(builder.gep(xsps[i], [ib]))
+                        k = mn if moff is not None else kd
+                        builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsd, flags=fast),
                                                    flags=fast), saccs[i])
 
             with cgutils.for_range(builder, nb) as loop:
@@ -295,14 +295,14 @@ def _make_row_dot(kind, R):
 
     row_dot.__name__ = f"rows{R}_{kind}"
     row_dot.__doc__ = (f"out[r0 + i, o] = x[r0 + i] . W[o] for i < {R}: one {kind.upper()} weight row ``row``"
-                       " (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and sums xs).")
+                       " (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and xsd = xd * sum(xq)).")
     return intrinsic(row_dot)
 
 
-#: kind -> (one-row, four-row) intrinsics
-ROW_DOTS = {kind: (_make_row_dot(kind, 1), _make_row_dot(kind, 4)) for kind in _ROW_TYPES}
-rows1_q4_0, rows4_q4_0 = ROW_DOTS["q4_0"]
-rows1_q4_1, rows4_q4_1 = ROW_DOTS["q4_1"]
-rows1_q5_0, rows4_q5_0 = ROW_DOTS["q5_0"]
-rows1_q5_1, rows4_q5_1 = ROW_DOTS["q5_1"]
-rows1_q8_0, rows4_q8_0 = ROW_DOTS["q8_0"]
+#: kind -> (one-row, two-row, four-row) intrinsics
+ROW_DOTS = {kind: tuple(_make_row_dot(kind, r) for r in (1, 2, 4)) for kind in _ROW_TYPES}
+rows1_q4_0, rows2_q4_0, rows4_q4_0 = ROW_DOTS["q4_0"]
+rows1_q4_1, rows2_q4_1, rows4_q4_1 = ROW_DOTS["q4_1"]
+rows1_q5_0, rows2_q5_0, rows4_q5_0 = ROW_DOTS["q5_0"]
+rows1_q5_1, rows2_q5_1, rows4_q5_1 = ROW_DOTS["q5_1"]
+rows1_q8_0, rows2_q8_0, rows4_q8_0 = ROW_DOTS["q8_0"]
