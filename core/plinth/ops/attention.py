@@ -10,7 +10,7 @@ import numpy
 from ._xp import F32, array_module, as_f32
 
 #: up to this many query rows, attention on the host runs the compiled row kernel
-#: (:mod:`plinth.ops.attention_kernel`: decode and verify batches, each row computed as if alone)
+#: (:mod:`plinth.ops.compiled`: decode and verify batches, each row computed as if alone)
 KERNEL_MAX_Q = 16
 _kernel: dict[str, Any] = {"mod": None}
 
@@ -22,9 +22,9 @@ def _rows_kernel() -> Any:
 
         _kernel["mod"] = False
         if quant.compiled() is not None:
-            from . import attention_kernel
+            from . import compiled
 
-            _kernel["mod"] = attention_kernel
+            _kernel["mod"] = compiled
     return _kernel["mod"] or None
 
 

@@ -1,4 +1,7 @@
-"""Compiled attention for a few query rows (decode and verify batches), one (row, head) at a time.
+"""Compiled host kernels for the ops where numpy's per-call overhead dominates a decode step:
+attention for a few query rows, and RMSNorm (each a handful of numpy calls per layer otherwise).
+
+Attention for a few query rows (decode and verify batches) runs one (row, head) at a time.
 
 Every query row runs exactly the same loops whether it comes alone or with others, so a row's
 output does not depend on the batch it is in: a verify batch of k draft tokens produces, row for
@@ -68,3 +71,25 @@ def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray
         inv = np.float32(1.0) / den
         for d in range(hd_v):
             out[i, h, d] = o[d] * inv
+
+
+@njit(cache=True)
+def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, eps: float, out: np.ndarray) -> None:
+    """out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (or * (1 + w)) for x float32 [m, n] (C order).
+
+    The mean is a plain f32 sum over the row divided by n, as :func:`plinth.ops.rms_norm` states
+    it; each row is computed alone, so a row's result does not depend on its batch."""
+    m, n = x.shape
+    e = np.float32(eps)
+    nn = np.float32(n)
+    for r in range(m):
+        ss = np.float32(0.0)
+        for j in range(n):
+            ss += x[r, j] * x[r, j]
+        inv = np.float32(1.0) / np.float32(np.sqrt(ss / nn + e))
+        if has_w:
+            for j in range(n):
+                out[r, j] = x[r, j] * inv * ((w[j] + np.float32(1.0)) if unit_offset else w[j])
+        else:
+            for j in range(n):
+                out[r, j] = x[r, j] * inv
