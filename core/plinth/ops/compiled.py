@@ -26,51 +26,59 @@ from numba import njit, prange
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 
 
+@njit(cache=True, fastmath=_FLAGS, inline="always")
+def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, sc: float,
+                cap: float, out: np.ndarray) -> None:
+    """Query row t // n_head, head t % n_head."""
+    n_head, hd = q.shape[1], q.shape[2]
+    n_kv, n_head_kv = k.shape[0], k.shape[1]
+    hd_v = v.shape[2]
+    i = t // n_head
+    h = t - i * n_head
+    hk = h // (n_head // n_head_kv)
+    qs = np.empty(hd, dtype=np.float32)
+    for d in range(hd):
+        qs[d] = q[i, h, d] * sc
+    s = np.empty(n_kv, dtype=np.float32)
+    mx = -np.inf
+    for j in range(n_kv):
+        a = np.float32(0.0)
+        for d in range(hd):
+            a += qs[d] * k[j, hk, d]
+        if cap > 0:
+            a = np.float32(np.tanh(a / cap)) * cap
+        if has_bias:
+            a += bias[i, j]
+        s[j] = a
+        if a > mx:
+            mx = a
+    o = np.zeros(hd_v, dtype=np.float32)
+    if mx == -np.inf:  # sees no key
+        out[i, h, :] = o
+        return
+    den = np.float32(0.0)
+    for j in range(n_kv):
+        p = np.float32(np.exp(s[j] - mx))
+        den += p
+        if p != 0:
+            for d in range(hd_v):
+                o[d] += p * v[j, hk, d]
+    inv = np.float32(1.0) / den
+    for d in range(hd_v):
+        out[i, h, d] = o[d] * inv
+
+
 @njit(cache=True, parallel=True, fastmath=_FLAGS)
 def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, scale: float,
                    soft_cap: float, out: np.ndarray) -> None:
     """q [n_q, n_head, hd], k [n_kv, n_head_kv, hd], v [n_kv, n_head_kv, hd_v] float32 (C order);
-    bias [n_q, n_kv] float32 (read when ``has_bias``); soft_cap 0 = none; out [n_q, n_head, hd_v]."""
-    n_q, n_head, hd = q.shape
-    n_kv, n_head_kv, _ = k.shape
-    hd_v = v.shape[2]
-    g = n_head // n_head_kv
+    bias [n_q, n_kv] float32 (read when ``has_bias``); soft_cap 0 = none; out [n_q, n_head, hd_v].
+    (Row-heads over the kernel threads even for one decode row: its exps dominate, and the pool
+    starts in microseconds.)"""
     sc = np.float32(scale)
     cap = np.float32(soft_cap)
-    for t in prange(n_q * n_head):
-        i = t // n_head
-        h = t - i * n_head
-        hk = h // g
-        qs = np.empty(hd, dtype=np.float32)
-        for d in range(hd):
-            qs[d] = q[i, h, d] * sc
-        s = np.empty(n_kv, dtype=np.float32)
-        mx = -np.inf
-        for j in range(n_kv):
-            a = np.float32(0.0)
-            for d in range(hd):
-                a += qs[d] * k[j, hk, d]
-            if cap > 0:
-                a = np.float32(np.tanh(a / cap)) * cap
-            if has_bias:
-                a += bias[i, j]
-            s[j] = a
-            if a > mx:
-                mx = a
-        o = np.zeros(hd_v, dtype=np.float32)
-        if mx == -np.inf:  # sees no key
-            out[i, h, :] = o
-            continue
-        den = np.float32(0.0)
-        for j in range(n_kv):
-            p = np.float32(np.exp(s[j] - mx))
-            den += p
-            if p != 0:
-                for d in range(hd_v):
-                    o[d] += p * v[j, hk, d]
-        inv = np.float32(1.0) / den
-        for d in range(hd_v):
-            out[i, h, d] = o[d] * inv
+    for t in prange(q.shape[0] * q.shape[1]):
+        _attend_one(t, q, k, v, bias, has_bias, sc, cap, out)
 
 
 @njit(cache=True)
