@@ -24,9 +24,8 @@ import numpy as np
 from numba import njit, prange
 
 from .kernels import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _k_scale_min
-from .simd import (dot_bits_halves_rows1, dot_bits_halves_rows4, dot_bits_rows1, dot_bits_rows4, half_at,
-                   rows1_q4_0, rows1_q4_1, rows1_q5_0, rows1_q5_1, rows1_q8_0, rows2_q4_0, rows2_q4_1, rows2_q5_0,
-                   rows2_q5_1, rows2_q8_0, rows4_q4_0, rows4_q4_1, rows4_q5_0, rows4_q5_1, rows4_q8_0)
+from .simd import (dot_bits_halves_rows1, dot_bits_halves_rows4, dot_bits_rows1, dot_bits_rows4, half_at, rows_q4_0,
+                   rows_q4_1, rows_q5_0, rows_q5_1, rows_q8_0)
 
 #: the types :func:`linear` computes
 I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
@@ -141,45 +140,17 @@ def _rows_k(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndar
 @njit(cache=True, inline="always")
 def _rows_32(t: int, row: np.ndarray, xq: np.ndarray, xd: np.ndarray, xsd: np.ndarray, out: np.ndarray,
              o: int) -> None:
-    """out[:, o] for one weight row of a 32-value block type: four activation rows at a time (the
-    block is unpacked once for the four), then two, then one; per row the same operations."""
-    m = xq.shape[0]
-    r = 0
-    while r + 4 <= m:
-        if t == Q4_1:
-            rows4_q4_1(row, xq, xd, xsd, r, out, o)
-        elif t == Q4_0:
-            rows4_q4_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q8_0:
-            rows4_q8_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q5_0:
-            rows4_q5_0(row, xq, xd, xsd, r, out, o)
-        else:
-            rows4_q5_1(row, xq, xd, xsd, r, out, o)
-        r += 4
-    if r + 2 <= m:
-        if t == Q4_1:
-            rows2_q4_1(row, xq, xd, xsd, r, out, o)
-        elif t == Q4_0:
-            rows2_q4_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q8_0:
-            rows2_q8_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q5_0:
-            rows2_q5_0(row, xq, xd, xsd, r, out, o)
-        else:
-            rows2_q5_1(row, xq, xd, xsd, r, out, o)
-        r += 2
-    if r < m:
-        if t == Q4_1:
-            rows1_q4_1(row, xq, xd, xsd, r, out, o)
-        elif t == Q4_0:
-            rows1_q4_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q8_0:
-            rows1_q8_0(row, xq, xd, xsd, r, out, o)
-        elif t == Q5_0:
-            rows1_q5_0(row, xq, xd, xsd, r, out, o)
-        else:
-            rows1_q5_1(row, xq, xd, xsd, r, out, o)
+    """out[:, o] for one weight row of a 32-value block type."""
+    if t == Q4_1:
+        rows_q4_1(row, xq, xd, xsd, out, o)
+    elif t == Q4_0:
+        rows_q4_0(row, xq, xd, xsd, out, o)
+    elif t == Q8_0:
+        rows_q8_0(row, xq, xd, xsd, out, o)
+    elif t == Q5_0:
+        rows_q5_0(row, xq, xd, xsd, out, o)
+    else:
+        rows_q5_1(row, xq, xd, xsd, out, o)
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)

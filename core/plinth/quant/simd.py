@@ -8,8 +8,8 @@ instructions where f32 lanes take four FMAs plus the dequantization.
 
 Two kinds of intrinsic:
 
-- ``rows1_<type>`` / ``rows2_`` / ``rows4_`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1,
-  Q8_0): the whole loop over a weight row's blocks, for one, two or four activation rows. Each block
+- ``rows_<type>`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the loops over
+  the activation rows (in groups of four, then two, then one) and a weight row's blocks. Each block
   is unpacked once; the int32 products go to float in their 8 lanes and accumulate there, one
   horizontal sum per row at the end (the shape of llama.cpp's ``ggml_vec_dot_*_q8_0`` loops).
 - ``dot_bits_rows1/4`` / ``dot_bits_halves_rows1/4`` for the K-quant sub-blocks (one 32-value
@@ -214,95 +214,115 @@ def _half_at(builder, base, off):
     return builder.fpext(v, ir.FloatType())
 
 
-def _make_row_dot(kind, R):
-    """The intrinsic for R activation rows of one weight row of type ``kind``."""
+def _emit_rows(builder, kind, R, arrs, r0v, ov):
+    """IR for out[r0 + i, o] = x[r0 + i] . W[o], i < R: the loop over the weight row's blocks, each
+    block unpacked once for the R activation rows."""
     bs, qoff, moff, hoff, shift = _ROW_TYPES[kind]
     f32 = ir.FloatType()
     v8f = ir.VectorType(f32, 8)
     fast = ("contract",)  # no reassociation: every row sums its blocks in order, alone or in a group
     i8p = _i8.as_pointer()
+    rowp = arrs[0].data
+    idx = r0v.type
 
-    def row_dot(typingctx, row, xq, xd, xs, r0, out, o):
+    def row_ptrs(a, ty):  # pointer to row r0 + i of a 2-D C array, for i < R
+        base = builder.bitcast(a.data, i8p)
+        stride = cgutils.unpack_tuple(builder, a.strides)[0]
+        return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(r0v, ir.Constant(idx, i)), stride)]),
+                                ty.as_pointer()) for i in range(R)]
+
+    xps = row_ptrs(arrs[1], _i8)
+    xdps = row_ptrs(arrs[2], f32)
+    xsps = row_ptrs(arrs[3], f32)
+    outps = row_ptrs(arrs[4], f32)
+    nb = builder.udiv(cgutils.unpack_tuple(builder, arrs[1].shape)[1], ir.Constant(idx, 32))
+    zero = ir.Constant(v8f, [0.0] * 8)
+    # one accumulator a row, the same operations for a row whether it comes alone or in a group:
+    # a row's result does not depend on the batch it is in
+    faccs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+    saccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(R)]
+    for i in range(R):
+        builder.store(zero, faccs[i])
+        builder.store(ir.Constant(f32, 0.0), saccs[i])
+
+    def block(ib):
+        b = builder.gep(rowp, [builder.mul(ib, ir.Constant(idx, bs))])
+        d = _half_at(builder, b, 0)
+        mn = _half_at(builder, b, moff) if moff is not None else None
+        wp = builder.gep(b, [ir.Constant(idx, qoff)])
+        if kind == "q8_0":
+            wv = _load(builder, builder.bitcast(wp, _v32i8.as_pointer()))
+            sign = _fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8])
+            w = builder.call(sign, [wv, wv])
+        else:
+            w = _nibbles(builder, builder.bitcast(wp, _v16i8.as_pointer()))
+            if hoff is not None:
+                hp = builder.bitcast(builder.gep(b, [ir.Constant(idx, hoff)]), _i32.as_pointer())
+                w = _add_fifth_bit(builder, w, _load(builder, hp))
+        if moff is None and shift:  # shift * d, the same for every row
+            kd = builder.fmul(d, ir.Constant(f32, shift), flags=fast)
+        for i in range(R):
+            xv = _load(builder, builder.bitcast(builder.gep(xps[i], [builder.mul(ib, ir.Constant(idx, 32))]),
+                                                _v32i8.as_pointer()))
+            if kind == "q8_0":
+                xv = builder.call(sign, [xv, wv])
+            pf = builder.sitofp(_madd32(builder, w, xv), v8f)
+            scale = builder.fmul(d, builder.load(builder.gep(xdps[i], [ib])), flags=fast)
+            sv = builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(_i32, 0))
+            sv = builder.shuffle_vector(sv, sv, _mask([0] * 8))
+            facc = faccs[i]
+            builder.store(builder.fadd(builder.load(facc), builder.fmul(pf, sv, flags=fast), flags=fast), facc)
+            if moff is not None or shift:  # + m * xd * sum(xq), or + shift * d * xd * sum(xq)
+                xsd = builder.load(builder.gep(xsps[i], [ib]))
+                k = mn if moff is not None else kd
+                builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsd, flags=fast), flags=fast),
+                              saccs[i])
+
+    with cgutils.for_range(builder, nb) as loop:
+        block(loop.index)
+    red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
+    for i in range(R):
+        v = builder.load(faccs[i])
+        total = builder.fadd(builder.call(red, [ir.Constant(f32, 0.0), v]), builder.load(saccs[i]), flags=fast)
+        builder.store(total, builder.gep(outps[i], [ov]))
+
+
+def _make_rows_dot(kind):
+    """The intrinsic for every activation row against one weight row of type ``kind``."""
+
+    def rows_dot(typingctx, row, xq, xd, xsd, out, o):
         _check(row)
 
         def codegen(context, builder, sig, args):
-            rowa, xqa, xda, xsa, r0v, outa, ov = args
+            rowa, xqa, xda, xsa, outa, ov = args
             arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                    for ty, v in zip(sig.args[:4] + (sig.args[5],), (rowa, xqa, xda, xsa, outa))]
-            rowp = arrs[0].data
-            idx = r0v.type
-
-            def row_ptrs(a, ty):  # pointer to row r0 + i of a 2-D C array, for i < R
-                base = builder.bitcast(a.data, i8p)
-                stride = cgutils.unpack_tuple(builder, a.strides)[0]
-                return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(r0v, ir.Constant(idx, i)), stride)]),
-                                        ty.as_pointer()) for i in range(R)]
-
-            xps = row_ptrs(arrs[1], _i8)
-            xdps = row_ptrs(arrs[2], f32)
-            xsps = row_ptrs(arrs[3], f32)
-            outps = row_ptrs(arrs[4], f32)
-            nb = builder.udiv(cgutils.unpack_tuple(builder, arrs[1].shape)[1], ir.Constant(idx, 32))
-            zero = ir.Constant(v8f, [0.0] * 8)
-            # one accumulator a row, the same operations for a row whether it comes alone or in a
-            # group of four: a row's result does not depend on the batch it is in
-            faccs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
-            saccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(R)]
-
-            def block(ib):
-                b = builder.gep(rowp, [builder.mul(ib, ir.Constant(idx, bs))])
-                d = _half_at(builder, b, 0)
-                mn = _half_at(builder, b, moff) if moff is not None else None
-                wp = builder.gep(b, [ir.Constant(idx, qoff)])
-                if kind == "q8_0":
-                    wv = _load(builder, builder.bitcast(wp, _v32i8.as_pointer()))
-                    sign = _fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8])
-                    w = builder.call(sign, [wv, wv])
-                else:
-                    w = _nibbles(builder, builder.bitcast(wp, _v16i8.as_pointer()))
-                    if hoff is not None:
-                        hp = builder.bitcast(builder.gep(b, [ir.Constant(idx, hoff)]), _i32.as_pointer())
-                        w = _add_fifth_bit(builder, w, _load(builder, hp))
-                if moff is None and shift:  # shift * d, the same for every row
-                    kd = builder.fmul(d, ir.Constant(f32, shift), flags=fast)
-                for i in range(R):
-                    xv = _load(builder, builder.bitcast(builder.gep(xps[i], [builder.mul(ib, ir.Constant(idx, 32))]),
-                                                        _v32i8.as_pointer()))
-                    if kind == "q8_0":
-                        xv = builder.call(sign, [xv, wv])
-                    pf = builder.sitofp(_madd32(builder, w, xv), v8f)
-                    scale = builder.fmul(d, builder.load(builder.gep(xdps[i], [ib])), flags=fast)
-                    sv = builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(_i32, 0))
-                    sv = builder.shuffle_vector(sv, sv, _mask([0] * 8))
-                    facc = faccs[i]
-                    builder.store(builder.fadd(builder.load(facc), builder.fmul(pf, sv, flags=fast), flags=fast), facc)
-                    if moff is not None or shift:  # + m * xd * sum(xq), or + shift * d * xd * sum(xq)
-                        xsd = builder.load(builder.gep(xsps[i], [ib]))
-                        k = mn if moff is not None else kd
-                        builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsd, flags=fast),
-                                                   flags=fast), saccs[i])
-
-            with cgutils.for_range(builder, nb) as loop:
-                block(loop.index)
-            red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
-            for i in range(R):
-                v = builder.load(faccs[i])
-                total = builder.fadd(builder.call(red, [ir.Constant(f32, 0.0), v]), builder.load(saccs[i]), flags=fast)
-                builder.store(total, builder.gep(outps[i], [ov]))
+                    for ty, v in zip(sig.args[:5], (rowa, xqa, xda, xsa, outa))]
+            m = cgutils.unpack_tuple(builder, arrs[1].shape)[0]
+            idx = m.type
+            # rows in groups of four, then a pair, then one: r0 = 4 g, then 4 (m // 4), ...
+            four = ir.Constant(idx, 4)
+            with cgutils.for_range(builder, builder.udiv(m, four)) as loop:
+                _emit_rows(builder, kind, 4, arrs, builder.mul(loop.index, four), ov)
+            r = builder.mul(builder.udiv(m, four), four)
+            left = builder.sub(m, r)
+            with builder.if_then(builder.icmp_unsigned(">=", left, ir.Constant(idx, 2))):
+                _emit_rows(builder, kind, 2, arrs, r, ov)
+            with builder.if_then(builder.icmp_unsigned("==", builder.and_(left, ir.Constant(idx, 1)),
+                                                       ir.Constant(idx, 1))):
+                _emit_rows(builder, kind, 1, arrs, builder.sub(m, ir.Constant(idx, 1)), ov)
             return context.get_dummy_value()
 
-        return types.void(row, xq, xd, xs, r0, out, o), codegen
+        return types.void(row, xq, xd, xsd, out, o), codegen
 
-    row_dot.__name__ = f"rows{R}_{kind}"
-    row_dot.__doc__ = (f"out[r0 + i, o] = x[r0 + i] . W[o] for i < {R}: one {kind.upper()} weight row ``row``"
-                       " (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and xsd = xd * sum(xq)).")
-    return intrinsic(row_dot)
+    rows_dot.__name__ = f"rows_{kind}"
+    rows_dot.__doc__ = (f"out[r, o] = x[r] . W[o] for every activation row r: one {kind.upper()} weight row "
+                        "``row`` (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and "
+                        "xsd = xd * sum(xq)); four rows to an unpacked block, then two, then one.")
+    return intrinsic(rows_dot)
 
 
-#: kind -> (one-row, two-row, four-row) intrinsics
-ROW_DOTS = {kind: tuple(_make_row_dot(kind, r) for r in (1, 2, 4)) for kind in _ROW_TYPES}
-rows1_q4_0, rows2_q4_0, rows4_q4_0 = ROW_DOTS["q4_0"]
-rows1_q4_1, rows2_q4_1, rows4_q4_1 = ROW_DOTS["q4_1"]
-rows1_q5_0, rows2_q5_0, rows4_q5_0 = ROW_DOTS["q5_0"]
-rows1_q5_1, rows2_q5_1, rows4_q5_1 = ROW_DOTS["q5_1"]
-rows1_q8_0, rows2_q8_0, rows4_q8_0 = ROW_DOTS["q8_0"]
+rows_q4_0 = _make_rows_dot("q4_0")
+rows_q4_1 = _make_rows_dot("q4_1")
+rows_q5_0 = _make_rows_dot("q5_0")
+rows_q5_1 = _make_rows_dot("q5_1")
+rows_q8_0 = _make_rows_dot("q8_0")
