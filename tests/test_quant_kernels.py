@@ -193,6 +193,30 @@ def test_numpy_fallback_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None
     assert np.array_equal(w.take([3]), _reference(raw, "Q5_1")[[3]].astype(np.float32))
 
 
+def test_int8_off_without_avx2_or_when_asked(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """No AVX2/F16C: a one-line note and the f32-activation kernels (exact to 1e-5); PLINTH_INT8=0 the
+    same without a note; a wrong value is named."""
+    from plinth.quant import simd
+
+    raw = _packed("Q4_1")
+    x = np.random.default_rng(13).standard_normal((3, N_IN)).astype(np.float32)
+    ref = x.astype(np.float64) @ _reference(raw, "Q4_1").T
+    monkeypatch.setattr(simd, "available", lambda: False)
+    monkeypatch.setitem(quant._state, "i8", None)
+    monkeypatch.setitem(quant._state, "note", None)
+    assert quant.compiled_i8() is None
+    assert "lacks AVX2" in capsys.readouterr().err
+    assert _rel_err(QuantWeight(raw, int(GGMLType.Q4_1), (N_OUT, N_IN)).matmul(x), ref) < 1e-5
+    monkeypatch.setenv("PLINTH_INT8", "0")
+    monkeypatch.setitem(quant._state, "i8", None)
+    assert quant.compiled_i8() is None
+    monkeypatch.setenv("PLINTH_INT8", "yes")
+    monkeypatch.setitem(quant._state, "i8", None)
+    with pytest.raises(UserError, match="PLINTH_INT8='yes'"):
+        quant.compiled_i8()
+    monkeypatch.setitem(quant._state, "i8", None)
+
+
 def test_thread_count_is_validated() -> None:
     assert quant.parse_threads("3", "--threads") == 3
     with pytest.raises(UserError, match="--threads"):
