@@ -217,6 +217,18 @@ def test_int8_off_without_avx2_or_when_asked(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setitem(quant._state, "i8", None)
 
 
+def test_default_threads_count_physical_cores(tmp_path) -> None:
+    """SMT siblings count once (sysfs thread_siblings_list), and without sysfs every CPU counts."""
+    for cpu, sib in ((0, "0,2"), (1, "1,3"), (2, "0,2"), (3, "1,3"), (4, "4")):
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(sib + "\n")
+    assert quant.physical_cores([0, 1, 2, 3, 4], str(tmp_path)) == 3
+    assert quant.physical_cores([0, 2], str(tmp_path)) == 1
+    assert quant.physical_cores([0, 7], str(tmp_path)) == 2  # cpu7 unknown: count the CPUs
+    assert quant.default_threads() >= 1
+
+
 def test_thread_count_is_validated() -> None:
     assert quant.parse_threads("3", "--threads") == 3
     with pytest.raises(UserError, match="--threads"):

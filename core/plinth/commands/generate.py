@@ -376,7 +376,7 @@ def _int_list(text: str) -> list[int]:
 
 def _threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int_range(1), default=None, metavar="N",
-                   help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else all cores)")
+                   help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else the physical cores)")
 
 
 def _set_threads(args: argparse.Namespace) -> None:

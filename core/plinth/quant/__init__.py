@@ -4,21 +4,24 @@
 pass it to :func:`plinth.ops.linear` like a float32 ``[n_out, n_in]`` matrix and
 :func:`plinth.ops.linear` dispatches on it.
 
-- Decode and small batches (1..``KERNEL_MAX_ROWS`` rows): a compiled kernel reads every block
+- Batches of 1..``KERNEL_MAX_ROWS`` (512) rows (decode, verify, server steps, most prompts): a
+  compiled kernel reads every block
   once for all rows. On CPUs with AVX2 the activation rows are quantized per 32 values to int8
   and meet the blocks in integer SIMD dot products (:mod:`plinth.quant.kernels_i8`, as llama.cpp
   does); elsewhere, or with ``PLINTH_INT8=0``, f32 activations multiply the dequantized values
   (:mod:`plinth.quant.kernels`; also MXFP4, F16 and BF16 always).
-- Prompt batches: tiles of output rows are dequantized on the fly into a small f32 buffer and
-  multiplied with BLAS; no f32 copy of the whole weight stays resident.
+- Longer batches, and short ones on the f32 path past ``F32_KERNEL_MAX_ROWS``: tiles of output
+  rows are dequantized on the fly into a small f32 buffer and multiplied with BLAS; no f32 copy
+  of the whole weight stays resident.
 - Embedding lookups: :meth:`QuantWeight.take` dequantizes only the rows asked for.
 - Anything else that asks for the array (``numpy.asarray(w)``) gets the whole tensor
   dequantized on demand: correct, never fast.
 
 Threads: ``PLINTH_THREADS`` (or :func:`set_threads`, the ``--threads`` option) sets the kernel
-threads; default the number of cores this process may run on. The kernels and OpenBLAS take
-turns (prompt tiles: dequantize with the kernel threads, then one BLAS product), never both at
-once.
+threads; default the physical cores this process may run on. The kernels and OpenBLAS take
+turns, never both spinning at once: kernel products run with OpenBLAS held to one thread;
+prompt tiles are dequantized on the calling thread and multiplied by OpenBLAS on the kernel
+threads (:mod:`plinth.quant.blas`).
 """
 
 from __future__ import annotations
@@ -134,13 +137,29 @@ def _note(msg: str) -> None:
 
 
 def default_threads() -> int:
+    """PLINTH_THREADS, else the physical cores among the CPUs this process may run on (SMT
+    siblings share one core's SIMD units, which the kernels keep busy)."""
     env = os.environ.get("PLINTH_THREADS")
     if env:
         return parse_threads(env, "PLINTH_THREADS")
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+    return max(1, physical_cores(cpus))
+
+
+def physical_cores(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> int:
+    """How many distinct cores the logical ``cpus`` sit on (by their SMT sibling lists in sysfs);
+    the number of CPUs where sysfs does not say."""
+    cores = set()
+    for c in cpus:
+        try:
+            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return len(cpus)
+    return len(cores)
 
 
 def parse_threads(value: Any, where: str) -> int:
