@@ -104,6 +104,26 @@ def test_batched_greedy_equals_solo(tiny, started):
     assert sched.metrics.steps < sum(n for _, n, _ in specs)  # rows of several requests shared steps
 
 
+def test_a_prompt_that_fits_the_budget_is_not_split(tiny):
+    """With the budget partly taken, a prompt that fits a whole step waits for one instead of being
+    cut (a lone run prefills it in one piece); a prompt longer than the budget is still chunked."""
+    sched = Scheduler(tiny, max_batch=4, prefill_chunk=16)
+    a, b, c = [1] * 10, [2] * 12, [3] * 40
+    reqs = [Request(prompt_ids=p, max_tokens=2, sampling=GREEDY, emit=lambda ev: None) for p in (a, b, c)]
+    for r in reqs:
+        sched.submit(r)
+    prefilled = []
+    with sched._cond:
+        sched._admit()
+    for _ in range(5):
+        sched._step()
+        prefilled.append([r.n_prefilled for r in reqs])
+    # step 1: a whole (10); b (12) does not fit the 6 left and waits, and c behind it
+    # step 2: b whole (12) and 4 of c's 40 (longer than any step: chunked); then c 16 a step
+    assert prefilled[:4] == [[10, 0, 0], [10, 12, 4], [10, 12, 20], [10, 12, 36]]
+    assert prefilled[4] == [10, 12, 40]
+
+
 @pytest.mark.parametrize("model_name", ["tiny", "recurrent"])
 @pytest.mark.parametrize("drafter_name", ["oracle", "random", "ngram"])
 def test_batched_speculative_greedy_equals_solo(model_name, drafter_name, request, started):

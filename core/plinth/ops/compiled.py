@@ -85,16 +85,18 @@ def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray
 def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, eps: float, out: np.ndarray) -> None:
     """out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (or * (1 + w)) for x float32 [m, n] (C order).
 
-    The mean is a plain f32 sum over the row divided by n, as :func:`plinth.ops.rms_norm` states
-    it; each row is computed alone, so a row's result does not depend on its batch."""
+    The sum of squares runs in float64 (a sequential f32 sum over a few thousand values would lose
+    more than numpy's pairwise one), the rest in f32 as :func:`plinth.ops.rms_norm` states it;
+    each row is computed alone, so a row's result does not depend on its batch."""
     m, n = x.shape
     e = np.float32(eps)
     nn = np.float32(n)
     for r in range(m):
-        ss = np.float32(0.0)
+        ss = 0.0
         for j in range(n):
-            ss += x[r, j] * x[r, j]
-        inv = np.float32(1.0) / np.float32(np.sqrt(ss / nn + e))
+            v = np.float64(x[r, j])
+            ss += v * v
+        inv = np.float32(1.0) / np.float32(np.sqrt(np.float32(ss) / nn + e))
         if has_w:
             for j in range(n):
                 out[r, j] = x[r, j] * inv * ((w[j] + np.float32(1.0)) if unit_offset else w[j])

@@ -8,8 +8,6 @@ import numpy
 
 from ._xp import F32, array_module, as_f32
 
-#: up to this many leading rows a host RMSNorm runs compiled (:mod:`plinth.ops.compiled`)
-COMPILED_MAX_ROWS = 64
 _NO_WEIGHT = numpy.zeros(1, dtype=numpy.float32)
 
 
@@ -30,9 +28,10 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, add_unit_offset: boo
     """
     xp = array_module(x)
     x = as_f32(x, xp)
-    if xp is numpy and x.ndim >= 1 and x.size and x.shape[0] <= COMPILED_MAX_ROWS:
+    if xp is numpy and x.ndim >= 1 and x.size:
         k = _compiled()
-        if k is not None:  # a decode-sized batch: one compiled call instead of six numpy ones
+        if k is not None:  # one compiled call instead of six numpy ones, for any number of rows
+            # (the same arithmetic whatever the batch: a row's result never depends on it)
             x2 = numpy.ascontiguousarray(x.reshape(-1, x.shape[-1]))
             w = numpy.ascontiguousarray(as_f32(weight, xp)) if weight is not None else _NO_WEIGHT
             out = numpy.empty_like(x2)

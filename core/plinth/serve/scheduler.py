@@ -3,7 +3,8 @@
 Each step builds one :class:`~plinth.context.Batch` holding, for every active request,
 
 * a chunk of its prompt while it is prefilling (the chunks of all prefilling requests
-  share a per-step token budget, ``prefill_chunk``), or
+  share a per-step token budget, ``prefill_chunk``; a prompt that fits the budget is never
+  split, it waits a step instead), or
 * one row — its last decided token — while it decodes, or ``[last, d_1..d_k]`` when a
   drafter proposed ``d_1..d_k`` for it (speculative decoding, verified in the same forward),
 
@@ -291,9 +292,17 @@ class Scheduler:
         budget = self.prefill_chunk
         for req in self._active:
             if req.prefilling:
+                left = len(req.prompt_ids) - req.n_prefilled
+                # a prompt that fits the budget waits for a step with room for all of it rather than
+                # being split: a lone run prefills it in one piece, and the same piece gives the same
+                # attention arithmetic (the int8 kernels turn last-bit differences into other tokens
+                # at near-ties). Prompts behind it wait too (first come, first prefilled); the first
+                # prefilling request of a step always goes, in chunks if it is longer than the budget
+                if budget > 0 and left > budget and budget < self.prefill_chunk and left <= self.prefill_chunk:
+                    budget = 0
                 if budget <= 0:
                     continue
-                n = min(budget, len(req.prompt_ids) - req.n_prefilled)
+                n = min(budget, left)
                 budget -= n
                 start = req.n_prefilled
                 last = start + n == len(req.prompt_ids)
