@@ -78,7 +78,7 @@ def split(name: str, steps: int, runs: int) -> dict[str, float]:
 
     model = plinth.load_model(name)
     k8 = quant.compiled_i8()
-    attn_mod = importlib.import_module("plinth.ops.attention")._rows_kernel()
+    attn_mod = importlib.import_module("plinth.ops._xp").compiled_ops()
     if k8 is None or attn_mod is None:
         raise SystemExit("the int8 kernels are off here (no AVX2, PLINTH_INT8=0 or no numba)")
     acc = {"products": 0.0, "attention": 0.0}

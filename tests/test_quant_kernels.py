@@ -91,7 +91,8 @@ def _q8_round_trip(x: np.ndarray) -> np.ndarray:
     k8 = quant.compiled_i8()
     m, n = x.shape
     xq, xd = np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32)
-    k8.quantize_rows(x, xq, xd, np.empty((m, n // 32), np.int32), np.empty((m, n // 16), np.int32))
+    k8.quantize_rows(x, xq, xd, np.empty((m, n // 32), np.int32), np.empty((m, n // 32), np.float32),
+                     np.empty((m, n // 16), np.int32))
     return (xq.reshape(m, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(m, n)
 
 
@@ -104,7 +105,7 @@ def test_int8_activations_are_gguf_q8_0() -> None:
     x[1, :32] = 0.0  # an all-zero block
     xq, xd = np.empty((5, N_IN), np.int8), np.empty((5, N_IN // 32), np.float32)
     xs, xs16 = np.empty((5, N_IN // 32), np.int32), np.empty((5, N_IN // 16), np.int32)
-    k8.quantize_rows(x, xq, xd, xs, xs16)
+    k8.quantize_rows(x, xq, xd, xs, np.empty((5, N_IN // 32), np.float32), xs16)
     blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
     ref_d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(5, -1)
     ref_q = blocks[:, 2:].view(np.int8).reshape(5, N_IN)

@@ -40,3 +40,20 @@ def as_f32(x: Any, xp: Any = None) -> Any:
     """``x`` as a float32 array of module ``xp`` (no copy when it already is one)."""
     xp = xp or array_module(x)
     return xp.asarray(x, dtype=F32)
+
+
+_COMPILED: dict[str, Any] = {"mod": None}
+
+
+def compiled_ops() -> Any:
+    """:mod:`plinth.ops.compiled` (the host kernels for decode attention and RMSNorm), or None where
+    the compiled kernels are off (numba missing, or PLINTH_KERNELS=0)."""
+    if _COMPILED["mod"] is None:
+        from .. import quant
+
+        _COMPILED["mod"] = False
+        if quant.compiled() is not None:
+            from . import compiled
+
+            _COMPILED["mod"] = compiled
+    return _COMPILED["mod"] or None

@@ -7,25 +7,12 @@ from typing import Any
 
 import numpy
 
-from ._xp import F32, array_module, as_f32
+from ._xp import F32, array_module, as_f32, compiled_ops
 
 #: up to this many query rows, attention on the host runs the compiled row kernel
 #: (:mod:`plinth.ops.compiled`: decode and verify batches, each row computed as if alone)
 KERNEL_MAX_Q = 16
-_kernel: dict[str, Any] = {"mod": None}
-
-
-def _rows_kernel() -> Any:
-    """The compiled attention module, or None (numba missing, or PLINTH_KERNELS=0)."""
-    if _kernel["mod"] is None:
-        from .. import quant
-
-        _kernel["mod"] = False
-        if quant.compiled() is not None:
-            from . import compiled
-
-            _kernel["mod"] = compiled
-    return _kernel["mod"] or None
+_NO_BIAS = numpy.zeros((1, 1), dtype=numpy.float32)
 
 
 def attention_mask(
@@ -141,11 +128,11 @@ def attention(
     if scale is None:
         scale = 1.0 / float(hd) ** 0.5
     if (xp is numpy and 0 < n_q <= KERNEL_MAX_Q and n_kv and sinks is None and not causal and sliding_window is None
-            and mask is None and _rows_kernel() is not None):
+            and mask is None and compiled_ops() is not None):
         out = numpy.empty((n_q, n_head, hd_v), dtype=F32)
         b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, xp), (n_q, n_kv))) if bias is not None else \
-            numpy.zeros((1, 1), dtype=F32)
-        _rows_kernel().attention_rows(numpy.ascontiguousarray(q), numpy.ascontiguousarray(k),
+            _NO_BIAS
+        compiled_ops().attention_rows(numpy.ascontiguousarray(q), numpy.ascontiguousarray(k),
                                       numpy.ascontiguousarray(v), b, bias is not None, float(scale),
                                       float(soft_cap or 0.0), out)
         return out

@@ -6,15 +6,9 @@ from typing import Any
 
 import numpy
 
-from ._xp import F32, array_module, as_f32
+from ._xp import F32, array_module, as_f32, compiled_ops
 
 _NO_WEIGHT = numpy.zeros(1, dtype=numpy.float32)
-
-
-def _compiled() -> Any:
-    from .attention import _rows_kernel
-
-    return _rows_kernel()
 
 
 def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, add_unit_offset: bool = False) -> Any:
@@ -29,7 +23,7 @@ def rms_norm(x: Any, weight: Any = None, eps: float = 1e-6, add_unit_offset: boo
     xp = array_module(x)
     x = as_f32(x, xp)
     if xp is numpy and x.ndim >= 1 and x.size:
-        k = _compiled()
+        k = compiled_ops()
         if k is not None:  # one compiled call instead of six numpy ones, for any number of rows
             # (the same arithmetic whatever the batch: a row's result never depends on it)
             x2 = numpy.ascontiguousarray(x.reshape(-1, x.shape[-1]))

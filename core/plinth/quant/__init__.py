@@ -89,8 +89,6 @@ def compiled_i8() -> Any:
 
 
 def _load_i8() -> Any:
-    if compiled() is None:
-        return False
     text = os.environ.get("PLINTH_INT8", "1")
     if text not in ("0", "1"):
         from ..errors import UserError
@@ -283,8 +281,9 @@ class QuantWeight:
             (k.dequantize_fast if parallel else k.dequantize_fast_serial)(self.ggml_type, self.raw, self.raw16, flat,
                                                                           k.F16_TABLE, out)
         elif k is not None and self.raw16 is not None and flat.size:
-            (k.dequantize_rows if parallel else k.dequantize_rows_serial)(self.ggml_type, self.qk, self.raw, self.raw16, flat, k.F16_TABLE,
-                              k.FP4_VALUES, out)
+            (k.dequantize_rows if parallel else k.dequantize_rows_serial)(self.ggml_type, self.qk, self.raw,
+                                                                          self.raw16, flat, k.F16_TABLE,
+                                                                          k.FP4_VALUES, out)
         elif flat.size:
             from ..gguf import quants
 
@@ -305,9 +304,7 @@ class QuantWeight:
         if m == 0:
             return out
         if m <= KERNEL_MAX_ROWS and _int8_args(self, [self]):
-            blas.use(1)
-            compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
-            return out
+            return _int8_product(self._i8, x, out)
         if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
             blas.use(1)
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -367,10 +364,7 @@ class StackedWeight:
         """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
         m = x.shape[0]
         if 0 < m <= KERNEL_MAX_ROWS and _int8_args(self, self.parts):  # all parts in one int8 product
-            blas.use(1)
-            out = np.empty((m, self.shape[0]), dtype=np.float32)
-            compiled_i8().linear(*self._i8, np.ascontiguousarray(x, dtype=np.float32), out)
-            return out
+            return _int8_product(self._i8, x, np.empty((m, self.shape[0]), dtype=np.float32))
         return np.concatenate([p.matmul(x) for p in self.parts], axis=1)
 
 
@@ -382,6 +376,13 @@ def _int8_args(w: Any, parts: list[QuantWeight]) -> Any:
     if w._i8 is None:
         w._i8 = _i8_args(parts) or False
     return w._i8
+
+
+def _int8_product(args: tuple[Any, ...], x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = x @ W.T through the int8 kernels (``args`` from :func:`_i8_args`), OpenBLAS at one thread."""
+    blas.use(1)
+    compiled_i8().linear(*args, np.ascontiguousarray(x, dtype=np.float32), out)
+    return out
 
 
 def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:

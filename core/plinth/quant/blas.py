@@ -58,7 +58,3 @@ def use(n: int) -> None:
     if fn is not None:
         fn(int(n))
 
-
-def found() -> bool:
-    """Whether an OpenBLAS library was found to steer."""
-    return _setter() is not None

@@ -3,8 +3,9 @@ llama.cpp's Q8_0 activations) and each weight block meets them in AVX2 integer d
 (:mod:`plinth.quant.simd`). The eight block types of ``kernels.FAST_TYPES``.
 
 Activations (:func:`quantize_rows`): ``xq`` int8 ``[m, n_in]``, ``xd`` the per-32 scale
-``[m, n_in / 32]`` (x ~= xd * xq), ``xs`` the per-32 sums of ``xq`` and ``xs16`` the per-16
-sums (offsets and mins of the weight types come out of these sums, not out of the products).
+``[m, n_in / 32]`` (x ~= xd * xq), ``xs`` the per-32 sums of ``xq``, ``xsd = xd * xs`` and
+``xs16`` the per-16 sums (offsets and mins of the weight types come out of these sums, not out
+of the products).
 
 Per 32-value block with integer product ``i = sum(q * xq)`` of the unsigned stored quants q:
 
@@ -32,9 +33,11 @@ I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
 
 
 @njit(cache=True, fastmath=False)
-def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, xs16: np.ndarray) -> None:
+def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray, xsd: np.ndarray,
+                  xs16: np.ndarray) -> None:
     """x float32 [m, n] (n a multiple of 32) -> xq int8 [m, n], xd float32 / xs int32 [m, n/32],
-    xs16 int32 [m, n/16]; scale = max|x| / 127 per block, values rounded to nearest even."""
+    xsd = xd * xs float32 [m, n/32] (the factor of the offset and min terms), xs16 int32 [m, n/16];
+    scale = max|x| / 127 per block, values rounded to nearest even."""
     m, n = x.shape
     for r in range(m):
         for b in range(n // 32):
@@ -56,6 +59,7 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xd: np.ndarray, xs: np.ndarray,
                     s1 += q
             xd[r, b] = d
             xs[r, b] = s0 + s1
+            xsd[r, b] = d * np.float32(s0 + s1)
             xs16[r, 2 * b] = s0
             xs16[r, 2 * b + 1] = s1
 
@@ -184,7 +188,7 @@ def linear(ts: np.ndarray, raws: tuple, starts: np.ndarray, x: np.ndarray, out: 
     xq = np.empty((m, n), np.int8)
     xd = np.empty((m, n // 32), np.float32)
     xs = np.empty((m, n // 32), np.int32)
+    xsd = np.empty((m, n // 32), np.float32)
     xs16 = np.empty((m, n // 16), np.int32)
-    quantize_rows(x, xq, xd, xs, xs16)
-    xsd = xd * xs.astype(np.float32)  # the offset and min terms' factor per block
+    quantize_rows(x, xq, xd, xs, xsd, xs16)
     _product(ts, raws, starts, xq, xd, xs, xsd, xs16, out)
