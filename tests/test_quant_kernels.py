@@ -90,10 +90,9 @@ def _q8_round_trip(x: np.ndarray) -> np.ndarray:
     """x as the int8 kernels see it: quantized per 32 values and back (float64)."""
     k8 = quant.compiled_i8()
     m, n = x.shape
-    xq, xd = np.empty((m, n), np.int8), np.empty((m, n // 32), np.float32)
-    k8.quantize_rows(x, xq, xd, np.empty((m, n // 32), np.int32), np.empty((m, n // 32), np.float32),
-                     np.empty((m, n // 16), np.int32))
-    return (xq.reshape(m, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(m, n)
+    xq, xdt = np.empty((m, n), np.int8), np.empty((n // 32, m), np.float32)
+    k8.quantize_rows(x, xq, xdt, np.empty((n // 32, m), np.float32))
+    return (xq.reshape(m, -1, 32).astype(np.float64) * xdt.T[:, :, None]).reshape(m, n)
 
 
 @needs_int8
@@ -103,15 +102,16 @@ def test_int8_activations_are_gguf_q8_0() -> None:
     k8 = quant.compiled_i8()
     x = (np.random.default_rng(6).standard_normal((5, N_IN)) * 3).astype(np.float32)
     x[1, :32] = 0.0  # an all-zero block
-    xq, xd = np.empty((5, N_IN), np.int8), np.empty((5, N_IN // 32), np.float32)
-    xs, xs16 = np.empty((5, N_IN // 32), np.int32), np.empty((5, N_IN // 16), np.int32)
-    k8.quantize_rows(x, xq, xd, xs, np.empty((5, N_IN // 32), np.float32), xs16)
+    xq, xdt, xsdt = np.empty((5, N_IN), np.int8), np.empty((N_IN // 32, 5), np.float32), np.empty((N_IN // 32, 5),
+                                                                                                     np.float32)
+    k8.quantize_rows(x, xq, xdt, xsdt)
+    xd = xdt.T
     blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
     ref_d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(5, -1)
     ref_q = blocks[:, 2:].view(np.int8).reshape(5, N_IN)
     assert np.allclose(xd, ref_d, rtol=1e-3, atol=0)
     assert np.abs(xq.astype(int) - ref_q).max() <= 1 and (xq == ref_q).mean() > 0.999
-    assert np.array_equal(xs, xq.reshape(5, -1, 32).sum(-1)) and np.array_equal(xs16, xq.reshape(5, -1, 16).sum(-1))
+    assert np.array_equal(xsdt.T, xd * xq.reshape(5, -1, 32).sum(-1).astype(np.float32))  # the offset factor
 
 
 @needs_int8
@@ -121,7 +121,7 @@ def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
     ref_w = _reference(raw, type_name)
     w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
     rng = np.random.default_rng(8)
-    for m in (1, 2, 3, 4, 7, 16, quant.KERNEL_MAX_ROWS):  # one row, the four-row steps and their tails
+    for m in (1, 2, 3, 4, 7, 8, 15, 16, 21, quant.KERNEL_MAX_ROWS):  # one row, the row groups and their tails
         x = (rng.standard_normal((m, N_IN)) + 0.5).astype(np.float32)
         y = w.matmul(x)
         assert y.shape == (m, N_OUT) and y.dtype == np.float32
@@ -134,15 +134,56 @@ def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
 
 @needs_int8
 def test_int8_rows_do_not_depend_on_the_batch() -> None:
-    """A row's product is bit for bit the same alone or among others (four-row groups and tails):
-    a verify batch or a server step computes each row as a lone decode would."""
+    """A row's product is bit for bit the same alone or among others (row groups of 8 or 4 and their
+    tails): a verify batch or a server step computes each row as a lone decode would."""
     rng = np.random.default_rng(12)
-    x = rng.standard_normal((7, N_IN)).astype(np.float32)
+    x = rng.standard_normal((23, N_IN)).astype(np.float32)
     for name in I8_TYPES:
         w = QuantWeight(_packed(name, seed=3), int(GGMLType[name]), (N_OUT, N_IN))
         together = w.matmul(x)
-        for r in range(7):
+        for r in range(23):
             assert np.array_equal(w.matmul(x[r:r + 1])[0], together[r]), f"{name} row {r}"
+        assert np.array_equal(w.matmul(x[5:11]), together[5:11]), name
+
+
+@needs_int8
+@pytest.mark.skipif(not __import__("plinth.quant.simd", fromlist=["x"]).has_vnni(), reason="no AVX512-VNNI here")
+def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
+    """The AVX2 form (pmaddubsw + pmaddwd, what a CPU without VNNI runs) and the VNNI form give the
+    same bits: the same integers (no int16 saturation is reachable), then the same float steps."""
+    from numba import njit
+
+    from plinth.quant import simd
+
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(21)
+    m = 13
+    x = (rng.standard_normal((m, N_IN)) * 4).astype(np.float32)
+    x[2, :64] = 127.0  # saturated activations against the largest quants
+    xq, xdt, xsdt = np.empty((m, N_IN), np.int8), np.empty((N_IN // 32, m), np.float32), np.empty((N_IN // 32, m),
+                                                                                                    np.float32)
+    k8.quantize_rows(x, xq, xdt, xsdt)
+    for name in I8_TYPES:
+        raw = _packed(name, seed=5)
+        if name == "Q8_0":
+            raw.reshape(-1, 34)[:, 2:34] = 128  # -128: the |w| = 128 case of the sign trick
+        raw = raw.view()
+        raw.flags.writeable = False
+        outs = []
+        for vnni in (True, False):
+            dot = simd._make_rows_dot(name.lower(), vnni=vnni)
+
+            @njit
+            def run(raw, xq, xdt, xsdt, out, dot=dot):
+                for o in range(raw.shape[0]):
+                    dot(raw[o], xq, xdt, xsdt, out, o)
+
+            out = np.empty((m, N_OUT), np.float32)
+            run(raw, xq, xdt, xsdt, out)
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1]), name
+        w = QuantWeight(raw, int(GGMLType[name]), (N_OUT, N_IN))
+        assert np.array_equal(w.matmul(x), outs[0]), name  # the compiled kernels are the VNNI form
 
 
 @needs_int8

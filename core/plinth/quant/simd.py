@@ -1,28 +1,35 @@
-"""AVX2 integer dot products for numba kernels, written as LLVM IR (``numba.extending.intrinsic``).
+"""Integer dot products for the int8-activation kernels, written as LLVM IR (``numba.extending.intrinsic``).
 
-These are the instructions llama.cpp's x86 kernels are built on: ``pmaddubsw`` multiplies 32
-unsigned bytes by 32 signed bytes and adds neighbouring pairs into 16 int16 lanes, ``pmaddwd``
-against ones widens and pairs them into 8 int32 lanes. A weight block's quants (unpacked in
-registers) meet an activation block quantized to int8, so 32 multiply-adds take a handful of
-instructions where f32 lanes take four FMAs plus the dequantization.
+These are the instructions llama.cpp's x86 kernels are built on. With AVX512-VNNI (``vpdpbusd`` on
+256-bit vectors) one instruction multiplies 32 unsigned weight bytes by 32 signed activation bytes
+and adds each four neighbours into 8 int32 lanes; on AVX2 ``pmaddubsw`` (pairs into int16) and
+``pmaddwd`` against ones (pairs of those into int32) do the same in two. A weight block's quants,
+unpacked in registers, meet an activation block quantized to int8, so 32 multiply-adds take a
+handful of instructions where f32 lanes take four FMAs plus the dequantization.
 
-Two kinds of intrinsic:
+One intrinsic per type, ``rows_<type>`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): one
+weight row against every activation row, in groups of eight rows (four where the CPU lacks AVX512's
+32 vector registers), then one group of each smaller power of two that the rest holds. Per 32-value
+unit (a block, or a K-quant sub-block) the weight quants are unpacked once for the group; each
+row's integer product goes to float in its 8 lanes and is scaled and accumulated there, in two
+accumulators (even and odd units, so consecutive units do not wait on one another), with one
+horizontal sum per row at the end. The per-row scale factors of a group (weight scale times
+activation scale) and the offset terms (weight min times activation sum) are computed as one
+8-lane vector for the group, from activation scales stored block-major.
 
-- ``rows_<type>`` for the 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the loops over
-  the activation rows (in groups of four, then two, then one) and a weight row's blocks. Each block
-  is unpacked once; the int32 products go to float in their 8 lanes and accumulate there, one
-  horizontal sum per row at the end (the shape of llama.cpp's ``ggml_vec_dot_*_q8_0`` loops).
-- ``dot_bits_rows1/4`` / ``dot_bits_halves_rows1/4`` for the K-quant sub-blocks (one 32-value
-  block unpacked once, dotted with one or four activation rows: per row its int32 sum or two
-  16-value half sums), which the numba code around them scales.
+Every row goes through the same IEEE operations in the same order whether it comes alone or in a
+group (explicit ``llvm.fma``, no reassociation), so a row's result does not depend on the batch
+it is in: the scheduler's batched steps and a verify batch give a lone decode's results bit for
+bit. VNNI and AVX2 compute the same integers (no saturation is reachable, below), so the two
+paths agree exactly too.
 
-Arrays are passed with element offsets and not bounds-checked: callers index whole blocks.
-Saturation: ``pmaddubsw`` saturates int16 pair sums; with unsigned weights below 64 and int8
-activations in [-127, 127] a pair is at most 2 * 63 * 127 = 16002, and the signed Q8_0 path
-multiplies |w| <= 128 by the sign-moved activation, at most 2 * 128 * 127 = 32512 < 32767.
+Signed weights (Q8_0, and Q6_K's ``q - 32``) use the ``psign`` trick: |w| as the unsigned operand
+and the activation with w's sign moved onto it. Saturation of ``pmaddubsw`` (AVX2): a pair is at
+most 2 * 31 * 127 (5-bit quants), 2 * 32 * 127 (Q6_K) or 2 * 128 * 127 = 32512 (Q8_0) < 32767.
 
-:func:`available` says whether the host CPU has AVX2 (and F16C); callers fall back to the f32
-kernels where it does not.
+Arrays are not bounds-checked: callers pass whole rows. :func:`available` says whether the host
+has AVX2 and F16C (else callers use the f32 kernels); :func:`has_vnni` whether the VNNI form is
+compiled.
 """
 
 from __future__ import annotations
@@ -32,40 +39,47 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_i8, _i16, _i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_f32 = ir.FloatType()
 _v32i8 = ir.VectorType(_i8, 32)
 _v16i8 = ir.VectorType(_i8, 16)
 _v16i16 = ir.VectorType(_i16, 16)
 _v8i32 = ir.VectorType(_i32, 8)
-_v4i32 = ir.VectorType(_i32, 4)
+_v8f = ir.VectorType(_f32, 8)
+_v4f = ir.VectorType(_f32, 4)
 
 
-def available() -> bool:
-    """AVX2 and F16C on the host (what the kernels of :mod:`plinth.quant.kernels_i8` use)."""
+def _features() -> dict:
     try:
         import llvmlite.binding as llvm
 
-        feats = llvm.get_host_cpu_features()
-        return bool(feats.get("avx2")) and bool(feats.get("f16c"))
+        return dict(llvm.get_host_cpu_features())
     except Exception:  # pragma: no cover - llvmlite without host feature queries
-        return False
+        return {}
 
 
-def _ptr(context, builder, arrty, arr, off, vecty):
-    """Pointer to element ``off`` of a 1-D contiguous array, cast to ``vecty*``."""
-    a = cgutils.create_struct_proxy(arrty)(context, builder, value=arr)
-    p = builder.gep(a.data, [off])
-    return builder.bitcast(p, vecty.as_pointer())
+def available() -> bool:
+    """AVX2 and F16C on the host (what the kernels of :mod:`plinth.quant.kernels_i8` need)."""
+    f = _features()
+    return bool(f.get("avx2")) and bool(f.get("f16c"))
 
 
-def _load(builder, p):
-    v = builder.load(p)
-    v.align = 1
-    return v
+def has_vnni() -> bool:
+    """AVX512-VNNI with 256-bit forms (AVX512VL) on the host: the one-instruction dot is compiled."""
+    f = _features()
+    return bool(f.get("avx512vnni")) and bool(f.get("avx512vl"))
+
+
+# ---------------------------------------------------------------------------------------------
+# IR helpers
 
 
 def _fn(builder, name, ret, args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def _const(ty, value):
+    return ir.Constant(ty, value)
 
 
 def _splat(ty, n, value):
@@ -77,247 +91,292 @@ def _mask(idx):
     return ir.Constant(ir.VectorType(_i32, len(idx)), idx)
 
 
-def _madd32(builder, w, x):
-    """<8 x i32> pair sums of 32 unsigned w bytes times 32 signed x bytes."""
+def _broadcast(builder, v, n):
+    """An n-vector of copies of the scalar ``v``."""
+    vec = builder.insert_element(ir.Constant(ir.VectorType(v.type, n), None), v, _const(_i32, 0))
+    return builder.shuffle_vector(vec, vec, _mask([0] * n))
+
+
+def _load(builder, p, ty):
+    v = builder.load(builder.bitcast(p, ty.as_pointer()))
+    v.align = 1
+    return v
+
+
+def _at(builder, base, off):
+    """``base`` (an i8*) plus ``off`` bytes (an int or an i64 value)."""
+    return builder.gep(base, [_const(_i64, off) if isinstance(off, int) else off])
+
+
+def _half(builder, base, off):
+    """The IEEE half at byte ``off`` of ``base``, as float32."""
+    return builder.fpext(_load(builder, _at(builder, base, off), ir.HalfType()), _f32)
+
+
+def _byte(builder, base, off):
+    """The unsigned byte at ``off`` as i32."""
+    return builder.zext(_load(builder, _at(builder, base, off), _i8), _i32)
+
+
+def _fma(builder, a, b, c):
+    name = "llvm.fma.f32" if a.type == _f32 else f"llvm.fma.v{a.type.count}f32"
+    return builder.call(_fn(builder, name, a.type, [a.type] * 3), [a, b, c])
+
+
+def _dot(builder, w, x, vnni):
+    """<8 x i32>: lane k is sum_{j < 4} w[4k + j] * x[4k + j], w unsigned bytes, x signed bytes."""
+    if vnni:
+        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
+        return builder.call(f, [_splat(_i32, 8, 0), builder.bitcast(w, _v8i32), builder.bitcast(x, _v8i32)])
     p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8]), [w, x])
-    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]),
-                        [p16, _splat(_i16, 16, 1)])
+    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]), [p16, _splat(_i16, 16, 1)])
 
 
-def _hsum(builder, v, lanes):
-    """Sum of ``lanes`` consecutive int32 lanes of an <8 x i32>, starting at lane 0 or 4."""
-    return builder.call(_fn(builder, "llvm.vector.reduce.add.v4i32", _i32, [_v4i32]), [v]) if lanes == 4 else \
-        builder.call(_fn(builder, "llvm.vector.reduce.add.v8i32", _i32, [_v8i32]), [v])
-
-
-def _halves(builder, v):
-    lo = builder.shuffle_vector(v, v, _mask([0, 1, 2, 3]))
-    hi = builder.shuffle_vector(v, v, _mask([4, 5, 6, 7]))
-    return _hsum(builder, lo, 4), _hsum(builder, hi, 4)
+def _psign(builder, a, b):
+    """a with b's sign (a negated where b < 0, zero where b == 0)."""
+    return builder.call(_fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8]), [a, b])
 
 
 def _nibbles(builder, p):
-    """The 32 4-bit quants of 16 bytes at ``p`` (<16 x i8>*): low nibbles first, then high."""
-    qb = _load(builder, p)
+    """The 32 4-bit quants of the 16 bytes at ``p``: low nibbles first, then high (Q4_0 .. Q5_1)."""
+    qb = _load(builder, p, _v16i8)
     lo = builder.and_(qb, _splat(_i8, 16, 15))
     hi = builder.lshr(qb, _splat(_i8, 16, 4))
     return builder.shuffle_vector(lo, hi, _mask(range(32)))
 
 
-def _add_fifth_bit(builder, w, qh):
-    """w | 16 where bit j of the i32 ``qh`` is set (Q5_0/Q5_1)."""
+def _fifth_bit(builder, qh):
+    """16 where bit j of the i32 ``qh`` is set, else 0 (Q5_0 / Q5_1)."""
     h4 = builder.bitcast(qh, ir.VectorType(_i8, 4))
     hb = builder.shuffle_vector(h4, h4, _mask([j // 8 for j in range(32)]))
     bit = builder.and_(hb, ir.Constant(_v32i8, [1 << (j % 8) for j in range(32)]))
-    set_ = builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0))
-    return builder.or_(w, builder.select(set_, _splat(_i8, 32, 16), _splat(_i8, 32, 0)))
+    return builder.select(builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0)), _splat(_i8, 32, 16),
+                          _splat(_i8, 32, 0))
 
 
-def _check(*tys):
-    for t in tys:
-        if isinstance(t, types.Array) and t.ndim != 1:
-            raise TypeError("simd intrinsics take 1-D arrays")
-
-
-def _splat_var(builder, v, n):
-    """An i8 vector of n copies of the integer ``v``."""
-    b = builder.trunc(v, _i8) if v.type.width > 8 else v
-    vec = builder.insert_element(ir.Constant(ir.VectorType(_i8, n), None), b, ir.Constant(_i32, 0))
-    return builder.shuffle_vector(vec, vec, _mask([0] * n))
-
-
-def _bits_w(context, builder, sig, args):
-    """32 unsigned quants ((lo >> lo_shift) & 15) | (((hi >> hi_shift) & hi_mask) << 4) (args 0..6)."""
-    la, loff, lsh, ha, hoff, hsh, hmask = args[:7]
-    lb = _load(builder, _ptr(context, builder, sig.args[0], la, loff, _v32i8))
-    w = builder.and_(builder.lshr(lb, _splat_var(builder, lsh, 32)), _splat(_i8, 32, 15))
-    hb = _load(builder, _ptr(context, builder, sig.args[3], ha, hoff, _v32i8))
-    h = builder.and_(builder.lshr(hb, _splat_var(builder, hsh, 32)), _splat_var(builder, hmask, 32))
-    return builder.or_(w, builder.shl(h, _splat(_i8, 32, 4)))
-
-
-def _x_rows(context, builder, arrty, arr, r0, xo, n):
-    """<32 x i8> at column ``xo`` of rows r0 .. r0 + n - 1 of a 2-D C int8 array."""
-    a = cgutils.create_struct_proxy(arrty)(context, builder, value=arr)
-    base = builder.bitcast(a.data, _i8.as_pointer())
-    stride = cgutils.unpack_tuple(builder, a.strides)[0]
-    rows = []
-    for i in range(n):
-        off = builder.add(builder.mul(builder.add(r0, ir.Constant(r0.type, i)), stride), xo)
-        rows.append(_load(builder, builder.bitcast(builder.gep(base, [off]), _v32i8.as_pointer())))
-    return rows
-
-
-def _make_bits_dot(n_rows, halves):
-    """The K-quant sub-block dot for ``n_rows`` activation rows of a 2-D int8 array: the 32 quants
-    are unpacked once; per row the int32 sum (or its two 16-value half sums, Q6_K)."""
-
-    def dot(typingctx, lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, xq, r0, xo):
-        _check(lo, hi)
-
-        def codegen(context, builder, sig, args):
-            w = _bits_w(context, builder, sig, args)
-            r0v = args[8]
-            xov = args[9] if args[9].type == r0v.type else builder.sext(args[9], r0v.type)
-            sums = []
-            for xv in _x_rows(context, builder, sig.args[7], args[7], r0v, xov, n_rows):
-                p = _madd32(builder, w, xv)
-                sums += list(_halves(builder, p)) if halves else [_hsum(builder, p, 8)]
-            return context.make_tuple(builder, sig.return_type, sums)
-
-        n_out = n_rows * (2 if halves else 1)
-        return types.UniTuple(types.int32, n_out)(lo, lo_o, lo_shift, hi, hi_o, hi_shift, hi_mask, xq, r0, xo), codegen
-
-    dot.__name__ = f"dot_bits{'_halves' if halves else ''}_rows{n_rows}"
-    dot.__doc__ = (f"Per activation row r0 .. r0 + {n_rows - 1} of the 2-D int8 ``xq``: sum_j (((lo[lo_o+j] >> "
-                   "lo_shift) & 15) | (((hi[hi_o+j] >> hi_shift) & hi_mask) << 4)) * xq[r, xo+j], j < 32"
-                   + (", as the sums over j < 16 and 16 <= j < 32 (Q6_K, hi_mask 3)." if halves else
-                      " (Q4_K: hi_mask 0, Q5_K: hi_mask 1)."))
-    return intrinsic(dot)
-
-
-dot_bits_rows1 = _make_bits_dot(1, False)
-dot_bits_rows4 = _make_bits_dot(4, False)
-dot_bits_halves_rows1 = _make_bits_dot(1, True)
-dot_bits_halves_rows4 = _make_bits_dot(4, True)
-
-
-@intrinsic
-def half_at(typingctx, row, off):
-    """The IEEE half stored at byte ``off`` of the uint8 array ``row``, as float32."""
-    _check(row)
-
-    def codegen(context, builder, sig, args):
-        a = cgutils.create_struct_proxy(sig.args[0])(context, builder, value=args[0])
-        return _half_at(builder, a.data, args[1])
-
-    return types.float32(row, off), codegen
+def _bits(builder, v, shift, mask):
+    """(v >> shift) & mask on 32 bytes (shift, mask: ints)."""
+    if shift:
+        v = builder.lshr(v, _splat(_i8, 32, shift))
+    return builder.and_(v, _splat(_i8, 32, mask))
 
 
 # ---------------------------------------------------------------------------------------------
-# Whole-row dots for the 32-value block types: the loop over blocks is IR too, so the integer
-# products go to float in their 8 lanes and accumulate there (one horizontal sum per row, as
-# llama.cpp's ggml_vec_dot_*_q8_0 loops do). The offset and min terms come from the activation
-# block sums as a scalar.
-
-#: type -> (block bytes, offset of the quants, offset of the min (or None), offset of qh (or None),
-#: value offset folded into the scalar term (-8 for Q4_0: value = d * (q - 8)))
-_ROW_TYPES = {"q4_0": (18, 2, None, None, -8.0), "q4_1": (20, 4, 2, None, 0.0),
-              "q5_0": (22, 6, None, 2, -16.0), "q5_1": (24, 8, 2, 4, 0.0), "q8_0": (34, 2, None, None, 0.0)}
+# the weight types: per 32-value unit, the unsigned quants (or |w| of signed ones), the scale,
+# the offset (value = scale * q + offset, offset None when 0) and an int lane scale (Q6_K)
 
 
-def _half_at(builder, base, off):
-    off = ir.Constant(ir.IntType(64), off) if isinstance(off, int) else off
-    p = builder.bitcast(builder.gep(base, [off]), ir.HalfType().as_pointer())
-    v = builder.load(p)
-    v.align = 1
-    return builder.fpext(v, ir.FloatType())
+class _Unit:
+    __slots__ = ("w", "signed", "scale", "offset", "lanes")
+
+    def __init__(self, w, scale, offset=None, signed=None, lanes=None):
+        self.w, self.scale, self.offset, self.signed, self.lanes = w, scale, offset, signed, lanes
 
 
-def _emit_rows(builder, kind, R, arrs, r0v, ov):
-    """IR for out[r0 + i, o] = x[r0 + i] . W[o], i < R: the loop over the weight row's blocks, each
-    block unpacked once for the R activation rows."""
-    bs, qoff, moff, hoff, shift = _ROW_TYPES[kind]
-    f32 = ir.FloatType()
-    v8f = ir.VectorType(f32, 8)
-    fast = ("contract",)  # no reassociation: every row sums its blocks in order, alone or in a group
-    i8p = _i8.as_pointer()
-    rowp = arrs[0].data
-    idx = r0v.type
+def _units_32(kind):
+    """Decoder of a 32-value block type: block pointer -> [one _Unit]."""
 
-    def row_ptrs(a, ty):  # pointer to row r0 + i of a 2-D C array, for i < R
-        base = builder.bitcast(a.data, i8p)
-        stride = cgutils.unpack_tuple(builder, a.strides)[0]
-        return [builder.bitcast(builder.gep(base, [builder.mul(builder.add(r0v, ir.Constant(idx, i)), stride)]),
-                                ty.as_pointer()) for i in range(R)]
-
-    xps = row_ptrs(arrs[1], _i8)
-    xdps = row_ptrs(arrs[2], f32)
-    xsps = row_ptrs(arrs[3], f32)
-    outps = row_ptrs(arrs[4], f32)
-    nb = builder.udiv(cgutils.unpack_tuple(builder, arrs[1].shape)[1], ir.Constant(idx, 32))
-    zero = ir.Constant(v8f, [0.0] * 8)
-    # one accumulator a row, the same operations for a row whether it comes alone or in a group:
-    # a row's result does not depend on the batch it is in
-    faccs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
-    saccs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(R)]
-    for i in range(R):
-        builder.store(zero, faccs[i])
-        builder.store(ir.Constant(f32, 0.0), saccs[i])
-
-    def block(ib):
-        b = builder.gep(rowp, [builder.mul(ib, ir.Constant(idx, bs))])
-        d = _half_at(builder, b, 0)
-        mn = _half_at(builder, b, moff) if moff is not None else None
-        wp = builder.gep(b, [ir.Constant(idx, qoff)])
+    def decode(builder, b):
+        d = _half(builder, b, 0)
         if kind == "q8_0":
-            wv = _load(builder, builder.bitcast(wp, _v32i8.as_pointer()))
-            sign = _fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8])
-            w = builder.call(sign, [wv, wv])
-        else:
-            w = _nibbles(builder, builder.bitcast(wp, _v16i8.as_pointer()))
-            if hoff is not None:
-                hp = builder.bitcast(builder.gep(b, [ir.Constant(idx, hoff)]), _i32.as_pointer())
-                w = _add_fifth_bit(builder, w, _load(builder, hp))
-        if moff is None and shift:  # shift * d, the same for every row
-            kd = builder.fmul(d, ir.Constant(f32, shift), flags=fast)
+            wv = _load(builder, _at(builder, b, 2), _v32i8)
+            return [_Unit(_psign(builder, wv, wv), d, signed=wv)]
+        qoff, moff, hoff, shift = {"q4_0": (2, None, None, -8.0), "q4_1": (4, 2, None, 0.0),
+                                   "q5_0": (6, None, 2, -16.0), "q5_1": (8, 2, 4, 0.0)}[kind]
+        w = _nibbles(builder, _at(builder, b, qoff))
+        if hoff is not None:
+            w = builder.or_(w, _fifth_bit(builder, _load(builder, _at(builder, b, hoff), _i32)))
+        offset = _half(builder, b, moff) if moff is not None else builder.fmul(d, _const(_f32, shift))
+        return [_Unit(w, d, offset)]
+
+    return decode
+
+
+def _k_scale_min(builder, b, j):
+    """Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block (12 bytes at b + 4), as float."""
+    s = lambda k: _byte(builder, b, 4 + k)  # noqa: E731
+    c63, c15 = _const(_i32, 63), _const(_i32, 15)
+    if j < 4:
+        sc, mn = builder.and_(s(j), c63), builder.and_(s(j + 4), c63)
+    else:
+        hi_s = builder.shl(builder.lshr(s(j - 4), _const(_i32, 6)), _const(_i32, 4))
+        hi_m = builder.shl(builder.lshr(s(j), _const(_i32, 6)), _const(_i32, 4))
+        sc = builder.or_(builder.and_(s(j + 4), c15), hi_s)
+        mn = builder.or_(builder.lshr(s(j + 4), _const(_i32, 4)), hi_m)
+    return builder.uitofp(sc, _f32), builder.uitofp(mn, _f32)
+
+
+def _units_k45(five):
+    """Q4_K (144 bytes) / Q5_K (176): 8 sub-blocks of 32, value = d * sc_j * q - dmin * m_j."""
+
+    def decode(builder, b):
+        d, dmin = _half(builder, b, 0), _half(builder, b, 2)
+        qs = 48 if five else 16
+        qh = _load(builder, _at(builder, b, 16), _v32i8) if five else None
+        units = []
+        for c in range(4):
+            q = _load(builder, _at(builder, b, qs + 32 * c), _v32i8)
+            for half in range(2):
+                j = 2 * c + half
+                w = _bits(builder, q, 4 * half, 15)
+                if five:
+                    w = builder.or_(w, builder.shl(_bits(builder, qh, j, 1), _splat(_i8, 32, 4)))
+                sc, mn = _k_scale_min(builder, b, j)
+                units.append(_Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn))))
+        return units
+
+    return decode
+
+
+def _units_q6k(builder, b):
+    """Q6_K (210 bytes): 16 sub-blocks of 16, value = d * sc * (q - 32); a unit is two sub-blocks
+    (int lane scales: lanes 0-3 hold values 0-15, lanes 4-7 values 16-31)."""
+    d = _half(builder, b, 208)
+    units = []
+    for h in range(2):
+        qh = _load(builder, _at(builder, b, 128 + 32 * h), _v32i8)
+        for k in range(4):
+            ql = _load(builder, _at(builder, b, 64 * h + 32 * (k & 1)), _v32i8)
+            q = builder.or_(_bits(builder, ql, 4 * (k >> 1), 15), builder.shl(_bits(builder, qh, 2 * k, 3),
+                                                                                 _splat(_i8, 32, 4)))
+            w = builder.sub(q, _splat(_i8, 32, 32))
+            sa, sb = [builder.sext(_load(builder, _at(builder, b, 192 + 8 * h + 2 * k + i), _i8), _i32)
+                      for i in range(2)]
+            lanes = builder.shuffle_vector(builder.insert_element(builder.insert_element(
+                ir.Constant(ir.VectorType(_i32, 2), None), sa, _const(_i32, 0)), sb, _const(_i32, 1)),
+                ir.Constant(ir.VectorType(_i32, 2), None), _mask([0, 0, 0, 0, 1, 1, 1, 1]))
+            units.append(_Unit(_psign(builder, w, w), d, signed=w, lanes=lanes))
+    return units
+
+
+#: type -> (values per block, block bytes, decoder)
+_TYPES = {"q4_0": (32, 18, _units_32("q4_0")), "q4_1": (32, 20, _units_32("q4_1")),
+          "q5_0": (32, 22, _units_32("q5_0")), "q5_1": (32, 24, _units_32("q5_1")),
+          "q8_0": (32, 34, _units_32("q8_0")), "q4_k": (256, 144, _units_k45(False)),
+          "q5_k": (256, 176, _units_k45(True)), "q6_k": (256, 210, _units_q6k)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the row loop
+
+
+def _emit_rows(builder, kind, R, arrs, r0, o, vnni):
+    """IR for out[r0 + i, o] = x[r0 + i] . W[o], i < R (R = 4, 2 or 1)."""
+    qk, bs, decode = _TYPES[kind]
+    rowa, xqa, xda, xsa, outa = arrs
+    idx = r0.type
+    i8p = _i8.as_pointer()
+
+    def base(a):
+        return builder.bitcast(a.data, i8p)
+
+    def stride(a):
+        return cgutils.unpack_tuple(builder, a.strides)[0]
+
+    n = cgutils.unpack_tuple(builder, xqa.shape)[1]
+    xps = [_at(builder, base(xqa), builder.mul(builder.add(r0, _const(idx, i)), stride(xqa))) for i in range(R)]
+    r0_bytes = builder.mul(r0, _const(idx, 4))
+    xd0 = _at(builder, base(xda), r0_bytes)
+    xs0 = _at(builder, base(xsa), r0_bytes)
+    sd, ss = stride(xda), stride(xsa)
+    rowp = base(rowa)
+    zero8 = ir.Constant(_v8f, [0.0] * 8)
+    faccs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(2)] for _ in range(R)]
+    sacc = cgutils.alloca_once_value(builder, ir.Constant(_v8f, [0.0] * 8))
+    for a in faccs:
+        for p in a:
+            builder.store(zero8, p)
+    builder.store(zero8, sacc)
+
+    def lanes8(p):  # R consecutive floats at p as an 8-vector (the lanes past R zero)
+        if R in (8, 4):
+            v = _load(builder, p, ir.VectorType(_f32, R))
+            return v if R == 8 else builder.shuffle_vector(v, ir.Constant(_v4f, [0.0] * 4), _mask(range(8)))
+        v = zero8
         for i in range(R):
-            xv = _load(builder, builder.bitcast(builder.gep(xps[i], [builder.mul(ib, ir.Constant(idx, 32))]),
-                                                _v32i8.as_pointer()))
-            if kind == "q8_0":
-                xv = builder.call(sign, [xv, wv])
-            pf = builder.sitofp(_madd32(builder, w, xv), v8f)
-            scale = builder.fmul(d, builder.load(builder.gep(xdps[i], [ib])), flags=fast)
-            sv = builder.insert_element(ir.Constant(v8f, None), scale, ir.Constant(_i32, 0))
-            sv = builder.shuffle_vector(sv, sv, _mask([0] * 8))
-            facc = faccs[i]
-            builder.store(builder.fadd(builder.load(facc), builder.fmul(pf, sv, flags=fast), flags=fast), facc)
-            if moff is not None or shift:  # + m * xd * sum(xq), or + shift * d * xd * sum(xq)
-                xsd = builder.load(builder.gep(xsps[i], [ib]))
-                k = mn if moff is not None else kd
-                builder.store(builder.fadd(builder.load(saccs[i]), builder.fmul(k, xsd, flags=fast), flags=fast),
-                              saccs[i])
+            v = builder.insert_element(v, _load(builder, _at(builder, p, 4 * i), _f32), _const(_i32, i))
+        return v
 
-    with cgutils.for_range(builder, nb) as loop:
-        block(loop.index)
-    red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f])
+    def unit(u, iu, par):
+        """Unit ``u`` (a _Unit) at activation block index iu (an i64 value), into accumulator par."""
+        scales = builder.fmul(_broadcast(builder, u.scale, 8), lanes8(_at(builder, xd0, builder.mul(iu, sd))))
+        xo = builder.mul(iu, _const(idx, 32))
+        for i in range(R):
+            xv = _load(builder, _at(builder, xps[i], xo), _v32i8)
+            if u.signed is not None:
+                xv = _psign(builder, xv, u.signed)
+            p = _dot(builder, u.w, xv, vnni)
+            if u.lanes is not None:
+                p = builder.mul(p, u.lanes)
+            pf = builder.sitofp(p, _v8f)
+            acc = faccs[i][par]
+            builder.store(_fma(builder, pf, builder.shuffle_vector(scales, scales, _mask([i] * 8)),
+                               builder.load(acc)), acc)
+        if u.offset is not None:
+            xs = lanes8(_at(builder, xs0, builder.mul(iu, ss)))
+            builder.store(_fma(builder, _broadcast(builder, u.offset, 8), xs, builder.load(sacc)), sacc)
+
+    per = qk // 32  # units a block
+    if per == 1:  # blocks in pairs (even block -> accumulator 0, odd -> 1), then an odd one left
+        nb = builder.udiv(n, _const(idx, 32))
+        with cgutils.for_range(builder, builder.udiv(nb, _const(idx, 2))) as loop:
+            for par in range(2):
+                ib = builder.add(builder.mul(loop.index, _const(idx, 2)), _const(idx, par))
+                unit(decode(builder, _at(builder, rowp, builder.mul(ib, _const(idx, bs))))[0], ib, par)
+        with builder.if_then(builder.icmp_unsigned("==", builder.and_(nb, _const(idx, 1)), _const(idx, 1))):
+            ib = builder.sub(nb, _const(idx, 1))
+            unit(decode(builder, _at(builder, rowp, builder.mul(ib, _const(idx, bs))))[0], ib, 0)
+    else:
+        with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
+            units = decode(builder, _at(builder, rowp, builder.mul(loop.index, _const(idx, bs))))
+            for j, u in enumerate(units):
+                unit(u, builder.add(builder.mul(loop.index, _const(idx, per)), _const(idx, j)), j & 1)
+    red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", _f32, [_f32, _v8f])
+    s = builder.load(sacc)
     for i in range(R):
-        v = builder.load(faccs[i])
-        total = builder.fadd(builder.call(red, [ir.Constant(f32, 0.0), v]), builder.load(saccs[i]), flags=fast)
-        builder.store(total, builder.gep(outps[i], [ov]))
+        v = builder.fadd(builder.load(faccs[i][0]), builder.load(faccs[i][1]))
+        total = builder.fadd(builder.call(red, [_const(_f32, 0.0), v]), builder.extract_element(s, _const(_i32, i)))
+        outp = _at(builder, base(outa), builder.add(builder.mul(builder.add(r0, _const(idx, i)), stride(outa)),
+                                                    builder.mul(o, _const(idx, 4))))
+        builder.store(total, builder.bitcast(outp, _f32.as_pointer()))
 
 
-def _make_rows_dot(kind):
-    """The intrinsic for every activation row against one weight row of type ``kind``."""
+def _make_rows_dot(kind, vnni=None):
+    """The intrinsic for every activation row against one weight row of type ``kind`` (``vnni``:
+    the VNNI form or the AVX2 one; default: what the host has)."""
 
-    def rows_dot(typingctx, row, xq, xd, xsd, out, o):
-        _check(row)
+    def rows_dot(typingctx, row, xq, xdt, xsdt, out, o):
+        if not (isinstance(row, types.Array) and row.ndim == 1 and all(
+                isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, out))):
+            raise TypeError("rows_<type> takes a 1-D weight row and 2-D activation and output arrays")
+        use_vnni = has_vnni() if vnni is None else vnni
+        G = 8 if has_vnni() else 4  # rows a group: 8 x 2 accumulators need AVX512's 32 vector registers
 
         def codegen(context, builder, sig, args):
-            rowa, xqa, xda, xsa, outa, ov = args
-            arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
-                    for ty, v in zip(sig.args[:5], (rowa, xqa, xda, xsa, outa))]
+            arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v) for ty, v in zip(sig.args[:5], args[:5])]
             m = cgutils.unpack_tuple(builder, arrs[1].shape)[0]
             idx = m.type
-            # rows in groups of four, then a pair, then one: r0 = 4 g, then 4 (m // 4), ...
-            four = ir.Constant(idx, 4)
-            with cgutils.for_range(builder, builder.udiv(m, four)) as loop:
-                _emit_rows(builder, kind, 4, arrs, builder.mul(loop.index, four), ov)
-            r = builder.mul(builder.udiv(m, four), four)
-            left = builder.sub(m, r)
-            with builder.if_then(builder.icmp_unsigned(">=", left, ir.Constant(idx, 2))):
-                _emit_rows(builder, kind, 2, arrs, r, ov)
-            with builder.if_then(builder.icmp_unsigned("==", builder.and_(left, ir.Constant(idx, 1)),
-                                                       ir.Constant(idx, 1))):
-                _emit_rows(builder, kind, 1, arrs, builder.sub(m, ir.Constant(idx, 1)), ov)
+            ov = args[5] if args[5].type == idx else builder.sext(args[5], idx)
+            # groups of G rows, then one group of each smaller power of two that the rest holds
+            big = _const(idx, G)
+            with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
+                _emit_rows(builder, kind, G, arrs, builder.mul(loop.index, big), ov, use_vnni)
+            r = cgutils.alloca_once_value(builder, builder.mul(builder.udiv(m, big), big))
+            g = G // 2
+            while g:
+                bit = _const(idx, g)
+                with builder.if_then(builder.icmp_unsigned("!=", builder.and_(m, bit), _const(idx, 0))):
+                    _emit_rows(builder, kind, g, arrs, builder.load(r), ov, use_vnni)
+                    builder.store(builder.add(builder.load(r), bit), r)
+                g //= 2
             return context.get_dummy_value()
 
-        return types.void(row, xq, xd, xsd, out, o), codegen
+        return types.void(row, xq, xdt, xsdt, out, o), codegen
 
     rows_dot.__name__ = f"rows_{kind}"
     rows_dot.__doc__ = (f"out[r, o] = x[r] . W[o] for every activation row r: one {kind.upper()} weight row "
-                        "``row`` (uint8) against int8 activation rows xq (2-D, with per-32 scales xd and "
-                        "xsd = xd * sum(xq)); four rows to an unpacked block, then two, then one.")
+                        "``row`` (uint8) against int8 activation rows xq [m, n] with their per-32 scales "
+                        "xdt and scaled sums xsdt = xd * sum(xq), both block-major [n / 32, m].")
     return intrinsic(rows_dot)
 
 
@@ -326,3 +385,6 @@ rows_q4_1 = _make_rows_dot("q4_1")
 rows_q5_0 = _make_rows_dot("q5_0")
 rows_q5_1 = _make_rows_dot("q5_1")
 rows_q8_0 = _make_rows_dot("q8_0")
+rows_q4_k = _make_rows_dot("q4_k")
+rows_q5_k = _make_rows_dot("q5_k")
+rows_q6_k = _make_rows_dot("q6_k")
