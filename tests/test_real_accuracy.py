@@ -21,7 +21,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
 # Gemma-3's logits reach |100|, where f32 itself cannot hold 1e-4: on the chat prompt transformers in f32 is
 # 1.74e-4 from the same model in f64, plinth 1.31e-4 (`python tests/golden/make_real_golden.py --f64-floor gemma3`).
-ATOL = {"smollm2": LOGIT_ATOL, "gemma3": 2.5e-4}
+# SmolLM2's chat prompt over the full vocabulary sits at the same floor: transformers in f32 is 9.84e-5 from
+# f64, plinth (f32-activation kernels, PLINTH_INT8=0) 1.01e-4 from f64 and 1.03e-4 from transformers f32.
+ATOL = {"smollm2": 1.5e-4, "gemma3": 2.5e-4}
 
 
 golden = load_module(GOLDEN / "make_real_golden.py")
@@ -135,14 +137,19 @@ def test_int8_decode_agrees_with_transformers_as_llama_cpp_does(loaded, key):
 @pytest.mark.ref
 @pytest.mark.slow
 @pytest.mark.parametrize("key", MODELS)
-def test_golden_file_is_reproducible_and_full_vocab_matches(request, key):
+def test_golden_file_is_reproducible_and_full_vocab_matches(request, key, monkeypatch):
     """Rebuild the transformers reference live; the golden file is reproduced and plinth matches the
-    reference over the full vocabulary (not only the stored columns) to 1e-4. Minutes: opt-in only."""
+    reference over the full vocabulary (not only the stored columns) to 1e-4 (f32-activation kernels,
+    as the logits test above). Minutes: opt-in only."""
     if "ref" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("opt-in: run with -m ref (make test-ref)")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import torch
+
+    import plinth.quant as quant
+
+    monkeypatch.setitem(quant._state, "i8", False)
 
     torch.set_num_threads(2)
     rec = golden.reference(key, with_plinth=True)
