@@ -82,19 +82,19 @@ def split(name: str, steps: int, runs: int) -> dict[str, float]:
     if k8 is None or attn_mod is None:
         raise SystemExit("the int8 kernels are off here (no AVX2, PLINTH_INT8=0 or no numba)")
     acc = {"products": 0.0, "attention": 0.0}
-    real_linear, real_attn = k8.linear, attn_mod.attention_rows
+    real_linear, real_attn = k8.linear, attn_mod.attention_groups
 
     def linear(*a):
         t0 = time.perf_counter()
         real_linear(*a)
         acc["products"] += time.perf_counter() - t0
 
-    def attention_rows(*a):
+    def attention_groups(*a):
         t0 = time.perf_counter()
         real_attn(*a)
         acc["attention"] += time.perf_counter() - t0
 
-    k8.linear, attn_mod.attention_rows = linear, attention_rows
+    k8.linear, attn_mod.attention_groups = linear, attention_groups
     try:
         best = None
         for _ in range(runs):
@@ -110,7 +110,7 @@ def split(name: str, steps: int, runs: int) -> dict[str, float]:
             if best is None or total < best["total"]:
                 best = dict(acc, total=total)
     finally:
-        k8.linear, attn_mod.attention_rows = real_linear, real_attn
+        k8.linear, attn_mod.attention_groups = real_linear, real_attn
     nbytes = _weight_bytes(model)
     bw = _read_bandwidth()
     ms = {k: v / steps * 1e3 for k, v in best.items()}

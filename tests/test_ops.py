@@ -366,6 +366,42 @@ def test_attention_row_kernel_with_bias_and_soft_cap_is_batch_invariant():
                               ops.attention(q[3 % n_q:3 % n_q + 1], k, v, scale=0.3, causal=False, soft_cap=cap)[0])
 
 
+
+def test_attention_groups_equal_one_call_per_sequence():
+    """Several sequences' rows in one call (a server step): each group bit for bit its own
+    attention call, with caches of different lengths, biases on some groups, a prompt-sized group
+    (more than KERNEL_MAX_Q rows, attended apart) and soft-capping."""
+    import importlib
+
+    attn_mod = importlib.import_module("plinth.ops.attention")
+    n_head, n_head_kv, hd = 6, 2, 16
+    sizes = [1, 3, 1, attn_mod.KERNEL_MAX_Q + 4, 2]
+    lens = [5, 40, 17, 60, 9]
+    q = randn(sum(sizes), n_head, hd)
+    groups, s = [], 0
+    for n, n_kv in zip(sizes, lens):
+        k, v = randn(n_kv, n_head_kv, hd), randn(n_kv, n_head_kv, hd)
+        bias = None
+        if n > 1:
+            kp, qp = np.arange(n_kv), np.arange(n_kv - n, n_kv)
+            bias = np.where(kp[None, :] <= qp[:, None], 0.0, -np.inf).astype(np.float32)
+        groups.append((s, s + n, k, v, bias))
+        s += n
+    for cap in (None, 4.0):
+        y = ops.attention_groups(q, groups, scale=0.3, soft_cap=cap)
+        for s, e, k, v, bias in groups:
+            alone = ops.attention(q[s:e], k, v, scale=0.3, causal=False, bias=bias, soft_cap=cap)
+            assert np.array_equal(y[s:e], alone), (s, e, cap)
+            np.testing.assert_allclose(alone, naive_attention(q[s:e], k, v, np.arange(e - s), np.arange(len(k)), 0.3,
+                                                              causal=False, soft_cap=cap,
+                                                              mask=None if bias is None else bias == 0),
+                                       rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="rows 1:4"):
+        bad = list(groups)
+        bad[1] = (1, 4, randn(40, 3, hd), randn(40, 3, hd), None)
+        ops.attention_groups(q, bad, scale=0.3)
+
+
 # ---------------------------------------------------------------- FFN / linear
 
 

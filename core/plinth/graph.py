@@ -297,8 +297,8 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     xp = ops.array_module(q)
     kv = step.cache.kv(il)
     shared = kv.layer != il  # the K/V of an earlier layer (SharedKV)
-    out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)
     positions = step.batch.positions
+    groups = []  # per sequence: its rows, its K/V so far and its bias
     for seq, sel in step.groups:
         pos = positions[sel]
         # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
@@ -306,6 +306,13 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
         bias = step.once(("attn_bias", seq, window, len(kpos)),
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
                                                     xp=xp))
+        groups.append((sel, kc, vc, bias))
+    if len(groups) > 1 and all(isinstance(sel, slice) for sel, *_ in groups):
+        # several sequences (a server step): their decode rows in one call
+        return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias) for sel, kc, vc, bias in groups],
+                                    scale=scale, soft_cap=soft_cap)
+    out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)
+    for sel, kc, vc, bias in groups:
         out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
 

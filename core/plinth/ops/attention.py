@@ -12,7 +12,6 @@ from ._xp import F32, array_module, as_f32, compiled_ops
 #: up to this many query rows, attention on the host runs the compiled row kernel
 #: (:mod:`plinth.ops.compiled`: decode and verify batches, each row computed as if alone)
 KERNEL_MAX_Q = 16
-_NO_BIAS = numpy.zeros((1, 1), dtype=numpy.float32)
 
 
 def attention_mask(
@@ -79,6 +78,56 @@ def attention_bias(
     return xp.where(vis, F32(0.0), F32(-xp.inf))
 
 
+def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale: float,
+                     soft_cap: float | None = None) -> Any:
+    """:func:`attention` with ``causal=False`` and an additive bias, for the query rows of several
+    sequences: ``groups`` holds per sequence ``(start, stop, k, v, bias)`` (its rows ``q[start:stop]``,
+    its cached K and V, its bias ``[stop - start, n_kv]`` or None). On the host the groups of at most
+    KERNEL_MAX_Q rows (a server step's decode and verify rows) go through one compiled call (one per
+    layer instead of one per sequence) with the same per-row arithmetic as one call per sequence;
+    the others (prompt chunks), and every group on a device, take one :func:`attention` each. (One
+    sequence's few rows in :func:`attention` take the same kernel, so a row's result does not depend
+    on which of the two calls computed it.)
+    Returns [n_rows, n_head, hd_v] for the rows the groups cover."""
+    xp = array_module(q)
+    n_head = q.shape[1]
+    hd_v = groups[0][3].shape[2]
+    out = xp.empty((q.shape[0], n_head, hd_v), dtype=xp.float32)
+    small = [grp for grp in groups if 0 < grp[1] - grp[0] <= KERNEL_MAX_Q and len(grp[2])] \
+        if xp is numpy and compiled_ops() is not None else []
+    if small:
+        k0, v0 = small[0][2], small[0][3]
+        n_head_kv = k0.shape[1]
+        if n_head % n_head_kv:
+            raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+        keep = []  # the contiguous float32 arrays whose addresses the kernel reads
+        n = len(small)
+        bounds = numpy.empty((n, 2), numpy.int64)
+        n_kv = numpy.empty(n, numpy.int64)
+        at = numpy.zeros((3, n), numpy.int64)
+        for g, (s, e, k, v, bias) in enumerate(small):
+            k, v = numpy.ascontiguousarray(as_f32(k, numpy)), numpy.ascontiguousarray(as_f32(v, numpy))
+            if k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or v.shape[0] != k.shape[0]:
+                raise ValueError(f"attention: rows {s}:{e} have k {k.shape}, v {v.shape} beside {k0.shape}, "
+                                 f"{v0.shape}")
+            bounds[g] = s, e
+            n_kv[g] = k.shape[0]
+            at[0, g], at[1, g] = k.ctypes.data, v.ctypes.data
+            keep += [k, v]
+            if bias is not None:
+                b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
+                at[2, g] = b.ctypes.data
+                keep.append(b)
+        compiled_ops().attention_groups(numpy.ascontiguousarray(as_f32(q, numpy)), bounds, n_kv, at[0], at[1],
+                                        at[2], n_head_kv, hd_v, float(scale), float(soft_cap or 0.0), out)
+        del keep
+        done = {id(grp) for grp in small}
+        groups = [grp for grp in groups if id(grp) not in done]
+    for s, e, k, v, bias in groups:
+        out[s:e] = attention(q[s:e], k, v, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
+    return out
+
+
 def attention(
     q: Any,
     k: Any,
@@ -129,13 +178,7 @@ def attention(
         scale = 1.0 / float(hd) ** 0.5
     if (xp is numpy and 0 < n_q <= KERNEL_MAX_Q and n_kv and sinks is None and not causal and sliding_window is None
             and mask is None and compiled_ops() is not None):
-        out = numpy.empty((n_q, n_head, hd_v), dtype=F32)
-        b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, xp), (n_q, n_kv))) if bias is not None else \
-            _NO_BIAS
-        compiled_ops().attention_rows(numpy.ascontiguousarray(q), numpy.ascontiguousarray(k),
-                                      numpy.ascontiguousarray(v), b, bias is not None, float(scale),
-                                      float(soft_cap or 0.0), out)
-        return out
+        return attention_groups(q, [(0, n_q, k, v, bias)], float(scale), soft_cap)  # the same compiled kernel
 
     # [n_head_kv, g * n_q, hd] with rows ordered (group member, query)
     qg = (q * F32(scale)).reshape(n_q, n_head_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_head_kv, g * n_q, hd)

@@ -1,7 +1,9 @@
 """Compiled host kernels for the ops where numpy's per-call overhead dominates a decode step:
 attention for a few query rows, and RMSNorm (each a handful of numpy calls per layer otherwise).
 
-Attention for a few query rows (decode and verify batches) runs one (row, head) at a time.
+Attention for a few query rows (decode and verify batches) runs one (row, head) at a time, for
+the rows of one sequence or of several (a server step's decode rows, each sequence with its own
+cache) in one parallel region (:func:`attention_groups`).
 
 Every query row runs exactly the same loops whether it comes alone or with others, so a row's
 output does not depend on the batch it is in: a verify batch of k draft tokens produces, row for
@@ -20,7 +22,9 @@ h // (n_head / n_head_kv)); a row that sees no key yields zeros.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import carray, njit, prange, types
+from numba.extending import intrinsic
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
@@ -68,17 +72,51 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
         out[i, h, d] = o[d] * inv
 
 
+@intrinsic
+def _f32_at(typingctx, addr):
+    """The float32 pointer held in the integer ``addr`` (an array's data address)."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
 @njit(cache=True, parallel=True, fastmath=_FLAGS)
-def attention_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, scale: float,
-                   soft_cap: float, out: np.ndarray) -> None:
-    """q [n_q, n_head, hd], k [n_kv, n_head_kv, hd], v [n_kv, n_head_kv, hd_v] float32 (C order);
-    bias [n_q, n_kv] float32 (read when ``has_bias``); soft_cap 0 = none; out [n_q, n_head, hd_v].
-    (Row-heads over the kernel threads even for one decode row: its exps dominate, and the pool
-    starts in microseconds.)"""
+def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
+                     bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
+                     out: np.ndarray) -> None:
+    """Attention of a few query rows for one or more sequences in one parallel region: group g's query rows
+    ``q[bounds[g, 0]:bounds[g, 1]]`` attend to its own ``n_kv[g]`` cached keys and values, C-order
+    float32 arrays ``[n_kv, n_head_kv, hd]`` / ``[n_kv, n_head_kv, hd_v]`` at the data addresses
+    ``k_at[g]`` / ``v_at[g]``, with the bias ``[rows, n_kv]`` at ``bias_at[g]`` (0: none); rows of
+    no group are left alone. Each (row, head) runs :func:`_attend_one` alone, so a row's output does
+    not depend on the other rows of the call. The caller keeps the arrays alive. (Row-heads go over
+    the kernel threads even for one decode row: its exps dominate, and the pool starts in
+    microseconds.)"""
     sc = np.float32(scale)
     cap = np.float32(soft_cap)
-    for t in prange(q.shape[0] * q.shape[1]):
-        _attend_one(t, q, k, v, bias, has_bias, sc, cap, out)
+    n_head, hd = q.shape[1], q.shape[2]
+    n_sel = 0
+    for g in range(len(n_kv)):
+        n_sel += bounds[g, 1] - bounds[g, 0]
+    group = np.empty(n_sel, np.int64)
+    row = np.empty(n_sel, np.int64)
+    i = 0
+    for g in range(len(n_kv)):
+        for r in range(bounds[g, 0], bounds[g, 1]):
+            group[i] = g
+            row[i] = r
+            i += 1
+    for t in prange(n_sel * n_head):
+        j = t // n_head
+        g = group[j]
+        s0, s1 = bounds[g, 0], bounds[g, 1]
+        n = n_kv[g]
+        k = carray(_f32_at(k_at[g]), (n, n_head_kv, hd))
+        v = carray(_f32_at(v_at[g]), (n, n_head_kv, hd_v))
+        has_bias = bias_at[g] != 0
+        bias = carray(_f32_at(bias_at[g] if has_bias else k_at[g]), (s1 - s0, n if has_bias else 0))
+        _attend_one((row[j] - s0) * n_head + t - j * n_head, q[s0:s1], k, v, bias, has_bias, sc, cap, out[s0:s1])
 
 
 @njit(cache=True)
