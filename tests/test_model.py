@@ -197,3 +197,35 @@ def test_stop_string(tiny_path, registry):
     assert gen.stats.stop_reason == "stop string"
     # a stop string that never occurs changes nothing
     assert "".join(Generator(model).stream(prompt, max_tokens=16, stop=["\x00never\x00"])) == full
+
+
+def test_heap_keeps_freed_memory_on_glibc() -> None:
+    """The numpy backend raises glibc's mmap / trim thresholds (temporaries reused instead of
+    page-faulted in again every forward); PLINTH_MALLOC=0 leaves them; a fresh process shows both:
+    with the setting a freed 8 MiB temporary stays in the heap (mallinfo2's free bytes), without
+    it glibc unmaps it."""
+    import subprocess
+    import sys
+
+    libc_ok = sys.platform.startswith("linux") and hasattr(__import__("ctypes").CDLL(None), "mallinfo2")
+    if not libc_ok:
+        pytest.skip("not glibc >= 2.33")
+    probe = (
+        "import ctypes, numpy as np\n"
+        "from plinth.backend import NumpyBackend\n"
+        "from plinth.heap import keep_freed_memory\n"
+        "NumpyBackend()\n"
+        "class MI(ctypes.Structure):\n"
+        "    _fields_ = [(n, ctypes.c_size_t) for n in ('arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks',"
+        " 'fsmblks', 'uordblks', 'fordblks', 'keepcost')]\n"
+        "f = ctypes.CDLL(None).mallinfo2\n"
+        "f.restype = MI\n"
+        "a = np.ones(8 << 18, np.float32)\n"
+        "mapped = f().hblkhd\n"
+        "del a\n"
+        "print(keep_freed_memory(), mapped >= 8 << 20, f().fordblks >= 8 << 20)\n")
+    for env, want in (({}, "True False True"), ({"PLINTH_MALLOC": "0"}, "False True False")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, **env})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-3:] == want.split(), (env, out.stdout)

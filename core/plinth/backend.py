@@ -17,8 +17,11 @@ class NumpyBackend:
     def __init__(self, options: Mapping[str, Any] | None = None) -> None:
         import numpy
 
+        from .heap import keep_freed_memory
+
         self.xp = numpy
         self.options = dict(options or {})
+        keep_freed_memory()  # host temporaries reused, not page-faulted in again every forward
 
     def asarray(self, array: Any, dtype: Any = None) -> Any:
         return self.xp.asarray(array, dtype=dtype)
