@@ -117,6 +117,20 @@ async def _client(http, url: str, model: str, idx: int, max_tokens: int, out: di
             out["why"].append("stream ended without [DONE]")
 
 
+async def _counters(http, url: str) -> dict[str, float]:
+    """plinth's step counters from /metrics (empty for a server without them)."""
+    try:
+        r = await http.get(url + "/metrics")
+    except Exception:  # noqa: BLE001 - another engine's server, or none
+        return {}
+    found = {}
+    for line in r.text.splitlines() if r.status_code == 200 else []:
+        name, _, value = line.partition(" ")
+        if name in ("plinth_steps_total", "plinth_forward_seconds_total", "plinth_generated_tokens_total"):
+            found[name] = float(value)
+    return found
+
+
 async def _level(url: str, model: str, n: int, duration: float, max_tokens: int) -> dict:
     """``n`` clients for ``duration`` seconds; tokens are counted as they arrive inside the window."""
     import httpx
@@ -125,15 +139,21 @@ async def _level(url: str, model: str, n: int, duration: float, max_tokens: int)
            "cut": 0, "in_flight": 0}
     limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        before = await _counters(http, url)
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(_client(http, url, model, i, max_tokens, out)) for i in range(n)]
         await asyncio.sleep(duration)
         n_tokens = out["tokens"]
+        after = await _counters(http, url)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         out["tokens"] = n_tokens
         out["wall"] = time.perf_counter() - t0 if duration <= 0 else duration
+        if before and after:  # plinth: how much of the window its batched forwards took
+            out["steps"] = after["plinth_steps_total"] - before["plinth_steps_total"]
+            out["forward_s"] = after["plinth_forward_seconds_total"] - before["plinth_forward_seconds_total"]
+            out["generated"] = after["plinth_generated_tokens_total"] - before["plinth_generated_tokens_total"]
     await asyncio.sleep(1.0)  # let the server see the closed streams before the next level
     return out
 
@@ -253,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             for e in engines:
                 r = results[(e, n)] = asyncio.run(_level(urls[e], "bench", n, args.duration, args.max_tokens))
                 print(_report(e, n, r) + f" {os.getloadavg()[0]:.1f} |", flush=True)
+                if r.get("steps"):
+                    print(f"    plinth: {r['steps']:.0f} steps, {r['generated'] / r['steps']:.1f} tokens a step, "
+                          f"forward {1e3 * r['forward_s'] / r['steps']:.1f} ms a step, forwards "
+                          f"{100 * r['forward_s'] / r['wall']:.0f}% of the wall time", flush=True)
                 for why in r["why"][:3]:
                     print(f"    lost: {why}")
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
