@@ -146,6 +146,33 @@ def test_int8_rows_do_not_depend_on_the_batch() -> None:
         assert np.array_equal(w.matmul(x[5:11]), together[5:11]), name
 
 
+
+@needs_int8
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_int8_prompt_batches_go_in_tiles_with_the_same_rows(type_name: str) -> None:
+    """A prompt batch wider than TILE_BYTES of int8 rows runs in tiles of rows; each row is still
+    bit for bit its lone product, and the product is still gguf-py's."""
+    k8 = quant.compiled_i8()
+    n_in = 4096
+    tile = max(64, k8.TILE_BYTES // n_in // 8 * 8)
+    m = 2 * tile + 21  # two tiles and a ragged third
+    rng = np.random.default_rng(30)
+    qk, size = BLOCK_SIZES[GGMLType[type_name]]
+    raw = rng.integers(0, 256, (40, n_in // qk * size), dtype=np.uint8)
+    scales = (rng.random((raw.size // size, 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
+    blocks = raw.reshape(-1, size)
+    if type_name == "Q6_K":
+        blocks[:, 208:210] = scales[:, :2]
+    else:  # d and m (Q4_1) lead the block
+        blocks[:, 0:4] = scales
+    w = QuantWeight(raw, int(GGMLType[type_name]), (40, n_in))
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    y = w.matmul(x)
+    for r in (0, tile - 1, tile, 2 * tile, m - 1):
+        assert np.array_equal(w.matmul(x[r:r + 1])[0], y[r]), f"row {r} of {m} (tiles of {tile})"
+    ref_w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]), np.float64)
+    assert _rel_err(y, _q8_round_trip(x) @ ref_w.reshape(40, n_in).T) < 1e-5
+
 @needs_int8
 @pytest.mark.skipif(not __import__("plinth.quant.simd", fromlist=["x"]).has_vnni(), reason="no AVX512-VNNI here")
 def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
@@ -176,7 +203,7 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
             @njit
             def run(raw, xq, xdt, xsdt, out, dot=dot):
                 for o in range(raw.shape[0]):
-                    dot(raw[o], xq, xdt, xsdt, out, o)
+                    dot(raw[o], xq, xdt, xsdt, out, o, 0, xq.shape[0])
 
             out = np.empty((m, N_OUT), np.float32)
             run(raw, xq, xdt, xsdt, out)

@@ -62,39 +62,43 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
 
 @njit(cache=True, inline="always")
 def _rows(t: int, row: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray, out: np.ndarray,
-          o: int) -> None:
-    """out[:, o] for one weight row of type t."""
+          o: int, r_lo: int, r_hi: int) -> None:
+    """out[r_lo:r_hi, o] for one weight row of type t."""
     if t == Q4_1:
-        rows_q4_1(row, xq, xdt, xsdt, out, o)
+        rows_q4_1(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q4_0:
-        rows_q4_0(row, xq, xdt, xsdt, out, o)
+        rows_q4_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q8_0:
-        rows_q8_0(row, xq, xdt, xsdt, out, o)
+        rows_q8_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q5_0:
-        rows_q5_0(row, xq, xdt, xsdt, out, o)
+        rows_q5_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q5_1:
-        rows_q5_1(row, xq, xdt, xsdt, out, o)
+        rows_q5_1(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q4_K:
-        rows_q4_k(row, xq, xdt, xsdt, out, o)
+        rows_q4_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     elif t == Q5_K:
-        rows_q5_k(row, xq, xdt, xsdt, out, o)
+        rows_q5_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
     else:
-        rows_q6_k(row, xq, xdt, xsdt, out, o)
+        rows_q6_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
 MAX_PARTS = 3
+#: int8 activation bytes a pass over the weight reads: a prompt batch larger than this goes in tiles
+#: of rows (a multiple of 8, at least 64), so that the rows each weight row meets stay in the core's
+#: L2 cache instead of streaming from L3 once per weight row (+15-25% on a 512-token prompt)
+TILE_BYTES = 256 * 1024
 
 
 @njit(cache=True, parallel=True)
 def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray,
-             out: np.ndarray) -> None:
+             out: np.ndarray, r_lo: int, r_hi: int) -> None:
     n_parts = len(ts)
     for o in prange(out.shape[1]):
         p = 0
         while p + 1 < n_parts and o >= starts[p + 1]:
             p += 1
-        _rows(ts[p], raws[p][o - starts[p]], xq, xdt, xsdt, out, o)
+        _rows(ts[p], raws[p][o - starts[p]], xq, xdt, xsdt, out, o, r_lo, r_hi)
 
 
 @njit(cache=True)
@@ -102,14 +106,16 @@ def linear(ts: np.ndarray, raws: tuple, starts: np.ndarray, x: np.ndarray, out: 
     """out = x @ W.T for W the parts ``raws`` (a tuple of MAX_PARTS uint8 ``[n_out_p, row_bytes_p]``
     arrays; unused slots repeat a part) stacked on the output axis: part p (type ``ts[p]``, one of
     I8_TYPES) fills output columns ``starts[p]:starts[p+1]``.  x float32 [m, n_in] is quantized
-    here, once for all parts; the product is one parallel region over all output rows, each weight
-    row read once for the m activation rows.  out: float32 [m, starts[-1]]."""
+    here, once for all parts; the product is one parallel region over all output rows per tile of
+    activation rows (TILE_BYTES), each weight row read once for them.  out: float32 [m, starts[-1]]."""
     m, n = x.shape
     xq = np.empty((m, n), np.int8)
     xdt = np.empty((n // 32, m), np.float32)
     xsdt = np.empty((n // 32, m), np.float32)
     quantize_rows(x, xq, xdt, xsdt)
-    _product(ts, raws, starts, xq, xdt, xsdt, out)
+    tile = max(64, TILE_BYTES // n // 8 * 8)  # (a tile's rows go in the same groups of 8 as without tiles)
+    for r in range(0, m, tile):
+        _product(ts, raws, starts, xq, xdt, xsdt, out, r, min(m, r + tile))
 
 
 def _drop_stale_cache() -> None:

@@ -345,7 +345,7 @@ def _make_rows_dot(kind, vnni=None):
     """The intrinsic for every activation row against one weight row of type ``kind`` (``vnni``:
     the VNNI form or the AVX2 one; default: what the host has)."""
 
-    def rows_dot(typingctx, row, xq, xdt, xsdt, out, o):
+    def rows_dot(typingctx, row, xq, xdt, xsdt, out, o, r_lo, r_hi):
         if not (isinstance(row, types.Array) and row.ndim == 1 and all(
                 isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, out))):
             raise TypeError("rows_<type> takes a 1-D weight row and 2-D activation and output arrays")
@@ -354,14 +354,14 @@ def _make_rows_dot(kind, vnni=None):
 
         def codegen(context, builder, sig, args):
             arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v) for ty, v in zip(sig.args[:5], args[:5])]
-            m = cgutils.unpack_tuple(builder, arrs[1].shape)[0]
-            idx = m.type
-            ov = args[5] if args[5].type == idx else builder.sext(args[5], idx)
+            idx = cgutils.unpack_tuple(builder, arrs[1].shape)[0].type
+            ov, lo, hi = [a if a.type == idx else builder.sext(a, idx) for a in args[5:8]]
+            m = builder.sub(hi, lo)
             # groups of G rows, then one group of each smaller power of two that the rest holds
             big = _const(idx, G)
             with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
-                _emit_rows(builder, kind, G, arrs, builder.mul(loop.index, big), ov, use_vnni)
-            r = cgutils.alloca_once_value(builder, builder.mul(builder.udiv(m, big), big))
+                _emit_rows(builder, kind, G, arrs, builder.add(lo, builder.mul(loop.index, big)), ov, use_vnni)
+            r = cgutils.alloca_once_value(builder, builder.add(lo, builder.mul(builder.udiv(m, big), big)))
             g = G // 2
             while g:
                 bit = _const(idx, g)
@@ -371,10 +371,10 @@ def _make_rows_dot(kind, vnni=None):
                 g //= 2
             return context.get_dummy_value()
 
-        return types.void(row, xq, xdt, xsdt, out, o), codegen
+        return types.void(row, xq, xdt, xsdt, out, o, r_lo, r_hi), codegen
 
     rows_dot.__name__ = f"rows_{kind}"
-    rows_dot.__doc__ = (f"out[r, o] = x[r] . W[o] for every activation row r: one {kind.upper()} weight row "
+    rows_dot.__doc__ = (f"out[r, o] = x[r] . W[o] for the activation rows r_lo <= r < r_hi: one {kind.upper()} weight row "
                         "``row`` (uint8) against int8 activation rows xq [m, n] with their per-32 scales "
                         "xdt and scaled sums xsdt = xd * sum(xq), both block-major [n / 32, m].")
     return intrinsic(rows_dot)
