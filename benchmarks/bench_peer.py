@@ -17,8 +17,8 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   quantized dot products, so the bar is relative.
 * Prompt processing (``--prompt-tokens`` random ids, one batch each; default 128
   and 512) and greedy decode (``--decode-tokens`` steps) tokens/s of both engines
-  with the same thread count in one process, best of ``--runs``; printed with the
-  ratio plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
+  with the same thread count in one process, best of ``--runs``, the two engines'
+  runs alternating; printed with the ratio plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
   normal generation; plinth does the same.
 * plinth's resident set after load against the file size, and the cost of a
   k-token verify forward (k = 4, 8) after a 128-token context and one decoded token
@@ -103,53 +103,54 @@ def _rss_mb():
     return float("nan")
 
 
-def _best(fn, runs):
-    best = float("inf")
-    for _ in range(runs):
-        best = min(best, fn())
-    return best
-
-
-def _plinth_verify(model, ks, runs, n_ctx=128):
-    """Seconds of one forward of k tokens after an n_ctx-token context and one decoded token (best of
-    runs), per k: the steady state of speculative decoding, where verify follows verify, not a prompt
-    (right after a prompt batch, BLAS threads still spin while the first small forward runs)."""
+def _plinth_verify(model, k, n_ctx=128):
+    """Seconds of one forward of k tokens after an n_ctx-token context and one decoded token: the
+    steady state of speculative decoding, where verify follows verify, not a prompt (right after a
+    prompt batch, BLAS threads still spin while the first small forward runs)."""
     import numpy as np
 
     prompt = np.random.default_rng(1).integers(0, model.n_vocab, n_ctx).tolist()
-    out = {}
-    for k in ks:
-        def once():
-            ctx = model.new_context()
-            ctx.decode(prompt)
-            ctx.decode(prompt[:1])
-            t = time.perf_counter()
-            ctx.decode(prompt[:k], output="all")
-            return time.perf_counter() - t
-        out[k] = _best(once, runs)
-    return out
+    ctx = model.new_context()
+    ctx.decode(prompt)
+    ctx.decode(prompt[:1])
+    t = time.perf_counter()
+    ctx.decode(prompt[:k], output="all")
+    return time.perf_counter() - t
 
 
-def _peer_verify(llm, n_vocab, ks, runs, n_ctx=128):
+def _peer_verify(llm, n_vocab, k, n_ctx=128):
     import numpy as np
 
     prompt = np.random.default_rng(1).integers(0, n_vocab, n_ctx).tolist()
-    out = {}
-    for k in ks:
-        def once():
-            llm.reset()
-            llm.eval(prompt)
-            llm.eval(prompt[:1])
-            t = time.perf_counter()
-            llm.eval(prompt[:k])
-            return time.perf_counter() - t
-        out[k] = _best(once, runs)
-    return out
+    llm.reset()
+    llm.eval(prompt)
+    llm.eval(prompt[:1])
+    t = time.perf_counter()
+    llm.eval(prompt[:k])
+    return time.perf_counter() - t
+
+
+def _peer_prefill_decode(llm, n_vocab, n, n_decode):
+    """llama.cpp's (prompt tok/s, decode tok/s) for one run, as plinth's time_prefill_decode runs."""
+    import numpy as np
+
+    prompt = np.random.default_rng(0).integers(0, n_vocab, n).tolist()  # as time_prefill_decode
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(prompt)
+    token = int(np.argmax(_last_logits(llm, n_vocab)))
+    pp = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(n_decode):
+        llm.eval([token])
+        token = int(np.argmax(_last_logits(llm, n_vocab)))
+    return n / pp, n_decode / (time.perf_counter() - t)
 
 
 def speed(name, path, args, llama_cpp):
-    import numpy as np
-
+    """Both engines loaded side by side; every measurement alternates one run of plinth and one of
+    llama.cpp, ``--runs`` times, and keeps each engine's best: a machine whose speed drifts during
+    the benchmark (a shared one) moves both engines alike instead of biasing the ratio."""
     import plinth
     from plinth.generate import time_prefill_decode
 
@@ -158,33 +159,25 @@ def speed(name, path, args, llama_cpp):
     model = plinth.load_model(path)
     load_s = time.perf_counter() - t
     rss1 = _rss_mb()
-    ours = {}
-    for n in args.prompt_tokens:
-        ours[n] = time_prefill_decode(model, n, args.decode_tokens, runs=args.runs)
-    ours_verify = _plinth_verify(model, VERIFY_KS, args.runs)
     n_vocab = model.n_vocab
-    del model
     n_max = max(args.prompt_tokens)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_max + args.decode_tokens + 16, n_batch=512,
                           n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-    peer = {}
+    ours, peer = {}, {}
     for n in args.prompt_tokens:
-        prompt = np.random.default_rng(0).integers(0, n_vocab, n).tolist()  # as time_prefill_decode
-        best_pp = best_tg = float("inf")
+        best = [0.0, 0.0, 0.0, 0.0]  # plinth prompt, decode; llama.cpp prompt, decode (tok/s, best)
         for _ in range(args.runs):
-            llm.reset()
-            t = time.perf_counter()
-            llm.eval(prompt)
-            token = int(np.argmax(_last_logits(llm, n_vocab)))
-            best_pp = min(best_pp, time.perf_counter() - t)
-            t = time.perf_counter()
-            for _ in range(args.decode_tokens):
-                llm.eval([token])
-                token = int(np.argmax(_last_logits(llm, n_vocab)))
-            best_tg = min(best_tg, time.perf_counter() - t)
-        peer[n] = (n / best_pp, args.decode_tokens / best_tg)
-    peer_verify = _peer_verify(llm, n_vocab, VERIFY_KS, args.runs)
-    del llm
+            pp, tg = time_prefill_decode(model, n, args.decode_tokens, runs=1)
+            ppp, ptg = _peer_prefill_decode(llm, n_vocab, n, args.decode_tokens)
+            best = [max(a, b) for a, b in zip(best, (pp, tg, ppp, ptg))]
+        ours[n], peer[n] = tuple(best[:2]), tuple(best[2:])
+    ours_verify = {k: float("inf") for k in VERIFY_KS}
+    peer_verify = dict(ours_verify)
+    for _ in range(args.runs):
+        for k in VERIFY_KS:
+            ours_verify[k] = min(ours_verify[k], _plinth_verify(model, k))
+            peer_verify[k] = min(peer_verify[k], _peer_verify(llm, n_vocab, k))
+    del model, llm
     size = path.stat().st_size / 2**20
     print(f"{name}: {args.threads} threads, best of {args.runs}")
     print(f"  plinth load {load_s:.2f} s; resident set {rss1:.0f} MiB after load ({rss1 - rss0:.0f} MiB added by "
