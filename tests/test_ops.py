@@ -367,6 +367,31 @@ def test_attention_row_kernel_with_bias_and_soft_cap_is_batch_invariant():
 
 
 
+@pytest.mark.parametrize("mode,offset,inverse", [("normal", 0, False), ("neox", 0, False), ("neox", 8, True),
+                                                  ("normal", 4, True)])
+def test_rope_compiled_rows_are_the_numpy_expression(mode, offset, inverse):
+    """The host kernel gives the numpy expression's bits (a c - b s, a s + b c in float32), on a
+    strided view as the graphs pass it, for any batch (a row alone gives its row)."""
+    n, n_head, hd, half = 7, 3, 32, 12
+    base = randn(n, n_head + 2, hd)
+    x = base[:, 1:1 + n_head]  # not contiguous
+    ang = RNG.standard_normal((n, half))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    y = ops.apply_rope(x, mode=mode, offset=offset, cos_sin=(cos, sin), inverse=inverse)
+    seg = x[..., offset:offset + 2 * half]
+    a, b = (seg[..., 0::2], seg[..., 1::2]) if mode == "normal" else (seg[..., :half], seg[..., half:])
+    c, s = cos[:, None, :], (-sin if inverse else sin)[:, None, :]
+    want = x.copy()
+    tgt = want[..., offset:offset + 2 * half]
+    ra, rb = a * c - b * s, a * s + b * c
+    if mode == "normal":
+        tgt[..., 0::2], tgt[..., 1::2] = ra, rb
+    else:
+        tgt[..., :half], tgt[..., half:] = ra, rb
+    assert np.array_equal(y, want)
+    assert np.array_equal(ops.apply_rope(x[3:4], mode=mode, offset=offset, cos_sin=(cos[3:4], sin[3:4]),
+                                         inverse=inverse)[0], y[3])
+
 def test_attention_groups_equal_one_call_per_sequence():
     """Several sequences' rows in one call (a server step): each group bit for bit its own
     attention call, with caches of different lengths, biases on some groups, a prompt-sized group

@@ -101,25 +101,27 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
         if n_head % n_head_kv:
             raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
         keep = []  # the contiguous float32 arrays whose addresses the kernel reads
-        n = len(small)
-        bounds = numpy.empty((n, 2), numpy.int64)
-        n_kv = numpy.empty(n, numpy.int64)
-        at = numpy.zeros((3, n), numpy.int64)
-        for g, (s, e, k, v, bias) in enumerate(small):
-            k, v = numpy.ascontiguousarray(as_f32(k, numpy)), numpy.ascontiguousarray(as_f32(v, numpy))
+        table = []  # per group: start, stop, n_kv, K, V and bias addresses (0: no bias)
+        for s, e, k, v, bias in small:
+            if not (k.dtype == F32 and k.flags.c_contiguous):
+                k = numpy.ascontiguousarray(k, dtype=F32)
+            if not (v.dtype == F32 and v.flags.c_contiguous):
+                v = numpy.ascontiguousarray(v, dtype=F32)
             if k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or v.shape[0] != k.shape[0]:
                 raise ValueError(f"attention: rows {s}:{e} have k {k.shape}, v {v.shape} beside {k0.shape}, "
                                  f"{v0.shape}")
-            bounds[g] = s, e
-            n_kv[g] = k.shape[0]
-            at[0, g], at[1, g] = k.ctypes.data, v.ctypes.data
             keep += [k, v]
+            b_at = 0
             if bias is not None:
                 b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
-                at[2, g] = b.ctypes.data
                 keep.append(b)
-        compiled_ops().attention_groups(numpy.ascontiguousarray(as_f32(q, numpy)), bounds, n_kv, at[0], at[1],
-                                        at[2], n_head_kv, hd_v, float(scale), float(soft_cap or 0.0), out)
+                b_at = b.ctypes.data
+            table.append((s, e, k.shape[0], k.ctypes.data, v.ctypes.data, b_at))
+        t = numpy.array(table, dtype=numpy.int64).T
+        if not (q.dtype == F32 and q.flags.c_contiguous):
+            q = numpy.ascontiguousarray(q, dtype=F32)
+        compiled_ops().attention_groups(q, numpy.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv,
+                                        hd_v, float(scale), float(soft_cap or 0.0), out)
         del keep
         done = {id(grp) for grp in small}
         groups = [grp for grp in groups if id(grp) not in done]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import numpy
 
-from ._xp import F32, array_module, as_f32
+from ._xp import F32, array_module, as_f32, compiled_ops
 
 
 @attrs.frozen
@@ -196,6 +196,13 @@ def apply_rope(
     hd = x.shape[-1]
     if offset < 0 or offset + n_rot > hd:
         raise ValueError(f"apply_rope: slice [{offset}, {offset + n_rot}) does not fit head_dim {hd}")
+    if mode not in ("normal", "neox"):
+        raise ValueError(f"apply_rope: unknown mode {mode!r}; use 'normal' or 'neox'")
+    k = compiled_ops() if xp is numpy and x.ndim == 3 else None
+    if k is not None and cos.dtype == F32 and sin.dtype == F32 and cos.shape[0] == x.shape[0]:
+        out = numpy.empty(x.shape, dtype=F32)  # every host call, any batch: a row's result is the same
+        k.rope_rows(x, cos, sin, offset, mode == "neox", inverse, out)
+        return out
     c = cos[:, None, :]
     s = -sin[:, None, :] if inverse else sin[:, None, :]
     seg = x[..., offset : offset + n_rot]

@@ -422,8 +422,8 @@ def stack(parts: list[Any]) -> Any:
 
 
 def warm_up() -> float:
-    """Compile (or load from the on-disk cache) every kernel for every kept type, and the decode
-    attention kernel; seconds taken."""
+    """Compile (or load from the on-disk cache) every kernel for every kept type, and the compiled
+    host ops (decode attention, RMSNorm, RoPE); seconds taken."""
     from ..gguf.constants import BLOCK_SIZES, GGMLType
 
     t0 = time.perf_counter()
@@ -439,7 +439,11 @@ def warm_up() -> float:
     from .. import ops
 
     q = np.zeros((1, 1, 8), dtype=np.float32)
-    ops.attention(q, q, q, causal=False)  # the compiled decode attention
+    ops.attention(q, q, q, causal=False)  # the compiled host ops: decode attention, RMSNorm, RoPE
+    ops.rms_norm(q[0], np.ones(8, dtype=np.float32), 1e-6)
+    cs = np.ones((1, 4), dtype=np.float32)
+    ops.apply_rope(q, cos_sin=(cs, cs))
+    ops.apply_rope(q[:, :, ::2], cos_sin=(cs[:, :2], cs[:, :2]))  # the strided view a fused QKV gives
     return time.perf_counter() - t0
 
 
