@@ -19,29 +19,6 @@ import time
 import numpy as np
 
 
-def packed(type_name: str, n_out: int, n_in: int, seed: int = 0) -> np.ndarray:
-    """A [n_out, row_bytes] uint8 tensor of the type (K-quants: random blocks, O(1) scales)."""
-    import gguf
-
-    from plinth.gguf.constants import BLOCK_SIZES, GGMLType
-
-    rng = np.random.default_rng(seed)
-    try:
-        return gguf.quants.quantize(rng.standard_normal((n_out, n_in)).astype(np.float32),
-                                    gguf.GGMLQuantizationType[type_name])
-    except NotImplementedError:
-        pass
-    qk, size = BLOCK_SIZES[GGMLType[type_name]]
-    raw = rng.integers(0, 256, (n_out, n_in // qk * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-    scales = (rng.random((blocks.shape[0], 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
-    if type_name == "Q6_K":
-        blocks[:, 208:210] = scales[:, :2]
-    else:
-        blocks[:, 0:4] = scales
-    return raw
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_1,Q8_0,Q5_0,Q4_K,Q6_K")
@@ -52,6 +29,7 @@ def main() -> None:
 
     import plinth.quant as quant
     from plinth.gguf.constants import GGMLType
+    from plinth.testing import quantized_rows
 
     n_out, n_in = (int(v) for v in args.shape.split(","))
     rows = [int(r) for r in args.rows.split(",")]
@@ -60,7 +38,7 @@ def main() -> None:
     print("| type | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for t in args.types.split(","):
-        w = quant.QuantWeight(packed(t, n_out, n_in), int(GGMLType[t]), (n_out, n_in))
+        w = quant.QuantWeight(quantized_rows(t, n_out, n_in), int(GGMLType[t]), (n_out, n_in))
         cells = []
         for m in rows:
             x = np.random.default_rng(1).standard_normal((m, n_in)).astype(np.float32)

@@ -16,8 +16,9 @@ import pytest
 
 import plinth.quant as quant
 from plinth.errors import UserError
-from plinth.gguf.constants import BLOCK_SIZES, GGMLType
+from plinth.gguf.constants import GGMLType
 from plinth.quant import QuantWeight
+from plinth.testing import quantized_rows
 
 N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16"]
@@ -26,24 +27,7 @@ TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"
 def _packed(type_name: str, seed: int = 0) -> np.ndarray:
     """A [N_OUT, row_bytes] tensor of the type: gguf-py's quantizer where it has one, else random
     blocks with O(1) f16 super-block scales (gguf-py cannot quantize K-quants)."""
-    rng = np.random.default_rng(seed)
-    qtype = gguf.GGMLQuantizationType[type_name]
-    w = rng.standard_normal((N_OUT, N_IN)).astype(np.float32)
-    if type_name in ("F16", "BF16"):
-        return gguf.quants.quantize(w, qtype)
-    try:
-        return gguf.quants.quantize(w, qtype)
-    except NotImplementedError:
-        pass
-    qk, size = BLOCK_SIZES[GGMLType[type_name]]
-    raw = rng.integers(0, 256, (N_OUT, N_IN // qk * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-    scales = (rng.random((blocks.shape[0], 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
-    if type_name == "Q6_K":
-        blocks[:, 208:210] = scales[:, 0:2]
-    else:  # d and dmin lead the block
-        blocks[:, 0:4] = scales
-    return raw
+    return quantized_rows(type_name, N_OUT, N_IN, seed)
 
 
 def _reference(raw: np.ndarray, type_name: str) -> np.ndarray:
@@ -157,14 +141,7 @@ def test_int8_prompt_batches_go_in_tiles_with_the_same_rows(type_name: str) -> N
     tile = max(64, k8.TILE_BYTES // n_in // 8 * 8)
     m = 2 * tile + 21  # two tiles and a ragged third
     rng = np.random.default_rng(30)
-    qk, size = BLOCK_SIZES[GGMLType[type_name]]
-    raw = rng.integers(0, 256, (40, n_in // qk * size), dtype=np.uint8)
-    scales = (rng.random((raw.size // size, 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
-    blocks = raw.reshape(-1, size)
-    if type_name == "Q6_K":
-        blocks[:, 208:210] = scales[:, :2]
-    else:  # d and m (Q4_1) lead the block
-        blocks[:, 0:4] = scales
+    raw = quantized_rows(type_name, 40, n_in, seed=31)
     w = QuantWeight(raw, int(GGMLType[type_name]), (40, n_in))
     x = rng.standard_normal((m, n_in)).astype(np.float32)
     y = w.matmul(x)

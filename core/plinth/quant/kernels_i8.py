@@ -30,10 +30,11 @@ import numpy as np
 from numba import njit, prange
 
 from .kernels import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from .simd import rows_q4_0, rows_q4_1, rows_q4_k, rows_q5_0, rows_q5_1, rows_q5_k, rows_q6_k, rows_q8_0
+from .simd import TYPE_CODES, rows_any
 
 #: the types :func:`linear` computes
 I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+assert set(I8_TYPES) == set(TYPE_CODES), "simd.TYPE_CODES and kernels' type codes disagree"
 
 
 @njit(cache=True, fastmath=False)
@@ -60,28 +61,6 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
             xsdt[b, r] = d * np.float32(s)
 
 
-@njit(cache=True, inline="always")
-def _rows(t: int, row: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray, out: np.ndarray,
-          o: int, r_lo: int, r_hi: int) -> None:
-    """out[r_lo:r_hi, o] for one weight row of type t."""
-    if t == Q4_1:
-        rows_q4_1(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q4_0:
-        rows_q4_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q8_0:
-        rows_q8_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q5_0:
-        rows_q5_0(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q5_1:
-        rows_q5_1(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q4_K:
-        rows_q4_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    elif t == Q5_K:
-        rows_q5_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-    else:
-        rows_q6_k(row, xq, xdt, xsdt, out, o, r_lo, r_hi)
-
-
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
 MAX_PARTS = 3
 #: int8 activation bytes a pass over the weight reads: a prompt batch larger than this goes in tiles
@@ -98,7 +77,7 @@ def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xd
         p = 0
         while p + 1 < n_parts and o >= starts[p + 1]:
             p += 1
-        _rows(ts[p], raws[p][o - starts[p]], xq, xdt, xsdt, out, o, r_lo, r_hi)
+        rows_any(ts[p], raws[p][o - starts[p]], xq, xdt, xsdt, out, o, r_lo, r_hi)
 
 
 @njit(cache=True)

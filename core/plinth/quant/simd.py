@@ -7,15 +7,17 @@ and adds each four neighbours into 8 int32 lanes; on AVX2 ``pmaddubsw`` (pairs i
 unpacked in registers, meet an activation block quantized to int8, so 32 multiply-adds take a
 handful of instructions where f32 lanes take four FMAs plus the dequantization.
 
-One intrinsic per type, ``rows_<type>`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): one
-weight row against every activation row, in groups of eight rows (four where the CPU lacks AVX512's
-32 vector registers), then one group of each smaller power of two that the rest holds. Per 32-value
-unit (a block, or a K-quant sub-block) the weight quants are unpacked once for the group; each
-row's integer product goes to float in its 8 lanes and is scaled and accumulated there, in two
+:func:`rows_any` (a switch on the GGML type code over Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
+and Q6_K; ``_make_rows_dot(kind)`` builds one type's alone): one weight row against the
+activation rows, in groups of eight rows (four where the CPU lacks AVX512's 32 vector
+registers), then one group of each smaller power of two that the rest holds. Per 32-value unit
+(a block, or a K-quant sub-block) the weight quants are unpacked once for the group; each row's
+integer product goes to float in its 8 lanes and is scaled and accumulated there, in two
 accumulators (even and odd units, so consecutive units do not wait on one another), with one
 horizontal sum per row at the end. The per-row scale factors of a group (weight scale times
 activation scale) and the offset terms (weight min times activation sum) are computed as one
-8-lane vector for the group, from activation scales stored block-major.
+8-lane vector for the group, from activation scales stored block-major (one or two rows of a
+type without offsets take each row's scale as a scalar product instead: the same IEEE product).
 
 Every row goes through the same IEEE operations in the same order whether it comes alone or in a
 group (explicit ``llvm.fma``, no reassociation), so a row's result does not depend on the batch
@@ -349,34 +351,48 @@ def _emit_rows(builder, kind, R, arrs, r0, o, vnni):
         builder.store(total, builder.bitcast(outp, _f32.as_pointer()))
 
 
+def _emit_all_rows(builder, kind, arrs, ov, lo, hi, vnni, G):
+    """Rows lo .. hi - 1: groups of G rows, then one group of each smaller power of two the rest holds."""
+    idx = lo.type
+    m = builder.sub(hi, lo)
+    big = _const(idx, G)
+    with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
+        _emit_rows(builder, kind, G, arrs, builder.add(lo, builder.mul(loop.index, big)), ov, vnni)
+    r = cgutils.alloca_once_value(builder, builder.add(lo, builder.mul(builder.udiv(m, big), big)))
+    g = G // 2
+    while g:
+        bit = _const(idx, g)
+        with builder.if_then(builder.icmp_unsigned("!=", builder.and_(m, bit), _const(idx, 0))):
+            _emit_rows(builder, kind, g, arrs, builder.load(r), ov, vnni)
+            builder.store(builder.add(builder.load(r), bit), r)
+        g //= 2
+
+
+def _rows_typing(row, xq, xdt, xsdt, out):
+    if not (isinstance(row, types.Array) and row.ndim == 1 and all(
+            isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, out))):
+        raise TypeError("rows_<type> takes a 1-D weight row and 2-D activation and output arrays")
+    return 8 if has_vnni() else 4  # rows a group: 8 x 2 accumulators need AVX512's 32 vector registers
+
+
+def _rows_args(context, builder, sig, args):
+    """The five arrays' proxies and (o, r_lo, r_hi) as intp, from the last eight arguments."""
+    arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v) for ty, v in zip(sig.args[-8:-3], args[-8:-3])]
+    idx = cgutils.unpack_tuple(builder, arrs[1].shape)[0].type
+    return arrs, [a if a.type == idx else builder.sext(a, idx) for a in args[-3:]]
+
+
 def _make_rows_dot(kind, vnni=None):
-    """The intrinsic for every activation row against one weight row of type ``kind`` (``vnni``:
-    the VNNI form or the AVX2 one; default: what the host has)."""
+    """The intrinsic for the activation rows against one weight row of type ``kind`` (``vnni``: the
+    VNNI form or the AVX2 one; default: what the host has)."""
 
     def rows_dot(typingctx, row, xq, xdt, xsdt, out, o, r_lo, r_hi):
-        if not (isinstance(row, types.Array) and row.ndim == 1 and all(
-                isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, out))):
-            raise TypeError("rows_<type> takes a 1-D weight row and 2-D activation and output arrays")
+        G = _rows_typing(row, xq, xdt, xsdt, out)
         use_vnni = has_vnni() if vnni is None else vnni
-        G = 8 if has_vnni() else 4  # rows a group: 8 x 2 accumulators need AVX512's 32 vector registers
 
         def codegen(context, builder, sig, args):
-            arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v) for ty, v in zip(sig.args[:5], args[:5])]
-            idx = cgutils.unpack_tuple(builder, arrs[1].shape)[0].type
-            ov, lo, hi = [a if a.type == idx else builder.sext(a, idx) for a in args[5:8]]
-            m = builder.sub(hi, lo)
-            # groups of G rows, then one group of each smaller power of two that the rest holds
-            big = _const(idx, G)
-            with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
-                _emit_rows(builder, kind, G, arrs, builder.add(lo, builder.mul(loop.index, big)), ov, use_vnni)
-            r = cgutils.alloca_once_value(builder, builder.add(lo, builder.mul(builder.udiv(m, big), big)))
-            g = G // 2
-            while g:
-                bit = _const(idx, g)
-                with builder.if_then(builder.icmp_unsigned("!=", builder.and_(m, bit), _const(idx, 0))):
-                    _emit_rows(builder, kind, g, arrs, builder.load(r), ov, use_vnni)
-                    builder.store(builder.add(builder.load(r), bit), r)
-                g //= 2
+            arrs, (ov, lo, hi) = _rows_args(context, builder, sig, args)
+            _emit_all_rows(builder, kind, arrs, ov, lo, hi, use_vnni, G)
             return context.get_dummy_value()
 
         return types.void(row, xq, xdt, xsdt, out, o, r_lo, r_hi), codegen
@@ -388,11 +404,29 @@ def _make_rows_dot(kind, vnni=None):
     return intrinsic(rows_dot)
 
 
-rows_q4_0 = _make_rows_dot("q4_0")
-rows_q4_1 = _make_rows_dot("q4_1")
-rows_q5_0 = _make_rows_dot("q5_0")
-rows_q5_1 = _make_rows_dot("q5_1")
-rows_q8_0 = _make_rows_dot("q8_0")
-rows_q4_k = _make_rows_dot("q4_k")
-rows_q5_k = _make_rows_dot("q5_k")
-rows_q6_k = _make_rows_dot("q6_k")
+#: GGML type code -> kind, the types :func:`rows_any` computes
+TYPE_CODES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+
+
+@intrinsic
+def rows_any(typingctx, t, row, xq, xdt, xsdt, out, o, r_lo, r_hi):
+    """``rows_<type>`` for the weight row's GGML type code ``t`` (one of :data:`TYPE_CODES`; any other
+    leaves out alone): one switch, each type's loop compiled once."""
+    G = _rows_typing(row, xq, xdt, xsdt, out)
+    vnni = has_vnni()
+
+    def codegen(context, builder, sig, args):
+        arrs, (ov, lo, hi) = _rows_args(context, builder, sig, args)
+        code = context.cast(builder, args[0], sig.args[0], types.int64)
+        end = builder.append_basic_block("rows_any.end")
+        switch = builder.switch(code, end)
+        for c, kind in TYPE_CODES.items():
+            block = builder.append_basic_block(f"rows_any.{kind}")
+            switch.add_case(_const(_i64, c), block)
+            builder.position_at_end(block)
+            _emit_all_rows(builder, kind, arrs, ov, lo, hi, vnni, G)
+            builder.branch(end)
+        builder.position_at_end(end)
+        return context.get_dummy_value()
+
+    return types.void(t, row, xq, xdt, xsdt, out, o, r_lo, r_hi), codegen

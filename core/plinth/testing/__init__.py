@@ -26,7 +26,7 @@ from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_t
 from .arch import check_architecture
 from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .strict import StrictBackend, count_transfers, to_host
-from .synthetic import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from .synthetic import byte_vocab, quantized_rows, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
 
 #: backends every contract test runs on: the CPU backend and the strict device stand-in
 CONTRACT_BACKENDS = ("numpy", "strict")
@@ -60,6 +60,7 @@ __all__ = [
     "make_registry",
     "plugin_from_manifest",
     "byte_vocab",
+    "quantized_rows",
     "random_tensors",
     "speculative_step_transfers",
     "tiny_metadata",

@@ -88,3 +88,28 @@ def write_synthetic_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any
     for name in drop:
         tensors.pop(name, None)
     return write_gguf(path, metadata, tensors, qtypes)
+
+
+def quantized_rows(type_name: str, n_out: int, n_in: int, seed: int = 0) -> np.ndarray:
+    """A ``[n_out, row_bytes]`` uint8 tensor of GGUF type ``type_name`` (test and benchmark weights for
+    the quantized kernels): gguf-py's quantizer applied to standard-normal values where it has one,
+    else random blocks with O(1) f16 scales (gguf-py cannot quantize the K-quants)."""
+    import gguf
+
+    from ..gguf.constants import BLOCK_SIZES, GGMLType
+
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((n_out, n_in)).astype(np.float32)
+    try:
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name])
+    except NotImplementedError:
+        pass
+    qk, size = BLOCK_SIZES[GGMLType[type_name]]
+    raw = rng.integers(0, 256, (n_out, n_in // qk * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    scales = (rng.random((blocks.shape[0], 2)) * 0.5 + 0.05).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":  # its d ends the block
+        blocks[:, 208:210] = scales[:, 0:2]
+    else:  # d and dmin lead the block
+        blocks[:, 0:4] = scales
+    return raw
