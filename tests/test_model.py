@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -204,10 +209,7 @@ def test_heap_keeps_freed_memory_on_glibc() -> None:
     page-faulted in again every forward); PLINTH_MALLOC=0 leaves them; a fresh process shows both:
     with the setting a freed 8 MiB temporary stays in the heap (mallinfo2's free bytes), without
     it glibc unmaps it."""
-    import subprocess
-    import sys
-
-    libc_ok = sys.platform.startswith("linux") and hasattr(__import__("ctypes").CDLL(None), "mallinfo2")
+    libc_ok = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallinfo2")
     if not libc_ok:
         pytest.skip("not glibc >= 2.33")
     probe = (
@@ -226,6 +228,6 @@ def test_heap_keeps_freed_memory_on_glibc() -> None:
         "print(keep_freed_memory(), mapped >= 8 << 20, f().fordblks >= 8 << 20)\n")
     for env, want in (({}, "True False True"), ({"PLINTH_MALLOC": "0"}, "False True False")):
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
-                             env={**__import__("os").environ, **env})
+                             env={**os.environ, **env})
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[-3:] == want.split(), (env, out.stdout)

@@ -17,7 +17,7 @@ import pytest
 import plinth.quant as quant
 from plinth.errors import UserError
 from plinth.gguf.constants import GGMLType
-from plinth.quant import QuantWeight
+from plinth.quant import QuantWeight, simd
 from plinth.testing import quantized_rows
 
 N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
@@ -150,14 +150,13 @@ def test_int8_prompt_batches_go_in_tiles_with_the_same_rows(type_name: str) -> N
     ref_w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]), np.float64)
     assert _rel_err(y, _q8_round_trip(x) @ ref_w.reshape(40, n_in).T) < 1e-5
 
+
 @needs_int8
-@pytest.mark.skipif(not __import__("plinth.quant.simd", fromlist=["x"]).has_vnni(), reason="no AVX512-VNNI here")
+@pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
 def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
     """The AVX2 form (pmaddubsw + pmaddwd, what a CPU without VNNI runs) and the VNNI form give the
     same bits: the same integers (no int16 saturation is reachable), then the same float steps."""
     from numba import njit
-
-    from plinth.quant import simd
 
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(21)
@@ -242,8 +241,6 @@ def test_numpy_fallback_without_kernels(monkeypatch: pytest.MonkeyPatch) -> None
 def test_int8_off_without_avx2_or_when_asked(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """No AVX2/F16C: a one-line note and the f32-activation kernels (exact to 1e-5); PLINTH_INT8=0 the
     same without a note; a wrong value is named."""
-    from plinth.quant import simd
-
     raw = _packed("Q4_1")
     x = np.random.default_rng(13).standard_normal((3, N_IN)).astype(np.float32)
     ref = x.astype(np.float64) @ _reference(raw, "Q4_1").T

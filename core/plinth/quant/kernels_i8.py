@@ -29,12 +29,10 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from .kernels import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from .simd import TYPE_CODES, rows_any
 
-#: the types :func:`linear` computes
-I8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-assert set(I8_TYPES) == set(TYPE_CODES), "simd.TYPE_CODES and kernels' type codes disagree"
+#: the GGML type codes :func:`linear` computes
+I8_TYPES = tuple(TYPE_CODES)
 
 
 @njit(cache=True, fastmath=False)

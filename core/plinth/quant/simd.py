@@ -41,6 +41,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..gguf.constants import GGMLType
+
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _v32i8 = ir.VectorType(_i8, 32)
@@ -405,7 +407,7 @@ def _make_rows_dot(kind, vnni=None):
 
 
 #: GGML type code -> kind, the types :func:`rows_any` computes
-TYPE_CODES = {2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
+TYPE_CODES = {int(GGMLType[kind.upper()]): kind for kind in _TYPES}
 
 
 @intrinsic
