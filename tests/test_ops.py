@@ -425,6 +425,10 @@ def test_attention_groups_equal_one_call_per_sequence():
         bad = list(groups)
         bad[1] = (1, 4, randn(40, 3, hd), randn(40, 3, hd), None)
         ops.attention_groups(q, bad, scale=0.3)
+    with pytest.raises(ValueError, match="rows 0:1"):  # keys of another head size than the queries
+        bad = list(groups)
+        bad[0] = (0, 1, randn(5, n_head_kv, hd + 8), randn(5, n_head_kv, hd), None)
+        ops.attention_groups(q, bad[:1], scale=0.3)
 
 
 # ---------------------------------------------------------------- FFN / linear

@@ -307,8 +307,8 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
                                                     xp=xp))
         groups.append((sel, kc, vc, bias))
-    if len(groups) > 1 and all(isinstance(sel, slice) for sel, *_ in groups):
-        # several sequences (a server step): their decode rows in one call
+    if all(isinstance(sel, slice) for sel, *_ in groups):
+        # every sequence's rows in one call (a server step's decode rows: one compiled call a layer)
         return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias) for sel, kc, vc, bias in groups],
                                     scale=scale, soft_cap=soft_cap)
     out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)

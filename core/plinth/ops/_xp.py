@@ -46,7 +46,7 @@ _COMPILED: dict[str, Any] = {"mod": None}
 
 
 def compiled_ops() -> Any:
-    """:mod:`plinth.ops.compiled` (the host kernels for decode attention and RMSNorm), or None where
+    """:mod:`plinth.ops.compiled` (the host kernels for decode attention, RMSNorm and RoPE), or None where
     the compiled kernels are off (numba missing, or PLINTH_KERNELS=0)."""
     if _COMPILED["mod"] is None:
         from .. import quant

@@ -107,9 +107,11 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
                 k = numpy.ascontiguousarray(k, dtype=F32)
             if not (v.dtype == F32 and v.flags.c_contiguous):
                 v = numpy.ascontiguousarray(v, dtype=F32)
-            if k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or v.shape[0] != k.shape[0]:
+            # (the kernel reads these arrays through their addresses: their shapes must be what it assumes)
+            if (k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or v.shape[0] != k.shape[0]
+                    or k.shape[2] != q.shape[2]):
                 raise ValueError(f"attention: rows {s}:{e} have k {k.shape}, v {v.shape} beside {k0.shape}, "
-                                 f"{v0.shape}")
+                                 f"{v0.shape} and q {q.shape}")
             keep += [k, v]
             b_at = 0
             if bias is not None:

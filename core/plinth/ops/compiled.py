@@ -155,7 +155,9 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox
     half = cos.shape[1]
     for t in range(n):
         for h in range(n_head):
-            for d in range(hd):
+            for d in range(offset):  # the dims that do not turn
+                out[t, h, d] = x[t, h, d]
+            for d in range(offset + 2 * half, hd):
                 out[t, h, d] = x[t, h, d]
             for i in range(half):
                 ia = offset + i if neox else offset + 2 * i
