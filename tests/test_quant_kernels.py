@@ -17,7 +17,7 @@ import pytest
 import plinth.quant as quant
 from plinth.errors import UserError
 from plinth.gguf.constants import GGMLType
-from plinth.quant import QuantWeight, simd
+from plinth.quant import QuantWeight, simd, simd_x8
 from plinth.testing import quantized_rows
 
 N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
@@ -75,7 +75,7 @@ def _q8_round_trip(x: np.ndarray) -> np.ndarray:
     k8 = quant.compiled_i8()
     m, n = x.shape
     xq, xdt = np.empty((m, n), np.int8), np.empty((n // 32, m), np.float32)
-    k8.quantize_rows(x, xq, xdt, np.empty((n // 32, m), np.float32))
+    k8.quantize_rows(x, xq, xdt, np.empty((n // 32, m), np.float32), np.empty((n // 16, m), np.int32))
     return (xq.reshape(m, -1, 32).astype(np.float64) * xdt.T[:, :, None]).reshape(m, n)
 
 
@@ -88,7 +88,7 @@ def test_int8_activations_are_gguf_q8_0() -> None:
     x[1, :32] = 0.0  # an all-zero block
     xq, xdt, xsdt = np.empty((5, N_IN), np.int8), np.empty((N_IN // 32, 5), np.float32), np.empty((N_IN // 32, 5),
                                                                                                      np.float32)
-    k8.quantize_rows(x, xq, xdt, xsdt)
+    k8.quantize_rows(x, xq, xdt, xsdt, np.empty((x.shape[1] // 16, x.shape[0]), np.int32))
     xd = xdt.T
     blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0).reshape(-1, 34)
     ref_d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(5, -1)
@@ -155,7 +155,8 @@ def test_int8_prompt_batches_go_in_tiles_with_the_same_rows(type_name: str) -> N
 @pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
 def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
     """The AVX2 form (pmaddubsw + pmaddwd, what a CPU without VNNI runs) and the VNNI form give the
-    same bits: the same integers (no int16 saturation is reachable), then the same float steps."""
+    same bits, for the one-row loop (Q5_K, a weight's last n_out % 8 rows) and the eight-row groups
+    alike: the same integers (no int16 saturation is reachable), then the same float steps."""
     from numba import njit
 
     k8 = quant.compiled_i8()
@@ -165,14 +166,16 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
     x[2, :64] = 127.0  # saturated activations against the largest quants
     xq, xdt, xsdt = np.empty((m, N_IN), np.int8), np.empty((N_IN // 32, m), np.float32), np.empty((N_IN // 32, m),
                                                                                                     np.float32)
-    k8.quantize_rows(x, xq, xdt, xsdt)
+    xit = np.empty((N_IN // 16, m), np.int32)
+    k8.quantize_rows(x, xq, xdt, xsdt, xit)
+    n_grp = N_OUT // 8 * 8
     for name in I8_TYPES:
         raw = _packed(name, seed=5)
         if name == "Q8_0":
             raw.reshape(-1, 34)[:, 2:34] = 128  # -128: the |w| = 128 case of the sign trick
         raw = raw.view()
         raw.flags.writeable = False
-        outs = []
+        rows, groups = [], []
         for vnni in (True, False):
             dot = simd._make_rows_dot(name.lower(), vnni=vnni)
 
@@ -183,10 +186,50 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
 
             out = np.empty((m, N_OUT), np.float32)
             run(raw, xq, xdt, xsdt, out)
-            outs.append(out)
-        assert np.array_equal(outs[0], outs[1]), name
+            rows.append(out)
+            if name.lower() in simd_x8.LAYOUTS:
+                gdot = simd_x8.make_group_dot(name.lower(), vnni=vnni)
+                grp = simd_x8.repack(raw[:n_grp], name.lower())
+                grp.flags.writeable = False
+
+                @njit
+                def run_groups(grp, xq, xdt, xsdt, xit, out, gdot=gdot):
+                    for g in range(grp.shape[0]):
+                        gdot(grp[g], xq, xdt, xsdt, xit, out, 8 * g, 0, xq.shape[0])
+
+                out = np.empty((m, n_grp), np.float32)
+                run_groups(grp, xq, xdt, xsdt, xit, out)
+                groups.append(out)
+        assert np.array_equal(rows[0], rows[1]), name
         w = QuantWeight(raw, int(GGMLType[name]), (N_OUT, N_IN))
-        assert np.array_equal(w.matmul(x), outs[0]), name  # the compiled kernels are the VNNI form
+        y = w.matmul(x)  # the compiled kernels are the VNNI forms: groups where the type has them, then rows
+        if groups:
+            assert np.array_equal(groups[0], groups[1]), name
+            assert np.array_equal(y[:, :n_grp], groups[0]) and np.array_equal(y[:, n_grp:], rows[0][:, n_grp:]), name
+        else:
+            assert np.array_equal(y, rows[0]), name
+
+
+@needs_int8
+def test_release_pages_only_for_mapped_files(tmp_path) -> None:
+    """Repacked weights hand their mapped file pages back (they leave the resident set and read the
+    same afterwards); an array in anonymous memory is never touched (MADV_DONTNEED would zero it)."""
+    import mmap
+
+    data = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        view = np.frombuffer(mm, np.uint8, count=data.size - 100, offset=100).reshape(-1, 4)
+        assert view.sum() > 0
+        released = quant.release_pages(view)
+        assert 0 < released <= view.nbytes and released % mmap.PAGESIZE == 0
+        assert np.array_equal(view.reshape(-1), data[100:])  # mapped again from the page cache
+        del view
+        mm.close()
+    anon = data.copy()
+    assert quant.release_pages(anon) == 0 and np.array_equal(anon, data)
 
 
 @needs_int8

@@ -393,13 +393,47 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
         return None
     if any(p.ggml_type not in k8.I8_TYPES or p.shape[1] % 32 for p in parts):
         return None
-    raws = [np.ascontiguousarray(p.raw) for p in parts]
-    for r in raws:
-        r.flags.writeable = False  # (one array type: one compile)
-    raws += [raws[0]] * (k8.MAX_PARTS - len(raws))
+    from .simd_x8 import TYPE_CODES as X8_CODES, repack
+
+    grps, tails = [], []
+    for p in parts:
+        kind = X8_CODES.get(p.ggml_type)
+        n_grp = p.shape[0] // 8 if kind is not None else 0
+        grps.append(repack(p.raw[:8 * n_grp], kind) if n_grp else np.zeros((0, 32), np.uint8))
+        if n_grp:
+            release_pages(p.raw[:8 * n_grp])  # the repacked copy replaces them in memory
+        tails.append(np.ascontiguousarray(p.raw[8 * n_grp:]))
+    for a in grps + tails:
+        a.flags.writeable = False  # (one array type: one compile)
+    grps += [grps[0]] * (k8.MAX_PARTS - len(parts))
+    tails += [tails[0]] * (k8.MAX_PARTS - len(parts))
     ts = np.array([p.ggml_type for p in parts], dtype=np.int64)
     starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
-    return ts, tuple(raws), starts
+    items = np.cumsum([0] + [g.shape[0] + t.shape[0] for g, t in zip(grps, tails[:len(parts)])]).astype(np.int64)
+    return ts, tuple(grps), tuple(tails), starts, items
+
+
+def release_pages(a: np.ndarray) -> int:
+    """Hand back to the kernel the pages of a read-only mapped file that ``a`` (a view of it) covers
+    whole: they leave the resident set, and a later read maps them again from the page cache (the
+    file does not change). ``a`` not a view of a read-only ``mmap``: nothing happens. Bytes released."""
+    import mmap
+
+    base = a
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    if base is None or base.closed or not hasattr(base, "madvise") or not a.size:
+        return 0
+    try:
+        start = a.ctypes.data - np.frombuffer(base, np.uint8, count=1).ctypes.data
+    except (ValueError, TypeError):  # pragma: no cover - a closed or empty map
+        return 0
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + a.nbytes) // page * page
+    if hi <= lo or not a.flags.c_contiguous:
+        return 0
+    base.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    return hi - lo
 
 
 #: the weight objects ops.linear multiplies through their own ``matmul``

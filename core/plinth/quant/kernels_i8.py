@@ -30,16 +30,17 @@ import numpy as np
 from numba import njit, prange
 
 from .simd import TYPE_CODES, rows_any
+from .simd_x8 import groups_any
 
 #: the GGML type codes :func:`linear` computes
 I8_TYPES = tuple(TYPE_CODES)
 
 
 @njit(cache=True, fastmath=False)
-def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray) -> None:
+def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray, xit: np.ndarray) -> None:
     """x float32 [m, n] (n a multiple of 32) -> xq int8 [m, n], xdt float32 [n/32, m] the scales,
-    xsdt = xd * sum(xq) float32 [n/32, m]; scale = max|x| / 127 per block, values rounded to
-    nearest even."""
+    xsdt = xd * sum(xq) float32 [n/32, m], xit int32 [n/16, m] the sums of xq per 16 values;
+    scale = max|x| / 127 per block, values rounded to nearest even."""
     m, n = x.shape
     for r in range(m):
         for b in range(n // 32):
@@ -51,10 +52,14 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
             d = amax / np.float32(127.0)
             inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
             s = 0
-            for j in range(32):
-                q = np.int32(np.rint(x[r, b * 32 + j] * inv))
-                xq[r, b * 32 + j] = q
-                s += q
+            for h in range(2):
+                sh = 0
+                for j in range(16 * h, 16 * h + 16):
+                    q = np.int32(np.rint(x[r, b * 32 + j] * inv))
+                    xq[r, b * 32 + j] = q
+                    sh += q
+                xit[2 * b + h, r] = sh
+                s += sh
             xdt[b, r] = d
             xsdt[b, r] = d * np.float32(s)
 
@@ -68,38 +73,49 @@ TILE_BYTES = 256 * 1024
 
 
 @njit(cache=True, parallel=True)
-def _product(ts: np.ndarray, raws: tuple, starts: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray,
-             out: np.ndarray, r_lo: int, r_hi: int) -> None:
+def _product(ts: np.ndarray, grps: tuple, tails: tuple, starts: np.ndarray, items: np.ndarray, xq: np.ndarray,
+             xdt: np.ndarray, xsdt: np.ndarray, xit: np.ndarray, out: np.ndarray, r_lo: int, r_hi: int) -> None:
     n_parts = len(ts)
-    for o in prange(out.shape[1]):
+    for it in prange(items[n_parts]):
         p = 0
-        while p + 1 < n_parts and o >= starts[p + 1]:
+        while p + 1 < n_parts and it >= items[p + 1]:
             p += 1
-        rows_any(ts[p], raws[p][o - starts[p]], xq, xdt, xsdt, out, o, r_lo, r_hi)
+        k = it - items[p]
+        ng = grps[p].shape[0]
+        if k < ng:
+            groups_any(ts[p], grps[p][k], xq, xdt, xsdt, xit, out, starts[p] + 8 * k, r_lo, r_hi)
+        else:
+            rows_any(ts[p], tails[p][k - ng], xq, xdt, xsdt, out, starts[p] + 7 * ng + k, r_lo, r_hi)
 
 
 @njit(cache=True)
-def linear(ts: np.ndarray, raws: tuple, starts: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ W.T for W the parts ``raws`` (a tuple of MAX_PARTS uint8 ``[n_out_p, row_bytes_p]``
-    arrays; unused slots repeat a part) stacked on the output axis: part p (type ``ts[p]``, one of
-    I8_TYPES) fills output columns ``starts[p]:starts[p+1]``.  x float32 [m, n_in] is quantized
-    here, once for all parts; the product is one parallel region over all output rows per tile of
-    activation rows (TILE_BYTES), each weight row read once for them.  out: float32 [m, starts[-1]]."""
+def linear(ts: np.ndarray, grps: tuple, tails: tuple, starts: np.ndarray, items: np.ndarray, x: np.ndarray,
+           out: np.ndarray) -> None:
+    """out = x @ W.T for W the parts stacked on the output axis: part p (type ``ts[p]``, one of
+    I8_TYPES) fills output columns ``starts[p]:starts[p+1]``, its first rows in groups of eight
+    (``grps[p]``, uint8 ``[n_groups, bytes]`` as :func:`plinth.quant.simd_x8.repack` writes them;
+    none for a type without that form) and the rest as stored (``tails[p]``, uint8 ``[rows,
+    row_bytes]``); ``items`` counts groups plus tail rows, cumulative over the parts (the tuples hold
+    MAX_PARTS arrays; unused slots repeat a part).  x float32 [m, n_in] is quantized here, once for
+    all parts; the product is one parallel region over all the parts' groups and tail rows per tile
+    of activation rows (TILE_BYTES), each weight row read once for them.  out: float32 [m, starts[-1]]."""
     m, n = x.shape
     xq = np.empty((m, n), np.int8)
     xdt = np.empty((n // 32, m), np.float32)
     xsdt = np.empty((n // 32, m), np.float32)
-    quantize_rows(x, xq, xdt, xsdt)
+    xit = np.empty((n // 16, m), np.int32)
+    quantize_rows(x, xq, xdt, xsdt, xit)
     tile = max(64, TILE_BYTES // n // 8 * 8)  # (a tile's rows go in the same groups of 8 as without tiles)
     for r in range(0, m, tile):
-        _product(ts, raws, starts, xq, xdt, xsdt, out, r, min(m, r + tile))
+        _product(ts, grps, tails, starts, items, xq, xdt, xsdt, xit, out, r, min(m, r + tile))
 
 
 def _drop_stale_cache() -> None:
     """Remove this module's cached kernels when :mod:`plinth.quant.simd` changed since they were
     compiled: numba keys a cached function on its own file's contents only, and the IR these
     kernels inline is written in simd.py (an edit there would otherwise run the old code)."""
-    digest = hashlib.sha256(Path(__file__).with_name("simd.py").read_bytes()).hexdigest()
+    here = Path(__file__)
+    digest = hashlib.sha256(here.with_name("simd.py").read_bytes() + here.with_name("simd_x8.py").read_bytes()).hexdigest()
     try:
         where = Path(linear._cache._cache_path)
         stamp = where / "kernels_i8.simd-digest"
