@@ -16,9 +16,10 @@ Per block of eight rows, ``value = scale * (q - c) + offset`` with q the stored 
 
 - Q4_0 c = 8, Q5_0 c = 16: the ``- c`` is exact integer arithmetic on the activation block's sum
   of quants (``xi``, per 16 values), not a float term; Q4_1 / Q5_1 offset m (times ``xsd``);
-- Q8_0: signed quants by the sign trick (``|w|`` against the activation with w's sign);
-- Q4_K: scale ``d * sc_j``, offset ``-dmin * m_j`` per 32-value sub-block (the 6-bit scales
-  decoded at repack into one byte each, eight rows side by side);
+- Q8_0: with VNNI the quants plus 128 as unsigned bytes, c = 128; on AVX2 (whose ``pmaddubsw``
+  would saturate on those) the sign trick, ``|w|`` against the activation with w's sign;
+- Q4_K / Q5_K: scale ``d * sc_j``, offset ``-dmin * m_j`` per 32-value sub-block (the 6-bit
+  scales decoded at repack into one byte each, eight rows side by side);
 - Q6_K: per 16-value sub-block the integer sum of ``q - 32`` times its int8 scale, the two of a
   32-value unit added as integers, then scale d.
 
@@ -26,8 +27,7 @@ Every activation row goes through the same operations whatever the batch (its in
 exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
 on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
 
-Q5_K has no interleaved form here (it keeps :mod:`plinth.quant.simd`'s row loop), nor do the last
-``n_out % 8`` rows of a weight.
+The last ``n_out % 8`` rows of a weight keep :mod:`plinth.quant.simd`'s one-row loop.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _scale_min_k4(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 #: kind -> (values a block, block bytes, repacked bytes of eight rows' block)
 LAYOUTS = {"q4_0": (32, 18, 144), "q4_1": (32, 20, 160), "q5_0": (32, 22, 176), "q5_1": (32, 24, 192),
-           "q8_0": (32, 34, 272), "q4_k": (256, 144, 1184), "q6_k": (256, 210, 1680)}
+           "q8_0": (32, 34, 272), "q4_k": (256, 144, 1184), "q5_k": (256, 176, 1440), "q6_k": (256, 210, 1680)}
 
 #: GGML type code -> kind, the types with an interleaved form
 TYPE_CODES = {int(GGMLType[kind.upper()]): kind for kind in LAYOUTS}
@@ -98,9 +98,10 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
         fields = [halves(0), halves(2), words(4, 4), words(8, 16)]
     elif kind == "q8_0":
         fields = [halves(0), words(2, 32)]
-    elif kind == "q4_k":
+    elif kind in ("q4_k", "q5_k"):
         sc, mn = _scale_min_k4(b[:, :, :, 4:16])
-        fields = [halves(0), halves(2), per_row_bytes(sc), per_row_bytes(mn), words(16, 128)]
+        fields = [halves(0), halves(2), per_row_bytes(sc), per_row_bytes(mn)]
+        fields += [words(16, 128)] if kind == "q4_k" else [words(16, 32), words(48, 128)]
     elif kind == "q6_k":
         fields = [halves(208), per_row_bytes(b[:, :, :, 192:208]), words(0, 128), words(128, 64)]
     else:  # pragma: no cover - LAYOUTS names the kinds
@@ -144,7 +145,7 @@ def _fifth_bits(builder, qh, j):
                           _splat(_i8, 32, 0))
 
 
-def _decode(builder, kind, gb):
+def _decode(builder, kind, gb, vnni):
     """The units of the group-block at ``gb`` (an i8*)."""
     if kind in ("q4_0", "q4_1", "q5_0", "q5_1"):
         d = _halves8(builder, gb, 0)
@@ -165,15 +166,21 @@ def _decode(builder, kind, gb):
     if kind == "q8_0":
         d = _halves8(builder, gb, 0)
         s = [_chunk(builder, gb, 16 + 32 * k) for k in range(8)]
-        return [_Unit([_psign(builder, v, v) for v in s], d, signed=s)]
-    if kind == "q4_k":
+        if vnni:  # w + 128 as unsigned bytes, 128 times the activations' sum taken off as an integer
+            return [_Unit([builder.xor(v, _splat(_i8, 32, 0x80)) for v in s], d, parts=((0, 8, None, 128),))]
+        return [_Unit([_psign(builder, v, v) for v in s], d, signed=s)]  # AVX2: pmaddubsw would saturate
+    if kind in ("q4_k", "q5_k"):
         d, dmin = _halves8(builder, gb, 0), _halves8(builder, gb, 16)
+        qs = 160 if kind == "q4_k" else 416
         units = []
         for j in range(8):
             c, half = divmod(j, 2)
             sc = builder.uitofp(_load(builder, _at(builder, gb, 32 + 8 * j), _v8i8), _v8f)
             mn = builder.uitofp(_load(builder, _at(builder, gb, 96 + 8 * j), _v8i8), _v8f)
-            w = [_bits(builder, _chunk(builder, gb, 160 + 256 * c + 32 * k), 4 * half, 15) for k in range(8)]
+            w = [_bits(builder, _chunk(builder, gb, qs + 256 * c + 32 * k), 4 * half, 15) for k in range(8)]
+            if kind == "q5_k":  # bit j of the qh byte of each value
+                w = [builder.or_(w[k], builder.shl(_bits(builder, _chunk(builder, gb, 160 + 32 * k), j, 1),
+                                                   _splat(_i8, 32, 4))) for k in range(8)]
             units.append(_Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn))))
         return units
     if kind == "q6_k":
@@ -229,7 +236,7 @@ def _emit_group(builder, kind, R, arrs, r0, o0, vnni):
     sd, ss, si = stride(xda), stride(xsa), stride(xia)
     gp = base(grpa)
     zero8 = ir.Constant(_v8f, [0.0] * 8)
-    offsets = kind in ("q4_1", "q5_1", "q4_k")
+    offsets = kind in ("q4_1", "q5_1", "q4_k", "q5_k")
     accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)]
     saccs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)] if offsets else []
     for a in accs + saccs:
@@ -274,7 +281,7 @@ def _emit_group(builder, kind, R, arrs, r0, o0, vnni):
 
     per = qk // 32
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
-        units = _decode(builder, kind, _at(builder, gp, builder.mul(loop.index, _const(idx, gbs))))
+        units = _decode(builder, kind, _at(builder, gp, builder.mul(loop.index, _const(idx, gbs))), vnni)
         for j, u in enumerate(units):
             unit(u, builder.add(builder.mul(loop.index, _const(idx, per)), _const(idx, j)))
     for i in range(R):
