@@ -20,7 +20,8 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   with the same thread count in one process, best of ``--runs``, the two engines'
   runs alternating; printed with the ratio plinth / llama.cpp. llama.cpp keeps logits for the last row only, as in a
   normal generation; plinth does the same.
-* plinth's resident set after load against the file size, and the cost of a
+* plinth's resident set after load and after its first forward (which repacks the weights)
+  against the file size, and the cost of a
   k-token verify forward (k = 4, 8) after a 128-token context and one decoded token
   (the steady state of speculative decoding) relative to k = 1,
   for both engines.
@@ -159,6 +160,10 @@ def speed(name, path, args, llama_cpp):
     model = plinth.load_model(path)
     load_s = time.perf_counter() - t
     rss1 = _rss_mb()
+    t = time.perf_counter()
+    model.new_context().decode([1, 2, 3, 4])  # the first product of each weight repacks it (plinth.quant)
+    first_s = time.perf_counter() - t
+    rss2 = _rss_mb()
     n_vocab = model.n_vocab
     n_max = max(args.prompt_tokens)
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_max + args.decode_tokens + 16, n_batch=512,
@@ -182,6 +187,8 @@ def speed(name, path, args, llama_cpp):
     print(f"{name}: {args.threads} threads, best of {args.runs}")
     print(f"  plinth load {load_s:.2f} s; resident set {rss1:.0f} MiB after load ({rss1 - rss0:.0f} MiB added by "
           f"the load), file {size:.0f} MiB: added / file = {(rss1 - rss0) / size:.2f}")
+    print(f"  first forward (4 tokens, weights repacked) {first_s:.2f} s; resident set after it {rss2:.0f} MiB: "
+          f"added / file = {(rss2 - rss0) / size:.2f}")
     for n in args.prompt_tokens:
         (pp, tg), (ppp, ptg) = ours[n], peer[n]
         print(f"  prompt ({n} tokens) tok/s: plinth {pp:.1f}, llama.cpp {ppp:.1f}, ratio {pp / ppp:.2f}")

@@ -17,7 +17,7 @@ import pytest
 import plinth.quant as quant
 from plinth.errors import UserError
 from plinth.gguf.constants import GGMLType
-from plinth.quant import QuantWeight, simd, simd_x8
+from plinth.quant import QuantWeight, simd
 from plinth.testing import quantized_rows
 
 N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
@@ -155,8 +155,7 @@ def test_int8_prompt_batches_go_in_tiles_with_the_same_rows(type_name: str) -> N
 @pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
 def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
     """The AVX2 form (pmaddubsw + pmaddwd, what a CPU without VNNI runs) and the VNNI form give the
-    same bits, for the one-row loop (Q5_K, a weight's last n_out % 8 rows) and the eight-row groups
-    alike: the same integers (no int16 saturation is reachable), then the same float steps."""
+    same bits: the same integers (no int16 saturation is reachable), then the same float steps."""
     from numba import njit
 
     k8 = quant.compiled_i8()
@@ -168,46 +167,28 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
                                                                                                     np.float32)
     xit = np.empty((N_IN // 16, m), np.int32)
     k8.quantize_rows(x, xq, xdt, xsdt, xit)
-    n_grp = N_OUT // 8 * 8
     for name in I8_TYPES:
         raw = _packed(name, seed=5)
         if name == "Q8_0":
             raw.reshape(-1, 34)[:, 2:34] = 128  # -128: the |w| = 128 case of the sign trick
-        raw = raw.view()
-        raw.flags.writeable = False
-        rows, groups = [], []
+        grp = simd.repack(raw, name.lower())
+        grp.flags.writeable = False
+        outs = []
         for vnni in (True, False):
-            dot = simd._make_rows_dot(name.lower(), vnni=vnni)
+            gdot = simd.make_group_dot(name.lower(), vnni=vnni)
 
             @njit
-            def run(raw, xq, xdt, xsdt, out, dot=dot):
-                for o in range(raw.shape[0]):
-                    dot(raw[o], xq, xdt, xsdt, out, o, 0, xq.shape[0])
+            def run_groups(grp, xq, xdt, xsdt, xit, out, gdot=gdot):
+                for g in range(grp.shape[0]):
+                    gdot(grp[g], xq, xdt, xsdt, xit, out, 8 * g, 0, xq.shape[0])
 
-            out = np.empty((m, N_OUT), np.float32)
-            run(raw, xq, xdt, xsdt, out)
-            rows.append(out)
-            if name.lower() in simd_x8.LAYOUTS:
-                gdot = simd_x8.make_group_dot(name.lower(), vnni=vnni)
-                grp = simd_x8.repack(raw[:n_grp], name.lower())
-                grp.flags.writeable = False
-
-                @njit
-                def run_groups(grp, xq, xdt, xsdt, xit, out, gdot=gdot):
-                    for g in range(grp.shape[0]):
-                        gdot(grp[g], xq, xdt, xsdt, xit, out, 8 * g, 0, xq.shape[0])
-
-                out = np.empty((m, n_grp), np.float32)
-                run_groups(grp, xq, xdt, xsdt, xit, out)
-                groups.append(out)
-        assert np.array_equal(rows[0], rows[1]), name
-        w = QuantWeight(raw, int(GGMLType[name]), (N_OUT, N_IN))
-        y = w.matmul(x)  # the compiled kernels are the VNNI forms: groups where the type has them, then rows
-        if groups:
-            assert np.array_equal(groups[0], groups[1]), name
-            assert np.array_equal(y[:, :n_grp], groups[0]) and np.array_equal(y[:, n_grp:], rows[0][:, n_grp:]), name
-        else:
-            assert np.array_equal(y, rows[0]), name
+            out = np.empty((m, grp.shape[0] * 8), np.float32)
+            run_groups(grp, xq, xdt, xsdt, xit, out)
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1]), name
+        assert not outs[0][:, N_OUT:].any(), name  # the padding rows
+        y = QuantWeight(raw, int(GGMLType[name]), (N_OUT, N_IN)).matmul(x)
+        assert np.array_equal(y, outs[0][:, :N_OUT]), name  # the compiled kernels are the VNNI form
 
 
 @needs_int8

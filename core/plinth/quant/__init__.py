@@ -386,31 +386,28 @@ def _int8_product(args: tuple[Any, ...], x: np.ndarray, out: np.ndarray) -> np.n
 
 
 def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
-    """(types, raws, starts) for :func:`plinth.quant.kernels_i8.linear`, or None where the int8
-    kernels are off or some part is of another type (or too many parts)."""
+    """(types, groups, group starts, row starts) for :func:`plinth.quant.kernels_i8.linear`, or None
+    where the int8 kernels are off or some part is of another type (or too many parts). The parts'
+    rows are repacked here into groups of eight (:func:`plinth.quant.simd.repack`), once, and the
+    mapped file pages they came from are handed back (:func:`release_pages`)."""
     k8 = compiled_i8()
     if k8 is None or not 0 < len(parts) <= k8.MAX_PARTS:
         return None
     if any(p.ggml_type not in k8.I8_TYPES or p.shape[1] % 32 for p in parts):
         return None
-    from .simd_x8 import TYPE_CODES as X8_CODES, repack
+    from .simd import TYPE_CODES, repack
 
-    grps, tails = [], []
+    grps = []
     for p in parts:
-        kind = X8_CODES.get(p.ggml_type)
-        n_grp = p.shape[0] // 8 if kind is not None else 0
-        grps.append(repack(p.raw[:8 * n_grp], kind) if n_grp else np.zeros((0, 32), np.uint8))
-        if n_grp:
-            release_pages(p.raw[:8 * n_grp])  # the repacked copy replaces them in memory
-        tails.append(np.ascontiguousarray(p.raw[8 * n_grp:]))
-    for a in grps + tails:
-        a.flags.writeable = False  # (one array type: one compile)
+        grps.append(repack(p.raw, TYPE_CODES[p.ggml_type]))
+        release_pages(p.raw)  # the repacked copy replaces them in memory
+    for g in grps:
+        g.flags.writeable = False  # (one array type: one compile)
     grps += [grps[0]] * (k8.MAX_PARTS - len(parts))
-    tails += [tails[0]] * (k8.MAX_PARTS - len(parts))
     ts = np.array([p.ggml_type for p in parts], dtype=np.int64)
     starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
-    items = np.cumsum([0] + [g.shape[0] + t.shape[0] for g, t in zip(grps, tails[:len(parts)])]).astype(np.int64)
-    return ts, tuple(grps), tuple(tails), starts, items
+    gstarts = np.cumsum([0] + [g.shape[0] for g in grps[:len(parts)]]).astype(np.int64)
+    return ts, tuple(grps), gstarts, starts
 
 
 def release_pages(a: np.ndarray) -> int:

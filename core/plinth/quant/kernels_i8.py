@@ -29,8 +29,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from .simd import TYPE_CODES, rows_any
-from .simd_x8 import groups_any
+from .simd import TYPE_CODES, groups_any
 
 #: the GGML type codes :func:`linear` computes
 I8_TYPES = tuple(TYPE_CODES)
@@ -73,49 +72,43 @@ TILE_BYTES = 256 * 1024
 
 
 @njit(cache=True, parallel=True)
-def _product(ts: np.ndarray, grps: tuple, tails: tuple, starts: np.ndarray, items: np.ndarray, xq: np.ndarray,
-             xdt: np.ndarray, xsdt: np.ndarray, xit: np.ndarray, out: np.ndarray, r_lo: int, r_hi: int) -> None:
-    n_parts = len(ts)
-    for it in prange(items[n_parts]):
-        p = 0
-        while p + 1 < n_parts and it >= items[p + 1]:
-            p += 1
-        k = it - items[p]
-        ng = grps[p].shape[0]
-        if k < ng:
-            groups_any(ts[p], grps[p][k], xq, xdt, xsdt, xit, out, starts[p] + 8 * k, r_lo, r_hi)
-        else:
-            rows_any(ts[p], tails[p][k - ng], xq, xdt, xsdt, out, starts[p] + 7 * ng + k, r_lo, r_hi)
-
-
-@njit(cache=True)
-def linear(ts: np.ndarray, grps: tuple, tails: tuple, starts: np.ndarray, items: np.ndarray, x: np.ndarray,
+def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray, x: np.ndarray,
            out: np.ndarray) -> None:
     """out = x @ W.T for W the parts stacked on the output axis: part p (type ``ts[p]``, one of
-    I8_TYPES) fills output columns ``starts[p]:starts[p+1]``, its first rows in groups of eight
-    (``grps[p]``, uint8 ``[n_groups, bytes]`` as :func:`plinth.quant.simd_x8.repack` writes them;
-    none for a type without that form) and the rest as stored (``tails[p]``, uint8 ``[rows,
-    row_bytes]``); ``items`` counts groups plus tail rows, cumulative over the parts (the tuples hold
-    MAX_PARTS arrays; unused slots repeat a part).  x float32 [m, n_in] is quantized here, once for
-    all parts; the product is one parallel region over all the parts' groups and tail rows per tile
-    of activation rows (TILE_BYTES), each weight row read once for them.  out: float32 [m, starts[-1]]."""
+    I8_TYPES, ``starts[p+1] - starts[p]`` rows) fills output columns ``starts[p]:starts[p+1]``.
+    ``grps[p]``: its rows in groups of eight (uint8 ``[n_groups, bytes]`` as
+    :func:`plinth.quant.simd.repack` writes them, the last group padded with zero rows); ``gstarts``
+    the cumulative group counts (the tuple holds MAX_PARTS arrays; unused slots repeat a part).
+    x float32 [m, n_in] is quantized here, once for all parts; the product is one parallel region
+    over all the parts' groups per tile of activation rows (TILE_BYTES), each weight row read once
+    for them.  out: float32 [m, starts[-1]]."""
     m, n = x.shape
+    n_parts = len(ts)
     xq = np.empty((m, n), np.int8)
     xdt = np.empty((n // 32, m), np.float32)
     xsdt = np.empty((n // 32, m), np.float32)
     xit = np.empty((n // 16, m), np.int32)
     quantize_rows(x, xq, xdt, xsdt, xit)
+    padded = 8 * gstarts[n_parts] != starts[n_parts]
+    buf = np.empty((m, 8 * gstarts[n_parts]), np.float32) if padded else out
     tile = max(64, TILE_BYTES // n // 8 * 8)  # (a tile's rows go in the same groups of 8 as without tiles)
-    for r in range(0, m, tile):
-        _product(ts, grps, tails, starts, items, xq, xdt, xsdt, xit, out, r, min(m, r + tile))
+    for r in range(0, m, tile):  # (one parallel region a tile, in this function: each function that holds
+        r_hi = min(m, r + tile)  # the kernels' code optimises it again when compiled, so one less is faster)
+        for g in prange(gstarts[n_parts]):
+            p = 0
+            while p + 1 < n_parts and g >= gstarts[p + 1]:
+                p += 1
+            groups_any(ts[p], grps[p][g - gstarts[p]], xq, xdt, xsdt, xit, buf, 8 * g, r, r_hi)
+    if padded:  # a part whose rows are not a multiple of 8: its columns without the padding's
+        for p in range(n_parts):
+            out[:, starts[p]:starts[p + 1]] = buf[:, 8 * gstarts[p]:8 * gstarts[p] + starts[p + 1] - starts[p]]
 
 
 def _drop_stale_cache() -> None:
     """Remove this module's cached kernels when :mod:`plinth.quant.simd` changed since they were
     compiled: numba keys a cached function on its own file's contents only, and the IR these
     kernels inline is written in simd.py (an edit there would otherwise run the old code)."""
-    here = Path(__file__)
-    digest = hashlib.sha256(here.with_name("simd.py").read_bytes() + here.with_name("simd_x8.py").read_bytes()).hexdigest()
+    digest = hashlib.sha256(Path(__file__).with_name("simd.py").read_bytes()).hexdigest()
     try:
         where = Path(linear._cache._cache_path)
         stamp = where / "kernels_i8.simd-digest"

@@ -1,41 +1,42 @@
-"""Integer dot products for the int8-activation kernels, written as LLVM IR (``numba.extending.intrinsic``).
+"""Integer dot products for the int8-activation kernels, eight weight rows at once, on weights
+repacked at load; written as LLVM IR (``numba.extending.intrinsic``) with the instructions
+llama.cpp's x86 kernels are built on.
 
-These are the instructions llama.cpp's x86 kernels are built on. With AVX512-VNNI (``vpdpbusd`` on
-256-bit vectors) one instruction multiplies 32 unsigned weight bytes by 32 signed activation bytes
-and adds each four neighbours into 8 int32 lanes; on AVX2 ``pmaddubsw`` (pairs into int16) and
-``pmaddwd`` against ones (pairs of those into int32) do the same in two. A weight block's quants,
-unpacked in registers, meet an activation block quantized to int8, so 32 multiply-adds take a
-handful of instructions where f32 lanes take four FMAs plus the dequantization.
+:func:`repack` rewrites a weight's rows in groups of eight: per block, the eight rows' f16 scales
+side by side, then their quants interleaved four bytes at a time, so that one 32-byte load holds
+the same four quant bytes of all eight rows (lane i: row i). An activation's four int8 values,
+broadcast to the eight lanes, meet that load in one ``vpdpbusd`` (AVX512-VNNI; ``pmaddubsw`` +
+``pmaddwd`` on AVX2): eight weight rows advance four values each. A 32-value block is eight such
+products into an int32 vector whose lane i is row i's exact integer sum for the block; one
+conversion and one FMA with the eight rows' scales (times the activation's) add it to a float
+accumulator, and the eight results land with one vector store. Against one weight row at a time
+that removes the per-row float work of every block and the horizontal sums, and the unpacking of
+the weight bytes is shared by every activation row of the batch.
 
-:func:`rows_any` (a switch on the GGML type code over Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K
-and Q6_K; ``_make_rows_dot(kind)`` builds one type's alone): one weight row against the
-activation rows, in groups of eight rows (four where the CPU lacks AVX512's 32 vector
-registers), then one group of each smaller power of two that the rest holds. Per 32-value unit
-(a block, or a K-quant sub-block) the weight quants are unpacked once for the group; each row's
-integer product goes to float in its 8 lanes and is scaled and accumulated there, in two
-accumulators (even and odd units, so consecutive units do not wait on one another), with one
-horizontal sum per row at the end. The per-row scale factors of a group (weight scale times
-activation scale) and the offset terms (weight min times activation sum) are computed as one
-8-lane vector for the group, from activation scales stored block-major (one or two rows of a
-type without offsets take each row's scale as a scalar product instead: the same IEEE product).
+Per block of eight rows, ``value = scale * (q - c) + offset`` with q the stored unsigned quants:
 
-Every row goes through the same IEEE operations in the same order whether it comes alone or in a
-group (explicit ``llvm.fma``, no reassociation), so a row's result does not depend on the batch
-it is in: the scheduler's batched steps and a verify batch give a lone decode's results bit for
-bit. VNNI and AVX2 compute the same integers (no saturation is reachable, below), so the two
-paths agree exactly too.
+- Q4_0 c = 8, Q5_0 c = 16: the ``- c`` is exact integer arithmetic on the activation block's sum
+  of quants (``xi``, per 16 values), not a float term; Q4_1 / Q5_1 offset m (times ``xsd``);
+- Q8_0: with VNNI the quants plus 128 as unsigned bytes, c = 128; on AVX2 (whose ``pmaddubsw``
+  would saturate on those) the sign trick, ``|w|`` against the activation with w's sign;
+- Q4_K / Q5_K: scale ``d * sc_j``, offset ``-dmin * m_j`` per 32-value sub-block (the 6-bit
+  scales decoded at repack into one byte each, eight rows side by side);
+- Q6_K: per 16-value sub-block the integer sum of ``q - 32`` times its int8 scale, the two of a
+  32-value unit added as integers, then scale d.
 
-Signed weights (Q8_0, and Q6_K's ``q - 32``) use the ``psign`` trick: |w| as the unsigned operand
-and the activation with w's sign moved onto it. Saturation of ``pmaddubsw`` (AVX2): a pair is at
-most 2 * 31 * 127 (5-bit quants), 2 * 32 * 127 (Q6_K) or 2 * 128 * 127 = 32512 (Q8_0) < 32767.
+Every activation row goes through the same operations whatever the batch (its integer sums are
+exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
+on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
 
-Arrays are not bounds-checked: callers pass whole rows. :func:`available` says whether the host
+A weight whose row count is not a multiple of eight is padded with zero rows to the next group.
+Arrays are not bounds-checked: callers pass whole groups. :func:`available` says whether the host
 has AVX2 and F16C (else callers use the f32 kernels); :func:`has_vnni` whether the VNNI form is
 compiled.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -112,50 +113,14 @@ def _at(builder, base, off):
     return builder.gep(base, [_const(_i64, off) if isinstance(off, int) else off])
 
 
-def _half(builder, base, off):
-    """The IEEE half at byte ``off`` of ``base``, as float32."""
-    return builder.fpext(_load(builder, _at(builder, base, off), ir.HalfType()), _f32)
-
-
-def _byte(builder, base, off):
-    """The unsigned byte at ``off`` as i32."""
-    return builder.zext(_load(builder, _at(builder, base, off), _i8), _i32)
-
-
 def _fma(builder, a, b, c):
     name = "llvm.fma.f32" if a.type == _f32 else f"llvm.fma.v{a.type.count}f32"
     return builder.call(_fn(builder, name, a.type, [a.type] * 3), [a, b, c])
 
 
-def _dot(builder, w, x, vnni):
-    """<8 x i32>: lane k is sum_{j < 4} w[4k + j] * x[4k + j], w unsigned bytes, x signed bytes."""
-    if vnni:
-        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
-        return builder.call(f, [_splat(_i32, 8, 0), builder.bitcast(w, _v8i32), builder.bitcast(x, _v8i32)])
-    p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8]), [w, x])
-    return builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]), [p16, _splat(_i16, 16, 1)])
-
-
 def _psign(builder, a, b):
     """a with b's sign (a negated where b < 0, zero where b == 0)."""
     return builder.call(_fn(builder, "llvm.x86.avx2.psign.b", _v32i8, [_v32i8, _v32i8]), [a, b])
-
-
-def _nibbles(builder, p):
-    """The 32 4-bit quants of the 16 bytes at ``p``: low nibbles first, then high (Q4_0 .. Q5_1)."""
-    qb = _load(builder, p, _v16i8)
-    lo = builder.and_(qb, _splat(_i8, 16, 15))
-    hi = builder.lshr(qb, _splat(_i8, 16, 4))
-    return builder.shuffle_vector(lo, hi, _mask(range(32)))
-
-
-def _fifth_bit(builder, qh):
-    """16 where bit j of the i32 ``qh`` is set, else 0 (Q5_0 / Q5_1)."""
-    h4 = builder.bitcast(qh, ir.VectorType(_i8, 4))
-    hb = builder.shuffle_vector(h4, h4, _mask([j // 8 for j in range(32)]))
-    bit = builder.and_(hb, ir.Constant(_v32i8, [1 << (j % 8) for j in range(32)]))
-    return builder.select(builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0)), _splat(_i8, 32, 16),
-                          _splat(_i8, 32, 0))
 
 
 def _bits(builder, v, shift, mask):
@@ -165,270 +130,387 @@ def _bits(builder, v, shift, mask):
     return builder.and_(v, _splat(_i8, 32, mask))
 
 
+_v8h = ir.VectorType(ir.HalfType(), 8)
+_v8i8 = ir.VectorType(_i8, 8)
+
+
 # ---------------------------------------------------------------------------------------------
-# the weight types: per 32-value unit, the unsigned quants (or |w| of signed ones), the scale,
-# the offset (value = scale * q + offset, offset None when 0) and an int lane scale (Q6_K)
+# repacking (numpy, once at load)
+
+
+def _scale_min_k4(sc12: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 scale bytes [..., 12] -> (scales, mins) [..., 8] as uint8 (6 bits each)."""
+    s = sc12.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+#: kind -> (values a block, block bytes, repacked bytes of eight rows' block)
+LAYOUTS = {"q4_0": (32, 18, 144), "q4_1": (32, 20, 160), "q5_0": (32, 22, 176), "q5_1": (32, 24, 192),
+           "q8_0": (32, 34, 272), "q4_k": (256, 144, 1184), "q5_k": (256, 176, 1440), "q6_k": (256, 210, 1680)}
+
+#: GGML type code -> kind, the types with an interleaved form
+TYPE_CODES = {int(GGMLType[kind.upper()]): kind for kind in LAYOUTS}
+
+
+def repack(raw: np.ndarray, kind: str) -> np.ndarray:
+    """uint8 ``[n_out, row_bytes]`` of type ``kind`` -> uint8 ``[ceil(n_out / 8), blocks * group_bytes]``:
+    each group of eight rows, block after block, in the layout the kernels read (rows past n_out:
+    zero bytes, so zero scales and zero products)."""
+    qk, bs, gbs = LAYOUTS[kind]
+    n_out = raw.shape[0]
+    g = -(-n_out // 8)
+    if n_out % 8:
+        raw = np.concatenate([raw, np.zeros((8 * g - n_out, raw.shape[1]), np.uint8)])
+    b = np.ascontiguousarray(raw).reshape(g, 8, -1, bs)  # [group, row, block, byte]
+    nb = b.shape[2]
+
+    def halves(off):  # the eight rows' f16 at off: [g, nb, 16]
+        return b[:, :, :, off:off + 2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
+
+    def words(off, n):  # n bytes at off, interleaved 4 bytes a row: [g, nb, 8 * n]
+        return b[:, :, :, off:off + n].reshape(g, 8, nb, n // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 8 * n)
+
+    def per_row_bytes(a):  # [g, 8, nb, k] -> [g, nb, k * 8]: byte j of the eight rows side by side
+        return a.transpose(0, 2, 3, 1).reshape(g, nb, -1)
+
+    if kind == "q4_0":
+        fields = [halves(0), words(2, 16)]
+    elif kind == "q4_1":
+        fields = [halves(0), halves(2), words(4, 16)]
+    elif kind == "q5_0":
+        fields = [halves(0), words(2, 4), words(6, 16)]
+    elif kind == "q5_1":
+        fields = [halves(0), halves(2), words(4, 4), words(8, 16)]
+    elif kind == "q8_0":
+        fields = [halves(0), words(2, 32)]
+    elif kind in ("q4_k", "q5_k"):
+        sc, mn = _scale_min_k4(b[:, :, :, 4:16])
+        fields = [halves(0), halves(2), per_row_bytes(sc), per_row_bytes(mn)]
+        fields += [words(16, 128)] if kind == "q4_k" else [words(16, 32), words(48, 128)]
+    elif kind == "q6_k":
+        fields = [halves(208), per_row_bytes(b[:, :, :, 192:208]), words(0, 128), words(128, 64)]
+    else:  # pragma: no cover - LAYOUTS names the kinds
+        raise ValueError(kind)
+    out = np.concatenate(fields, axis=2)
+    assert out.shape[2] == gbs, (kind, out.shape)
+    return out.reshape(g, nb * gbs)
+
+
+# ---------------------------------------------------------------------------------------------
+# unpacking in the kernel
 
 
 class _Unit:
-    __slots__ = ("w", "signed", "scale", "offset", "lanes")
+    """A 32-value unit of eight rows: ``w`` eight <32 x i8> (lane i: row i's four unsigned quants
+    for activation values 4j .. 4j+3), ``signed`` the signed quants for the sign trick (or None),
+    ``parts`` (first dot, end dot, int lane scale or None, quant offset c) over which the integer
+    sums go, ``scale`` / ``offset`` <8 x float> (offset None when 0)."""
 
-    def __init__(self, w, scale, offset=None, signed=None, lanes=None):
-        self.w, self.scale, self.offset, self.signed, self.lanes = w, scale, offset, signed, lanes
+    __slots__ = ("w", "signed", "parts", "scale", "offset")
 
-
-def _units_32(kind):
-    """Decoder of a 32-value block type: block pointer -> [one _Unit]."""
-
-    def decode(builder, b):
-        d = _half(builder, b, 0)
-        if kind == "q8_0":
-            wv = _load(builder, _at(builder, b, 2), _v32i8)
-            return [_Unit(_psign(builder, wv, wv), d, signed=wv)]
-        qoff, moff, hoff, shift = {"q4_0": (2, None, None, -8.0), "q4_1": (4, 2, None, 0.0),
-                                   "q5_0": (6, None, 2, -16.0), "q5_1": (8, 2, 4, 0.0)}[kind]
-        w = _nibbles(builder, _at(builder, b, qoff))
-        if hoff is not None:
-            w = builder.or_(w, _fifth_bit(builder, _load(builder, _at(builder, b, hoff), _i32)))
-        offset = _half(builder, b, moff) if moff is not None else builder.fmul(d, _const(_f32, shift))
-        return [_Unit(w, d, offset)]
-
-    return decode
+    def __init__(self, w, scale, offset=None, signed=None, parts=((0, 8, None, 0),)):
+        self.w, self.scale, self.offset, self.signed, self.parts = w, scale, offset, signed, parts
 
 
-def _k_scale_min(builder, b, j):
-    """Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block (12 bytes at b + 4), as float."""
-    s = lambda k: _byte(builder, b, 4 + k)  # noqa: E731
-    c63, c15 = _const(_i32, 63), _const(_i32, 15)
-    if j < 4:
-        sc, mn = builder.and_(s(j), c63), builder.and_(s(j + 4), c63)
-    else:
-        hi_s = builder.shl(builder.lshr(s(j - 4), _const(_i32, 6)), _const(_i32, 4))
-        hi_m = builder.shl(builder.lshr(s(j), _const(_i32, 6)), _const(_i32, 4))
-        sc = builder.or_(builder.and_(s(j + 4), c15), hi_s)
-        mn = builder.or_(builder.lshr(s(j + 4), _const(_i32, 4)), hi_m)
-    return builder.uitofp(sc, _f32), builder.uitofp(mn, _f32)
+def _halves8(builder, gb, off):
+    return builder.fpext(_load(builder, _at(builder, gb, off), _v8h), _v8f)
 
 
-def _units_k45(five):
-    """Q4_K (144 bytes) / Q5_K (176): 8 sub-blocks of 32, value = d * sc_j * q - dmin * m_j."""
-
-    def decode(builder, b):
-        d, dmin = _half(builder, b, 0), _half(builder, b, 2)
-        qs = 48 if five else 16
-        qh = _load(builder, _at(builder, b, 16), _v32i8) if five else None
-        units = []
-        for c in range(4):
-            q = _load(builder, _at(builder, b, qs + 32 * c), _v32i8)
-            for half in range(2):
-                j = 2 * c + half
-                w = _bits(builder, q, 4 * half, 15)
-                if five:
-                    w = builder.or_(w, builder.shl(_bits(builder, qh, j, 1), _splat(_i8, 32, 4)))
-                sc, mn = _k_scale_min(builder, b, j)
-                units.append(_Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn))))
-        return units
-
-    return decode
+def _chunk(builder, gb, off):
+    return _load(builder, _at(builder, gb, off), _v32i8)
 
 
-def _units_q6k(builder, b):
-    """Q6_K (210 bytes): 16 sub-blocks of 16, value = d * sc * (q - 32); a unit is two sub-blocks
-    (int lane scales: lanes 0-3 hold values 0-15, lanes 4-7 values 16-31)."""
-    d = _half(builder, b, 208)
-    units = []
-    for h in range(2):
-        qh = _load(builder, _at(builder, b, 128 + 32 * h), _v32i8)
+def _fifth_bits(builder, qh, j):
+    """16 in byte t of lane i where bit 4j + t of row i's 32-bit qh is set, else 0 (Q5_0 / Q5_1)."""
+    v = builder.lshr(qh, _splat(_i32, 8, 4 * j)) if j else qh
+    v = builder.bitcast(v, _v32i8)
+    v = builder.shuffle_vector(v, v, _mask([4 * (k // 4) for k in range(32)]))
+    bit = builder.and_(v, ir.Constant(_v32i8, [1 << (k % 4) for k in range(32)]))
+    return builder.select(builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0)), _splat(_i8, 32, 16),
+                          _splat(_i8, 32, 0))
+
+
+def _decode(builder, kind, gb, vnni):
+    """The units of the group-block at ``gb`` (an i8*)."""
+    if kind in ("q4_0", "q4_1", "q5_0", "q5_1"):
+        d = _halves8(builder, gb, 0)
+        has_m = kind in ("q4_1", "q5_1")
+        off = 32 if has_m else 16
+        qh = None
+        if kind in ("q5_0", "q5_1"):
+            qh = _load(builder, _at(builder, gb, off), _v8i32)
+            off += 32
+        w = [None] * 8
         for k in range(4):
-            ql = _load(builder, _at(builder, b, 64 * h + 32 * (k & 1)), _v32i8)
-            q = builder.or_(_bits(builder, ql, 4 * (k >> 1), 15), builder.shl(_bits(builder, qh, 2 * k, 3),
-                                                                                 _splat(_i8, 32, 4)))
-            w = builder.sub(q, _splat(_i8, 32, 32))
-            sa, sb = [builder.sext(_load(builder, _at(builder, b, 192 + 8 * h + 2 * k + i), _i8), _i32)
-                      for i in range(2)]
-            lanes = builder.shuffle_vector(builder.insert_element(builder.insert_element(
-                ir.Constant(ir.VectorType(_i32, 2), None), sa, _const(_i32, 0)), sb, _const(_i32, 1)),
-                ir.Constant(ir.VectorType(_i32, 2), None), _mask([0, 0, 0, 0, 1, 1, 1, 1]))
-            units.append(_Unit(_psign(builder, w, w), d, signed=w, lanes=lanes))
-    return units
+            c = _chunk(builder, gb, off + 32 * k)
+            w[k], w[k + 4] = _bits(builder, c, 0, 15), _bits(builder, c, 4, 15)
+        if qh is not None:
+            w = [builder.or_(w[j], _fifth_bits(builder, qh, j)) for j in range(8)]
+        c = {"q4_0": 8, "q5_0": 16}.get(kind, 0)
+        return [_Unit(w, d, _halves8(builder, gb, 16) if has_m else None, parts=((0, 8, None, c),))]
+    if kind == "q8_0":
+        d = _halves8(builder, gb, 0)
+        s = [_chunk(builder, gb, 16 + 32 * k) for k in range(8)]
+        if vnni:  # w + 128 as unsigned bytes, 128 times the activations' sum taken off as an integer
+            return [_Unit([builder.xor(v, _splat(_i8, 32, 0x80)) for v in s], d, parts=((0, 8, None, 128),))]
+        return [_Unit([_psign(builder, v, v) for v in s], d, signed=s)]  # AVX2: pmaddubsw would saturate
+    raise ValueError(kind)  # pragma: no cover
 
 
-#: type -> (values per block, block bytes, decoder)
-_TYPES = {"q4_0": (32, 18, _units_32("q4_0")), "q4_1": (32, 20, _units_32("q4_1")),
-          "q5_0": (32, 22, _units_32("q5_0")), "q5_1": (32, 24, _units_32("q5_1")),
-          "q8_0": (32, 34, _units_32("q8_0")), "q4_k": (256, 144, _units_k45(False)),
-          "q5_k": (256, 176, _units_k45(True)), "q6_k": (256, 210, _units_q6k)}
+def _decode_k(builder, kind, gb, j):
+    """Unit ``j`` (an i64 value: a loop, not unrolled, which keeps the compile short) of the K-quant
+    super-block of eight rows at ``gb``."""
+    i64 = lambda v: _const(_i64, v)  # noqa: E731
+
+    def off(*terms):  # a byte offset from ints and (value, factor) pairs
+        total = i64(sum(t for t in terms if isinstance(t, int)))
+        for t in terms:
+            if not isinstance(t, int):
+                total = builder.add(total, builder.mul(t[0], i64(t[1])))
+        return total
+
+    def shifted(v, amount, mask):  # (v >> amount) & mask on 32 bytes, amount an i64 value
+        sh = _broadcast(builder, builder.trunc(amount, _i8), 32)
+        return builder.and_(builder.lshr(v, sh), _splat(_i8, 32, mask))
+
+    one = i64(1)
+    if kind in ("q4_k", "q5_k"):
+        d, dmin = _halves8(builder, gb, 0), _halves8(builder, gb, 16)
+        c, half = builder.lshr(j, one), builder.and_(j, one)
+        sc = builder.uitofp(_load(builder, _at(builder, gb, off(32, (j, 8))), _v8i8), _v8f)
+        mn = builder.uitofp(_load(builder, _at(builder, gb, off(96, (j, 8))), _v8i8), _v8f)
+        qs = 160 if kind == "q4_k" else 416
+        w = [shifted(_chunk(builder, gb, off(qs + 32 * k, (c, 256))), builder.mul(half, i64(4)), 15)
+             for k in range(8)]
+        if kind == "q5_k":  # bit j of the qh byte of each value
+            w = [builder.or_(w[k], builder.shl(shifted(_chunk(builder, gb, 160 + 32 * k), j, 1), _splat(_i8, 32, 4)))
+                 for k in range(8)]
+        return _Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn)))
+    if kind == "q6_k":  # unit j = 4h + k: values 128h + 32k ..
+        d = _halves8(builder, gb, 0)
+        h, k = builder.lshr(j, i64(2)), builder.and_(j, i64(3))
+        lo_shift = builder.mul(builder.lshr(k, one), i64(4))
+        hi_shift = builder.mul(k, i64(2))
+        ql0 = off(144, (h, 512), (builder.and_(k, one), 256))
+        qh0 = off(1168, (h, 256))
+        w = []
+        for jj in range(8):
+            ql = _chunk(builder, gb, builder.add(ql0, i64(32 * jj)))
+            qh = _chunk(builder, gb, builder.add(qh0, i64(32 * jj)))
+            w.append(builder.or_(shifted(ql, lo_shift, 15), builder.shl(shifted(qh, hi_shift, 3), _splat(_i8, 32, 4))))
+        sub = off(0, (h, 8), (k, 2))  # the first 16-value sub-block's index
+        lane = [builder.sext(_load(builder, _at(builder, gb, off(16 + 8 * p, (sub, 8))), _v8i8), _v8i32)
+                for p in range(2)]
+        return _Unit(w, d, parts=((0, 4, lane[0], 32), (4, 8, lane[1], 32)))
+    raise ValueError(kind)  # pragma: no cover
+
+
+def _dot_acc(builder, acc, w, x, vnni):
+    """acc + (lane k: sum_{j < 4} w[4k + j] * x[4k + j]) as <8 x i32>; acc None: from zero."""
+    if vnni:
+        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
+        return builder.call(f, [acc if acc is not None else _splat(_i32, 8, 0), builder.bitcast(w, _v8i32),
+                                builder.bitcast(x, _v8i32)])
+    p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8]), [w, x])
+    p = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]), [p16, _splat(_i16, 16, 1)])
+    return p if acc is None else builder.add(acc, p)
 
 
 # ---------------------------------------------------------------------------------------------
-# the row loop
+# the group loop
 
 
-def _emit_rows(builder, kind, R, arrs, r0, o, vnni):
-    """IR for out[r0 + i, o] = x[r0 + i] . W[o], i < R (R = 4, 2 or 1)."""
-    qk, bs, decode = _TYPES[kind]
-    rowa, xqa, xda, xsa, outa = arrs
+class _Ptrs:
+    """The arrays of a call as values in the kernel function: byte pointers, first-axis strides, n."""
+
+    __slots__ = ("gp", "xq", "sxq", "n", "xd", "sd", "xs", "ss", "xi", "si", "out", "so")
+
+    def __init__(self, *values):
+        for k, v in zip(self.__slots__, values):
+            setattr(self, k, v)
+
+
+def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
+    """IR for out[r0 + i, o0 : o0 + 8] = x[r0 + i] . W[o0 : o0 + 8], i < R."""
+    qk, _, gbs = LAYOUTS[kind]
     idx = r0.type
-    i8p = _i8.as_pointer()
-
-    def base(a):
-        return builder.bitcast(a.data, i8p)
-
-    def stride(a):
-        return cgutils.unpack_tuple(builder, a.strides)[0]
-
-    n = cgutils.unpack_tuple(builder, xqa.shape)[1]
-    xps = [_at(builder, base(xqa), builder.mul(builder.add(r0, _const(idx, i)), stride(xqa))) for i in range(R)]
+    n = ptrs.n
+    xps = [_at(builder, ptrs.xq, builder.mul(builder.add(r0, _const(idx, i)), ptrs.sxq)) for i in range(R)]
     r0_bytes = builder.mul(r0, _const(idx, 4))
-    xd0 = _at(builder, base(xda), r0_bytes)
-    xs0 = _at(builder, base(xsa), r0_bytes)
-    sd, ss = stride(xda), stride(xsa)
-    rowp = base(rowa)
+    xd0, xs0, xi0 = (_at(builder, a, r0_bytes) for a in (ptrs.xd, ptrs.xs, ptrs.xi))
+    sd, ss, si = ptrs.sd, ptrs.ss, ptrs.si
+    gp = ptrs.gp
     zero8 = ir.Constant(_v8f, [0.0] * 8)
-    faccs = [[cgutils.alloca_once_value(builder, zero8) for _ in range(2)] for _ in range(R)]
-    sacc = cgutils.alloca_once_value(builder, ir.Constant(_v8f, [0.0] * 8))
-    for a in faccs:
-        for p in a:
-            builder.store(zero8, p)
-    builder.store(zero8, sacc)
+    offsets = kind in ("q4_1", "q5_1", "q4_k", "q5_k")
+    accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)]
+    saccs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)] if offsets else []
+    for a in accs + saccs:
+        builder.store(zero8, a)
 
-    def lanes8(p):  # R consecutive floats at p as an 8-vector (the lanes past R zero)
-        if R in (8, 4):
-            v = _load(builder, p, ir.VectorType(_f32, R))
-            return v if R == 8 else builder.shuffle_vector(v, ir.Constant(_v4f, [0.0] * 4), _mask(range(8)))
-        v = zero8
-        for i in range(R):
-            v = builder.insert_element(v, _load(builder, _at(builder, p, 4 * i), _f32), _const(_i32, i))
-        return v
+    def scalar(p, i, ty=_f32):
+        return _load(builder, _at(builder, p, 4 * i), ty)
 
-    def unit(u, iu, par):
-        """Unit ``u`` (a _Unit) at activation block index iu (an i64 value), into accumulator par."""
+    def unit(u, iu):
+        """Unit u at activation unit index iu (i64): every row's integer sums, scaled, accumulated."""
         xdp = _at(builder, xd0, builder.mul(iu, sd))
-        if R <= 2 and u.offset is None:
-            # one or two rows of a type without offsets (Q8_0, Q6_K): each row's scale as a scalar
-            # product and a broadcast (the same IEEE product as the vector lane below; measured faster
-            # there, slower for the types whose offset term keeps the vector form)
-            row_scale = [_broadcast(builder, builder.fmul(u.scale, _load(builder, _at(builder, xdp, 4 * i), _f32)),
-                                    8) for i in range(R)]
-        else:
-            scales = builder.fmul(_broadcast(builder, u.scale, 8), lanes8(xdp))
-            row_scale = [builder.shuffle_vector(scales, scales, _mask([i] * 8)) for i in range(R)]
+        xsp = _at(builder, xs0, builder.mul(iu, ss))
+        xip = _at(builder, xi0, builder.mul(builder.mul(iu, _const(idx, 2)), si))
         xo = builder.mul(iu, _const(idx, 32))
         for i in range(R):
-            xv = _load(builder, _at(builder, xps[i], xo), _v32i8)
-            if u.signed is not None:
-                xv = _psign(builder, xv, u.signed)
-            p = _dot(builder, u.w, xv, vnni)
-            if u.lanes is not None:
-                p = builder.mul(p, u.lanes)
-            pf = builder.sitofp(p, _v8f)
-            acc = faccs[i][par]
-            builder.store(_fma(builder, pf, row_scale[i], builder.load(acc)), acc)
-        if u.offset is not None:
-            xs = lanes8(_at(builder, xs0, builder.mul(iu, ss)))
-            builder.store(_fma(builder, _broadcast(builder, u.offset, 8), xs, builder.load(sacc)), sacc)
+            total = None
+            for lo, hi, lane, c in u.parts:
+                chains = [None, None]
+                for j in range(lo, hi):
+                    xv = _broadcast(builder, _load(builder, _at(builder, xps[i], builder.add(xo, _const(idx, 4 * j))),
+                                                   _i32), 8)
+                    xv = builder.bitcast(xv, _v32i8)
+                    if u.signed is not None:
+                        xv = _psign(builder, xv, u.signed[j])
+                    chains[j & 1] = _dot_acc(builder, chains[j & 1], u.w[j], xv, vnni)
+                isum = builder.add(chains[0], chains[1]) if chains[1] is not None else chains[0]
+                if c:
+                    xi = scalar(xip, i, _i32)
+                    if hi - lo == 8:  # both 16-value sums of the unit
+                        xi = builder.add(xi, scalar(_at(builder, xip, si), i, _i32))
+                    else:
+                        xi = scalar(_at(builder, xip, builder.mul(si, _const(idx, lo // 4))), i, _i32)
+                    isum = builder.sub(isum, _broadcast(builder, builder.mul(xi, _const(_i32, c)), 8))
+                if lane is not None:
+                    isum = builder.mul(isum, lane)
+                total = isum if total is None else builder.add(total, isum)
+            scale = builder.fmul(u.scale, _broadcast(builder, scalar(xdp, i), 8))
+            builder.store(_fma(builder, builder.sitofp(total, _v8f), scale, builder.load(accs[i])), accs[i])
+            if u.offset is not None:
+                builder.store(_fma(builder, u.offset, _broadcast(builder, scalar(xsp, i), 8),
+                                   builder.load(saccs[i])), saccs[i])
 
-    per = qk // 32  # units a block
-    if per == 1:  # blocks in pairs (even block -> accumulator 0, odd -> 1), then an odd one left
-        nb = builder.udiv(n, _const(idx, 32))
-        with cgutils.for_range(builder, builder.udiv(nb, _const(idx, 2))) as loop:
-            for par in range(2):
-                ib = builder.add(builder.mul(loop.index, _const(idx, 2)), _const(idx, par))
-                unit(decode(builder, _at(builder, rowp, builder.mul(ib, _const(idx, bs))))[0], ib, par)
-        with builder.if_then(builder.icmp_unsigned("==", builder.and_(nb, _const(idx, 1)), _const(idx, 1))):
-            ib = builder.sub(nb, _const(idx, 1))
-            unit(decode(builder, _at(builder, rowp, builder.mul(ib, _const(idx, bs))))[0], ib, 0)
-    else:
-        with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
-            units = decode(builder, _at(builder, rowp, builder.mul(loop.index, _const(idx, bs))))
-            for j, u in enumerate(units):
-                unit(u, builder.add(builder.mul(loop.index, _const(idx, per)), _const(idx, j)), j & 1)
-    red = _fn(builder, "llvm.vector.reduce.fadd.v8f32", _f32, [_f32, _v8f])
-    s = builder.load(sacc)
+    per = qk // 32
+    with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
+        gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
+        if per == 1:
+            unit(_decode(builder, kind, gb, vnni)[0], loop.index)
+        else:
+            with cgutils.for_range(builder, _const(idx, per)) as sub:
+                unit(_decode_k(builder, kind, gb, sub.index), builder.add(builder.mul(loop.index, _const(idx, per)),
+                                                                           sub.index))
     for i in range(R):
-        v = builder.fadd(builder.load(faccs[i][0]), builder.load(faccs[i][1]))
-        total = builder.fadd(builder.call(red, [_const(_f32, 0.0), v]), builder.extract_element(s, _const(_i32, i)))
-        outp = _at(builder, base(outa), builder.add(builder.mul(builder.add(r0, _const(idx, i)), stride(outa)),
-                                                    builder.mul(o, _const(idx, 4))))
-        builder.store(total, builder.bitcast(outp, _f32.as_pointer()))
+        v = builder.load(accs[i])
+        if offsets:
+            v = builder.fadd(v, builder.load(saccs[i]))
+        outp = _at(builder, ptrs.out, builder.add(builder.mul(builder.add(r0, _const(idx, i)), ptrs.so),
+                                                  builder.mul(o0, _const(idx, 4))))
+        st = builder.store(v, builder.bitcast(outp, _v8f.as_pointer()))
+        st.align = 4
 
 
-def _emit_all_rows(builder, kind, arrs, ov, lo, hi, vnni, G):
-    """Rows lo .. hi - 1: groups of G rows, then one group of each smaller power of two the rest holds."""
+def _emit_all(builder, kind, ptrs, o0, lo, hi, vnni, G):
+    """Activation rows lo .. hi - 1: groups of G, then one group of each smaller power of two the rest holds."""
     idx = lo.type
     m = builder.sub(hi, lo)
     big = _const(idx, G)
     with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
-        _emit_rows(builder, kind, G, arrs, builder.add(lo, builder.mul(loop.index, big)), ov, vnni)
+        _emit_group(builder, kind, G, ptrs, builder.add(lo, builder.mul(loop.index, big)), o0, vnni)
     r = cgutils.alloca_once_value(builder, builder.add(lo, builder.mul(builder.udiv(m, big), big)))
     g = G // 2
     while g:
         bit = _const(idx, g)
         with builder.if_then(builder.icmp_unsigned("!=", builder.and_(m, bit), _const(idx, 0))):
-            _emit_rows(builder, kind, g, arrs, builder.load(r), ov, vnni)
+            _emit_group(builder, kind, g, ptrs, builder.load(r), o0, vnni)
             builder.store(builder.add(builder.load(r), bit), r)
         g //= 2
 
 
-def _rows_typing(row, xq, xdt, xsdt, out):
-    if not (isinstance(row, types.Array) and row.ndim == 1 and all(
-            isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, out))):
-        raise TypeError("rows_<type> takes a 1-D weight row and 2-D activation and output arrays")
-    return 8 if has_vnni() else 4  # rows a group: 8 x 2 accumulators need AVX512's 32 vector registers
+_I8P = _i8.as_pointer()
+#: the kernel function's arguments: _Ptrs' fields, then o0, r_lo, r_hi
+_FN_ARGS = [_I8P, _I8P, _i64, _i64, _I8P, _i64, _I8P, _i64, _I8P, _i64, _I8P, _i64, _i64, _i64, _i64]
 
 
-def _rows_args(context, builder, sig, args):
-    """The five arrays' proxies and (o, r_lo, r_hi) as intp, from the last eight arguments."""
-    arrs = [cgutils.create_struct_proxy(ty)(context, builder, value=v) for ty, v in zip(sig.args[-8:-3], args[-8:-3])]
-    idx = cgutils.unpack_tuple(builder, arrs[1].shape)[0].type
-    return arrs, [a if a.type == idx else builder.sext(a, idx) for a in args[-3:]]
+def _kernel_fn(module, kind, vnni, G):
+    """One type's loop as a function of its own in ``module`` (defined on first use, never inlined):
+    LLVM optimises each type's code apart, which keeps the first compile short (one function holding
+    every type's unrolled loops took twice as long)."""
+    name = f"plinth_x8_{kind}_{'vnni' if vnni else 'avx2'}_{G}"
+    fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), _FN_ARGS), name)
+    if fn.is_declaration:
+        fn.linkage = "internal"
+        fn.attributes.add("noinline")
+        fn.attributes.add("nounwind")
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        *vals, o0, lo, hi = fn.args
+        _emit_all(b, kind, _Ptrs(*vals), o0, lo, hi, vnni, G)
+        b.ret_void()
+    return fn
 
 
-def _make_rows_dot(kind, vnni=None):
-    """The intrinsic for the activation rows against one weight row of type ``kind`` (``vnni``: the
-    VNNI form or the AVX2 one; default: what the host has)."""
+def _typing(grp, xq, xdt, xsdt, xit, out):
+    if not (isinstance(grp, types.Array) and grp.ndim == 1 and all(
+            isinstance(a, types.Array) and a.ndim == 2 for a in (xq, xdt, xsdt, xit, out))):
+        raise TypeError("groups_<type> takes a 1-D group of weight rows and 2-D activation and output arrays")
+    return 8 if has_vnni() else 4
 
-    def rows_dot(typingctx, row, xq, xdt, xsdt, out, o, r_lo, r_hi):
-        G = _rows_typing(row, xq, xdt, xsdt, out)
+
+def _call_args(context, builder, sig, args):
+    """The kernel function's argument values from the intrinsic's last nine arguments."""
+    grp, xq, xd, xs, xi, out = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
+                                for ty, v in zip(sig.args[-9:-3], args[-9:-3])]
+
+    def base(a):
+        return builder.bitcast(a.data, _I8P)
+
+    def stride(a):
+        v = cgutils.unpack_tuple(builder, a.strides)[0]
+        return v if v.type == _i64 else builder.sext(v, _i64)
+
+    n = cgutils.unpack_tuple(builder, xq.shape)[1]
+    n = n if n.type == _i64 else builder.sext(n, _i64)
+    vals = [base(grp), base(xq), stride(xq), n, base(xd), stride(xd), base(xs), stride(xs), base(xi), stride(xi),
+            base(out), stride(out)]
+    return vals + [a if a.type == _i64 else builder.sext(a, _i64) for a in args[-3:]]
+
+
+def make_group_dot(kind, vnni=None):
+    """The intrinsic for one type alone (``vnni``: the VNNI or the AVX2 form; default: the host's)."""
+
+    def group_dot(typingctx, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi):
+        G = _typing(grp, xq, xdt, xsdt, xit, out)
         use_vnni = has_vnni() if vnni is None else vnni
 
         def codegen(context, builder, sig, args):
-            arrs, (ov, lo, hi) = _rows_args(context, builder, sig, args)
-            _emit_all_rows(builder, kind, arrs, ov, lo, hi, use_vnni, G)
+            builder.call(_kernel_fn(builder.module, kind, use_vnni, G), _call_args(context, builder, sig, args))
             return context.get_dummy_value()
 
-        return types.void(row, xq, xdt, xsdt, out, o, r_lo, r_hi), codegen
+        return types.void(grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi), codegen
 
-    rows_dot.__name__ = f"rows_{kind}"
-    rows_dot.__doc__ = (f"out[r, o] = x[r] . W[o] for the activation rows r_lo <= r < r_hi: one {kind.upper()} "
-                        "weight row ``row`` (uint8) against int8 activation rows xq [m, n] with their per-32 "
-                        "scales xdt and scaled sums xsdt = xd * sum(xq), both block-major [n / 32, m].")
-    return intrinsic(rows_dot)
-
-
-#: GGML type code -> kind, the types :func:`rows_any` computes
-TYPE_CODES = {int(GGMLType[kind.upper()]): kind for kind in _TYPES}
+    group_dot.__name__ = f"groups_{kind}"
+    return intrinsic(group_dot)
 
 
 @intrinsic
-def rows_any(typingctx, t, row, xq, xdt, xsdt, out, o, r_lo, r_hi):
-    """``rows_<type>`` for the weight row's GGML type code ``t`` (one of :data:`TYPE_CODES`; any other
-    leaves out alone): one switch, each type's loop compiled once."""
-    G = _rows_typing(row, xq, xdt, xsdt, out)
+def groups_any(typingctx, t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi):
+    """out[r, o0 : o0 + 8] = x[r] . W[o0 : o0 + 8] for r_lo <= r < r_hi: ``grp`` one group of eight
+    weight rows of GGML type ``t`` (one of :data:`TYPE_CODES`) as :func:`repack` wrote it; xq int8
+    [m, n], xdt / xsdt float32 and xit int32 block-major (:func:`plinth.quant.kernels_i8.quantize_rows`)."""
+    G = _typing(grp, xq, xdt, xsdt, xit, out)
     vnni = has_vnni()
 
     def codegen(context, builder, sig, args):
-        arrs, (ov, lo, hi) = _rows_args(context, builder, sig, args)
+        vals = _call_args(context, builder, sig, args)
         code = context.cast(builder, args[0], sig.args[0], types.int64)
-        end = builder.append_basic_block("rows_any.end")
+        end = builder.append_basic_block("groups_any.end")
         switch = builder.switch(code, end)
         for c, kind in TYPE_CODES.items():
-            block = builder.append_basic_block(f"rows_any.{kind}")
+            block = builder.append_basic_block(f"groups_any.{kind}")
             switch.add_case(_const(_i64, c), block)
             builder.position_at_end(block)
-            _emit_all_rows(builder, kind, arrs, ov, lo, hi, vnni, G)
+            builder.call(_kernel_fn(builder.module, kind, vnni, G), vals)
             builder.branch(end)
         builder.position_at_end(end)
         return context.get_dummy_value()
 
-    return types.void(t, row, xq, xdt, xsdt, out, o, r_lo, r_hi), codegen
+    return types.void(t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi), codegen
