@@ -39,13 +39,13 @@ from . import blas
 log = logging.getLogger("plinth.quant")
 
 #: at most this many activation rows go through the int8 kernels; more use dequantized tiles + BLAS.
-#: The int8 kernels read each weight block once for all rows and unpack it once for four, so a
-#: verify batch costs far less than its rows decoded one by one; from about 128 rows they and the
-#: tiles cost the same (a forward of m rows after 64 cached tokens, 2 threads, kernels / tiles:
-#: SmolLM2 Q4_1 m = 128: 364 / 325 ms, 256: 567 / 541, 512: 996 / 1000; Gemma-3 Q4_K_M m = 128:
-#: 329 / 356, 256: 533 / 617, 512: 1313 / 1186). Below the bound a row's result does not depend on
-#: the batch it is in (docs/performance.md), so the bound is high.
-KERNEL_MAX_ROWS = 512
+#: The int8 kernels read each weight group once for all rows and unpack it once for eight, so a
+#: verify batch costs far less than its rows decoded one by one. A whole forward of m prompt rows,
+#: 2 threads, kernels / tiles: SmolLM2 Q4_1 m = 512: 932 / 1077 ms, 1024: 2675 / 3124, 2048:
+#: 10148 / 8934 (attention, on one BLAS thread beside the kernels, is most of that one); Gemma-3
+#: Q4_K_M m = 512: 830 / 1130, 1024: 2173 / 2367. Below the bound a row's result does not depend
+#: on the batch it is in (docs/performance.md), so the bound is high.
+KERNEL_MAX_ROWS = 1024
 #: the same bound for the f32-activation kernels (no AVX2, PLINTH_INT8=0, MXFP4/F16/BF16), whose
 #: cost is about m times one row: they cross the tiles at 5-6 rows (a SmolLM2 Q4_1 forward, one
 #: thread: 5 rows 153 vs 207 ms, 6 rows 230 vs 202 ms)
