@@ -257,7 +257,10 @@ class LMHead:
     """The output projection: ``output.weight``, or ``token_embd.weight`` when the file ties them.
 
     ``softcap`` > 0 applies ``tanh(logits / c) * c`` (Gemma). :attr:`weight` is the matrix in
-    GGUF layout [n_vocab, n_embd], what a drafter sharing the head multiplies by.
+    GGUF layout [n_vocab, n_embd], what a drafter sharing the head multiplies by. A quantized head
+    is marked ``precise``: its int8 products also multiply the activations' rounding residual, so
+    the logits carry ~1/250 of int8 activations' error (the argmax is the token; measured on
+    SmolLM2's 512 peer-corpus positions: 96.5% -> 98.2% the argmax of f32 activations).
     """
 
     linear: Linear
@@ -267,7 +270,10 @@ class LMHead:
     @classmethod
     def from_weights(cls, weights: Mapping[str, Any], xp: Any, softcap: float = 0.0) -> "LMHead":
         tied = "output.weight" not in weights
-        return cls(Linear.stack(weights, ["token_embd.weight" if tied else "output.weight"], xp), tied, softcap)
+        name = "token_embd.weight" if tied else "output.weight"
+        if hasattr(weights[name], "precise"):  # a quantized head: int8 products with the residual pass
+            weights[name].precise = True
+        return cls(Linear.stack(weights, [name], xp), tied, softcap)
 
     @property
     def weight(self) -> Any:

@@ -233,6 +233,9 @@ class QuantWeight:
                              f"{self.type_name} values")
         self.raw16 = self.raw.view(np.uint16) if self.raw.shape[1] % 2 == 0 else None
         self._i8: Any = None  # the int8 kernel's arguments once known (False: not that path)
+        #: int8 products in two passes, the activations and their rounding residual (the LM head:
+        #: :class:`plinth.graph.LMHead` sets it; its argmax is the token)
+        self.precise = False
 
     # ------------------------------------------------------------------ array-like
 
@@ -304,6 +307,11 @@ class QuantWeight:
         if m == 0:
             return out
         if m <= KERNEL_MAX_ROWS and _int8_args(self, [self]):
+            if self.precise:
+                x2 = np.empty((2 * m, x.shape[1]), dtype=np.float32)
+                compiled_i8().with_residual(np.ascontiguousarray(x, dtype=np.float32), x2)
+                y2 = _int8_product(self._i8, x2, np.empty((2 * m, self.shape[0]), dtype=np.float32))
+                return np.add(y2[:m], y2[m:], out=out)
             return _int8_product(self._i8, x, out)
         if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
             blas.use(1)
