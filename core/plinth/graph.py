@@ -258,9 +258,10 @@ class LMHead:
 
     ``softcap`` > 0 applies ``tanh(logits / c) * c`` (Gemma). :attr:`weight` is the matrix in
     GGUF layout [n_vocab, n_embd], what a drafter sharing the head multiplies by. A quantized head
-    is marked ``precise``: its int8 products also multiply the activations' rounding residual, so
-    the logits carry ~1/250 of int8 activations' error (the argmax is the token; measured on
-    SmolLM2's 512 peer-corpus positions: 96.5% -> 98.2% the argmax of f32 activations).
+    is marked ``precise``: after its int8 products, each row's logits near the maximum are
+    recomputed from f32 activations (:meth:`plinth.quant.QuantWeight._refine`), so the argmax is
+    the one f32 activations give (SmolLM2's 512 peer-corpus positions: 96.5% -> 98.2% the argmax
+    of the all-f32-activation head).
     """
 
     linear: Linear
@@ -271,7 +272,7 @@ class LMHead:
     def from_weights(cls, weights: Mapping[str, Any], xp: Any, softcap: float = 0.0) -> "LMHead":
         tied = "output.weight" not in weights
         name = "token_embd.weight" if tied else "output.weight"
-        if hasattr(weights[name], "precise"):  # a quantized head: int8 products with the residual pass
+        if hasattr(weights[name], "precise"):  # a quantized head: the top logits of its int8 products redone in f32
             weights[name].precise = True
         return cls(Linear.stack(weights, [name], xp), tied, softcap)
 

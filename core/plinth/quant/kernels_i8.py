@@ -69,19 +69,32 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
             xsdt[b, r] = d * np.float32(s)
 
 
+@njit(cache=True)
+def near_max(y: np.ndarray, margin: float, idx: np.ndarray) -> int:
+    """The columns of the row ``y`` whose value is within ``margin`` of its maximum, in order, into
+    ``idx`` (as many as fit); returns how many there are."""
+    mx = y[0]
+    for j in range(1, y.shape[0]):
+        if y[j] > mx:
+            mx = y[j]
+    lo = mx - np.float32(margin)
+    c = 0
+    for j in range(y.shape[0]):
+        if y[j] >= lo:
+            if c < idx.shape[0]:
+                idx[c] = j
+            c += 1
+    return c
+
+
 @njit(cache=True, fastmath=False)
-def with_residual(x: np.ndarray, out: np.ndarray) -> None:
-    """out float32 [2m, n]: the rows of x [m, n], then each row's rounding residual ``x - xd * xq``
-    under :func:`quantize_rows` (the same scale and rounding). A product over both halves, added,
-    has the error of int8 activations squared (the residual's own scale is ~1/254 of the row's)."""
-    m, n = x.shape
-    for r in range(m):
-        for b in range(n // 32):
-            d, inv = _block_scale(x, r, b)
-            for j in range(b * 32, b * 32 + 32):
-                v = x[r, j]
-                out[r, j] = v
-                out[m + r, j] = v - np.float32(np.rint(v * inv)) * d
+def dot_rows(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = w[i] . x in float32, one fixed order (the same bits for the same inputs)."""
+    for i in range(w.shape[0]):
+        a = np.float32(0.0)
+        for j in range(x.shape[0]):
+            a += w[i, j] * x[j]
+        out[i] = a
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
