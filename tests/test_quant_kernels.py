@@ -213,7 +213,7 @@ def test_precise_products_redo_the_top_values_in_f32(type_name: str, monkeypatch
     assert np.array_equal(y.argmax(1), ref.argmax(1))
     for r in (0, 4, 8):
         assert np.array_equal(w.matmul(x[r:r + 1])[0], y[r])
-    monkeypatch.setattr(quant, "PRECISE_MAX", 2)  # more near the maximum than that: the largest two
+    monkeypatch.setattr(quant, "PRECISE_MAX", 2)  # more near the maximum than that: fewer, the largest
     y2 = w.matmul(x)
     assert np.array_equal(y2.argmax(1), ref.argmax(1)) and (y2 != plain).sum(1).max() <= 2
 

@@ -333,16 +333,29 @@ class QuantWeight:
     def _refine(self, x: np.ndarray, y: np.ndarray) -> None:
         """Recompute, per row of ``y`` (int8 products), the values within PRECISE_MARGIN of the row's
         maximum as f32 dot products of the dequantized weight rows with the f32 activations (at most
-        PRECISE_MAX of them, the largest): the argmax of an LM head is then the one f32 activations
+        PRECISE_MAX of them: where more are that close, the margin shrinks until they fit): the argmax of an LM head is then the one f32 activations
         give unless the int8 error passes half the margin. A row's result depends on that row only."""
         k8 = compiled_i8()
-        idx = np.empty(PRECISE_MAX, dtype=np.int64)
         for r in range(y.shape[0]):
-            c = k8.near_max(y[r], PRECISE_MARGIN, idx)
-            cols = idx[:c] if c <= PRECISE_MAX else np.sort(np.argpartition(-y[r], PRECISE_MAX)[:PRECISE_MAX])
+            cols = near_max(y[r], PRECISE_MARGIN, PRECISE_MAX)
             vals = np.empty(len(cols), dtype=np.float32)
             k8.dot_rows(self.take(cols), x[r], vals)
             y[r, cols] = vals
+
+
+def near_max(y: np.ndarray, margin: float, cap: int) -> np.ndarray:
+    """The columns of the row ``y`` (finite values) within ``margin`` of its maximum, in order; where
+    more than ``cap`` are that close, the margin is halved until they fit (ties at the maximum
+    beyond ``cap``: the first ones)."""
+    mx = y.max()
+    lo = mx - np.float32(margin)
+    near = y >= lo
+    for _ in range(24):
+        if np.count_nonzero(near) <= cap:
+            break
+        lo = mx - (mx - lo) * np.float32(0.5)
+        near = y >= lo
+    return np.flatnonzero(near)[:cap]
 
 
 #: a precise weight's values within this much of their row's maximum are recomputed from f32 activations

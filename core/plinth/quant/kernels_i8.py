@@ -69,24 +69,6 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
             xsdt[b, r] = d * np.float32(s)
 
 
-@njit(cache=True)
-def near_max(y: np.ndarray, margin: float, idx: np.ndarray) -> int:
-    """The columns of the row ``y`` whose value is within ``margin`` of its maximum, in order, into
-    ``idx`` (as many as fit); returns how many there are."""
-    mx = y[0]
-    for j in range(1, y.shape[0]):
-        if y[j] > mx:
-            mx = y[j]
-    lo = mx - np.float32(margin)
-    c = 0
-    for j in range(y.shape[0]):
-        if y[j] >= lo:
-            if c < idx.shape[0]:
-                idx[c] = j
-            c += 1
-    return c
-
-
 @njit(cache=True, fastmath=False)
 def dot_rows(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[i] = w[i] . x in float32, one fixed order (the same bits for the same inputs)."""
