@@ -133,6 +133,7 @@ class Rows(CacheKind):
         self._pos: dict[int, np.ndarray] = {}
         self._len: dict[int, int] = {}
         self._pending: dict[int, int] = {}
+        self._addr: dict[int, tuple[list[Any], tuple[int, ...]]] = {}  # seq -> (its buffers, their addresses)
 
     def holds(self, seq: int) -> bool:
         return self._len.get(seq, 0) > 0
@@ -158,16 +159,27 @@ class Rows(CacheKind):
             return tuple(None for _ in self.fields) + (np.zeros(0, np.int64),)
         return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
 
+    def addresses(self, seq: int) -> tuple[int, ...]:
+        """The data addresses of ``seq``'s host buffers, one per field (what :meth:`get` and
+        :meth:`append` return are views at their start); remembered until a buffer is replaced."""
+        bufs = self._buf[seq]
+        known = self._addr.get(seq)
+        if known is None or known[0] is not bufs:
+            known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs))
+        return known[1]
+
     def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
         """Add rows of ``seq`` at ``positions`` ([n]); ``arrays`` one per field, [n, *shape].
 
         Returns every field's rows so far (views) and their positions.
         """
-        xp = self.xp
-        n_old = self._pending.get(seq, self._len.get(seq, 0))
+        n_old = self._pending.get(seq)
+        if n_old is None:
+            n_old = self._len.get(seq, 0)
         n_new = n_old + len(positions)
         bufs = self._buf.get(seq)
         if bufs is None or bufs[0].shape[0] < n_new:
+            xp = self.xp
             cap = max(n_new, 2 * (bufs[0].shape[0] if bufs is not None else 0), 16)
             grown = [xp.empty((cap,) + tuple(a.shape[1:]), dtype=xp.float32) for a in arrays]
             pos = np.zeros(cap, np.int64)
@@ -181,9 +193,10 @@ class Rows(CacheKind):
             self._pos[seq] = pos
         for b, a in zip(bufs, arrays):
             b[n_old:n_new] = a
-        self._pos[seq][n_old:n_new] = positions
+        pos = self._pos[seq]
+        pos[n_old:n_new] = positions
         self._pending[seq] = n_new
-        return tuple(b[:n_new] for b in bufs) + (self._pos[seq][:n_new],)
+        return (*(b[:n_new] for b in bufs), pos[:n_new])
 
     def commit(self) -> None:
         for seq, n in self._pending.items():
@@ -235,7 +248,7 @@ class Rows(CacheKind):
             self._len[seq] = snap
 
     def clear(self, seq: int | None = None) -> None:
-        for table in (self._buf, self._pos, self._len, self._pending):
+        for table in (self._buf, self._pos, self._len, self._pending, self._addr):
             if seq is None:
                 table.clear()
             else:

@@ -306,6 +306,7 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     shared = kv.layer != il  # the K/V of an earlier layer (SharedKV)
     positions = step.batch.positions
     groups = []  # per sequence: its rows, its K/V so far and its bias
+    host = xp is np
     for seq, sel in step.groups:
         pos = positions[sel]
         # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
@@ -313,13 +314,13 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
         bias = step.once(("attn_bias", seq, window, len(kpos)),
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
                                                     xp=xp))
-        groups.append((sel, kc, vc, bias))
-    if all(isinstance(sel, slice) for sel, *_ in groups):
+        groups.append((sel, kc, vc, bias, kv.addresses(seq) if host and len(kpos) else None))
+    if all(isinstance(g[0], slice) for g in groups):
         # every sequence's rows in one call (a server step's decode rows: one compiled call a layer)
-        return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias) for sel, kc, vc, bias in groups],
+        return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias, at) for sel, kc, vc, bias, at in groups],
                                     scale=scale, soft_cap=soft_cap)
     out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)
-    for sel, kc, vc, bias in groups:
+    for sel, kc, vc, bias, _ in groups:
         out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
 

@@ -82,12 +82,14 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
                      soft_cap: float | None = None) -> Any:
     """:func:`attention` with ``causal=False`` and an additive bias, for the query rows of several
     sequences: ``groups`` holds per sequence ``(start, stop, k, v, bias)`` (its rows ``q[start:stop]``,
-    its cached K and V, its bias ``[stop - start, n_kv]`` or None). On the host the groups of at most
-    KERNEL_MAX_Q rows (a server step's decode and verify rows) go through one compiled call (one per
-    layer instead of one per sequence) with the same per-row arithmetic as one call per sequence;
-    the others (prompt chunks), and every group on a device, take one :func:`attention` each. (One
-    sequence's few rows in :func:`attention` take the same kernel, so a row's result does not depend
-    on which of the two calls computed it.)
+    its cached K and V, its bias ``[stop - start, n_kv]`` or None), optionally with a sixth item, the
+    data addresses of float32 C-order host arrays that k and v are leading views of (a
+    :class:`plinth.cache.Rows` buffer's ``addresses``: they save reading them from the arrays). On
+    the host the groups of at most KERNEL_MAX_Q rows (a server step's decode and verify rows) go
+    through one compiled call (one per layer instead of one per sequence) with the same per-row
+    arithmetic as one call per sequence; the others (prompt chunks), and every group on a device,
+    take one :func:`attention` each. (One sequence's few rows in :func:`attention` take the same
+    kernel, so a row's result does not depend on which of the two calls computed it.)
     Returns [n_rows, n_head, hd_v] for the rows the groups cover."""
     xp = array_module(q)
     n_head = q.shape[1]
@@ -100,25 +102,32 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
         n_head_kv = k0.shape[1]
         if n_head % n_head_kv:
             raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+        k_tail, v_tail = k0.shape[1:], v0.shape[1:]
+        if k_tail[1] != q.shape[2]:
+            raise ValueError(f"attention: rows {small[0][0]}:{small[0][1]} have k {k0.shape} against q {q.shape}: "
+                             "the head sizes differ")
         keep = []  # the contiguous float32 arrays whose addresses the kernel reads
         table = []  # per group: start, stop, n_kv, K, V and bias addresses (0: no bias)
-        for s, e, k, v, bias in small:
-            if not (k.dtype == F32 and k.flags.c_contiguous):
-                k = numpy.ascontiguousarray(k, dtype=F32)
-            if not (v.dtype == F32 and v.flags.c_contiguous):
-                v = numpy.ascontiguousarray(v, dtype=F32)
+        for grp in small:
+            s, e, k, v, bias = grp[:5]
+            at = grp[5] if len(grp) > 5 else None
             # (the kernel reads these arrays through their addresses: their shapes must be what it assumes)
-            if (k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or v.shape[0] != k.shape[0]
-                    or k.shape[2] != q.shape[2]):
+            if k.shape[1:] != k_tail or v.shape[1:] != v_tail or v.shape[0] != k.shape[0]:
                 raise ValueError(f"attention: rows {s}:{e} have k {k.shape}, v {v.shape} beside {k0.shape}, "
-                                 f"{v0.shape} and q {q.shape}")
-            keep += [k, v]
+                                 f"{v0.shape}")
+            if at is None:
+                if not (k.dtype == F32 and k.flags.c_contiguous):
+                    k = numpy.ascontiguousarray(k, dtype=F32)
+                if not (v.dtype == F32 and v.flags.c_contiguous):
+                    v = numpy.ascontiguousarray(v, dtype=F32)
+                keep += [k, v]
+                at = (k.ctypes.data, v.ctypes.data)
             b_at = 0
             if bias is not None:
                 b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
                 keep.append(b)
                 b_at = b.ctypes.data
-            table.append((s, e, k.shape[0], k.ctypes.data, v.ctypes.data, b_at))
+            table.append((s, e, k.shape[0], at[0], at[1], b_at))
         t = numpy.array(table, dtype=numpy.int64).T
         if not (q.dtype == F32 and q.flags.c_contiguous):
             q = numpy.ascontiguousarray(q, dtype=F32)
@@ -127,7 +136,8 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
         del keep
         done = {id(grp) for grp in small}
         groups = [grp for grp in groups if id(grp) not in done]
-    for s, e, k, v, bias in groups:
+    for grp in groups:
+        s, e, k, v, bias = grp[:5]
         out[s:e] = attention(q[s:e], k, v, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
 
