@@ -170,14 +170,14 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
     b = np.ascontiguousarray(raw).reshape(g, 8, -1, bs)  # [group, row, block, byte]
     nb = b.shape[2]
 
-    def halves(off):  # the eight rows' f16 at off: [g, nb, 16]
-        return b[:, :, :, off:off + 2].transpose(0, 2, 1, 3).reshape(g, nb, 16)
+    def halves(off):  # the eight rows' f16 at off: [g, nb, 8, 2]
+        return b[:, :, :, off:off + 2].transpose(0, 2, 1, 3)
 
-    def words(off, n):  # n bytes at off, interleaved 4 bytes a row: [g, nb, 8 * n]
-        return b[:, :, :, off:off + n].reshape(g, 8, nb, n // 4, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, 8 * n)
+    def words(off, n):  # n bytes at off, interleaved 4 bytes a row: [g, nb, n / 4, 8, 4]
+        return b[:, :, :, off:off + n].reshape(g, 8, nb, n // 4, 4).transpose(0, 2, 3, 1, 4)
 
-    def per_row_bytes(a):  # [g, 8, nb, k] -> [g, nb, k * 8]: byte j of the eight rows side by side
-        return a.transpose(0, 2, 3, 1).reshape(g, nb, -1)
+    def per_row_bytes(a):  # [g, 8, nb, k] -> [g, nb, k, 8]: byte j of the eight rows side by side
+        return a.transpose(0, 2, 3, 1)
 
     if kind == "q4_0":
         fields = [halves(0), words(2, 16)]
@@ -197,8 +197,16 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
         fields = [halves(208), per_row_bytes(b[:, :, :, 192:208]), words(0, 128), words(128, 64)]
     else:  # pragma: no cover - LAYOUTS names the kinds
         raise ValueError(kind)
-    out = np.concatenate(fields, axis=2)
-    assert out.shape[2] == gbs, (kind, out.shape)
+    # each field copied straight into its place (no whole-weight temporaries: they would stay in the heap)
+    out = np.empty((g, nb, gbs), np.uint8)
+    at = 0
+    for f in fields:
+        width = int(np.prod(f.shape[2:]))
+        dst = out[:, :, at:at + width].reshape(f.shape)
+        assert dst.base is out, "repack: a field's place is not a view"
+        dst[...] = f
+        at += width
+    assert at == gbs, (kind, at)
     return out.reshape(g, nb * gbs)
 
 
