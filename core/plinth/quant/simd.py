@@ -271,16 +271,19 @@ def _decode(builder, kind, gb, vnni):
     raise ValueError(kind)  # pragma: no cover
 
 
-def _decode_k(builder, kind, gb, j):
-    """Unit ``j`` (an i64 value: a loop, not unrolled, which keeps the compile short) of the K-quant
-    super-block of eight rows at ``gb``."""
+def _decode_k(builder, kind, gb, t):
+    """Units ``2t`` and ``2t + 1`` of Q4_K / Q5_K (the two nibbles of the same bytes), or units
+    ``(h, k1)`` and ``(h, k1 + 2)`` of Q6_K (t = 2h + k1, the same low bytes again) of the K-quant
+    super-block of eight rows at ``gb``, as (unit, unit index) pairs; ``t`` an i64 value (a loop of
+    four turns, not eight unrolled units: that keeps the first compile short, and a pair shares its
+    loads and takes constant shifts)."""
     i64 = lambda v: _const(_i64, v)  # noqa: E731
 
     def off(*terms):  # a byte offset from ints and (value, factor) pairs
-        total = i64(sum(t for t in terms if isinstance(t, int)))
-        for t in terms:
-            if not isinstance(t, int):
-                total = builder.add(total, builder.mul(t[0], i64(t[1])))
+        total = i64(sum(x for x in terms if isinstance(x, int)))
+        for x in terms:
+            if not isinstance(x, int):
+                total = builder.add(total, builder.mul(x[0], i64(x[1])))
         return total
 
     def shifted(v, amount, mask):  # (v >> amount) & mask on 32 bytes, amount an i64 value
@@ -290,32 +293,38 @@ def _decode_k(builder, kind, gb, j):
     one = i64(1)
     if kind in ("q4_k", "q5_k"):
         d, dmin = _halves8(builder, gb, 0), _halves8(builder, gb, 16)
-        c, half = builder.lshr(j, one), builder.and_(j, one)
-        sc = builder.uitofp(_load(builder, _at(builder, gb, off(32, (j, 8))), _v8i8), _v8f)
-        mn = builder.uitofp(_load(builder, _at(builder, gb, off(96, (j, 8))), _v8i8), _v8f)
         qs = 160 if kind == "q4_k" else 416
-        w = [shifted(_chunk(builder, gb, off(qs + 32 * k, (c, 256))), builder.mul(half, i64(4)), 15)
-             for k in range(8)]
-        if kind == "q5_k":  # bit j of the qh byte of each value
-            w = [builder.or_(w[k], builder.shl(shifted(_chunk(builder, gb, 160 + 32 * k), j, 1), _splat(_i8, 32, 4)))
-                 for k in range(8)]
-        return _Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn)))
-    if kind == "q6_k":  # unit j = 4h + k: values 128h + 32k ..
+        q = [_chunk(builder, gb, off(qs + 32 * k, (t, 256))) for k in range(8)]
+        qh = [_chunk(builder, gb, 160 + 32 * k) for k in range(8)] if kind == "q5_k" else None
+        out = []
+        for half in range(2):
+            j = builder.add(builder.mul(t, i64(2)), i64(half))
+            sc = builder.uitofp(_load(builder, _at(builder, gb, off(32 + 8 * half, (t, 16))), _v8i8), _v8f)
+            mn = builder.uitofp(_load(builder, _at(builder, gb, off(96 + 8 * half, (t, 16))), _v8i8), _v8f)
+            w = [_bits(builder, q[k], 4 * half, 15) for k in range(8)]
+            if qh is not None:  # bit j of the qh byte of each value
+                w = [builder.or_(w[k], builder.shl(shifted(qh[k], j, 1), _splat(_i8, 32, 4))) for k in range(8)]
+            out.append((_Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn))), j))
+        return out
+    if kind == "q6_k":  # unit 4h + k: values 128h + 32k ..; k = k1 + 2 kk
         d = _halves8(builder, gb, 0)
-        h, k = builder.lshr(j, i64(2)), builder.and_(j, i64(3))
-        lo_shift = builder.mul(builder.lshr(k, one), i64(4))
-        hi_shift = builder.mul(k, i64(2))
-        ql0 = off(144, (h, 512), (builder.and_(k, one), 256))
+        h, k1 = builder.lshr(t, one), builder.and_(t, one)
+        ql0 = off(144, (h, 512), (k1, 256))
         qh0 = off(1168, (h, 256))
-        w = []
-        for jj in range(8):
-            ql = _chunk(builder, gb, builder.add(ql0, i64(32 * jj)))
-            qh = _chunk(builder, gb, builder.add(qh0, i64(32 * jj)))
-            w.append(builder.or_(shifted(ql, lo_shift, 15), builder.shl(shifted(qh, hi_shift, 3), _splat(_i8, 32, 4))))
-        sub = off(0, (h, 8), (k, 2))  # the first 16-value sub-block's index
-        lane = [builder.sext(_load(builder, _at(builder, gb, off(16 + 8 * p, (sub, 8))), _v8i8), _v8i32)
-                for p in range(2)]
-        return _Unit(w, d, parts=((0, 4, lane[0], 32), (4, 8, lane[1], 32)))
+        ql = [_chunk(builder, gb, builder.add(ql0, i64(32 * jj))) for jj in range(8)]
+        qh = [_chunk(builder, gb, builder.add(qh0, i64(32 * jj))) for jj in range(8)]
+        out = []
+        for kk in range(2):
+            k = builder.add(k1, i64(2 * kk))
+            hi_shift = builder.mul(k, i64(2))
+            w = [builder.or_(_bits(builder, ql[jj], 4 * kk, 15),
+                             builder.shl(shifted(qh[jj], hi_shift, 3), _splat(_i8, 32, 4))) for jj in range(8)]
+            sub = off(0, (h, 8), (k, 2))  # the first 16-value sub-block's index
+            lane = [builder.sext(_load(builder, _at(builder, gb, off(16 + 8 * p, (sub, 8))), _v8i8), _v8i32)
+                    for p in range(2)]
+            out.append((_Unit(w, d, parts=((0, 4, lane[0], 32), (4, 8, lane[1], 32))),
+                        builder.add(builder.mul(h, i64(4)), k)))
+        return out
     raise ValueError(kind)  # pragma: no cover
 
 
@@ -404,9 +413,9 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
         if per == 1:
             unit(_decode(builder, kind, gb, vnni)[0], loop.index)
         else:
-            with cgutils.for_range(builder, _const(idx, per)) as sub:
-                unit(_decode_k(builder, kind, gb, sub.index), builder.add(builder.mul(loop.index, _const(idx, per)),
-                                                                           sub.index))
+            with cgutils.for_range(builder, _const(idx, per // 2)) as sub:
+                for u, j in _decode_k(builder, kind, gb, sub.index):
+                    unit(u, builder.add(builder.mul(loop.index, _const(idx, per)), j))
     for i in range(R):
         v = builder.load(accs[i])
         if offsets:
