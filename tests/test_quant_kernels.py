@@ -329,3 +329,20 @@ def test_thread_count_is_validated() -> None:
         quant.parse_threads("0", "--threads")
     with pytest.raises(UserError, match="PLINTH_THREADS"):
         quant.parse_threads("many", "PLINTH_THREADS")
+
+
+
+@needs_int8
+def test_prepare_repacks_before_the_first_request() -> None:
+    """Model.prepare runs one throwaway token: the quantized weights a forward multiplies are repacked
+    then, not on the first request (whose prompt speed --stats reports)."""
+    import plinth
+
+    model = plinth.load_model("smollm2-135m-instruct")
+    weights = [w for w in model.weights.values() if isinstance(w, QuantWeight)]
+    assert weights and all(w._i8 is None for w in weights)
+    assert model.prepare() > 0
+    repacked = [w for w in weights if w._i8]
+    assert repacked, "no weight was repacked by prepare()"
+    head = max(weights, key=lambda w: w.shape[0])
+    assert head._i8 and head.precise  # the tied LM head: repacked and marked precise

@@ -150,6 +150,18 @@ class Model(ModelFile):
     def new_context(self, *, taps: Iterable[int] = (), pooling: str = "none") -> Context:
         return Context(self, taps=taps, pooling=pooling)
 
+    def prepare(self) -> float:
+        """One forward of one token in a throwaway context, so that a first request does not pay the
+        one-time work: the int8 kernels repack each quantized weight on its first product
+        (:mod:`plinth.quant`), and numba loads the compiled kernels. Seconds taken. A graph that
+        cannot run a lone token (one that needs other inputs) is left to its first request."""
+        t = time.perf_counter()
+        try:
+            self.new_context().forward(Batch.from_tokens([0], output="last"))
+        except Exception as e:  # the first real forward reports whatever this one hit
+            _log.debug("prepare: a one-token forward of %s failed (%s); weights repack on first use", self.path.name, e)
+        return time.perf_counter() - t
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 [n_tokens, n_vocab]: the logits at every position of one fresh sequence."""
         ctx = self.new_context()

@@ -231,6 +231,7 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
         return model
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
                        registry=args.registry, progress=True, tokenizer=tokenizer)
+    model.prepare()  # the weights' one-time repacking belongs to the load, not to the prompt's speed
     if getattr(args, "stats", False):
         print(f"[loaded {model.path.name} ({model.arch}) in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return model

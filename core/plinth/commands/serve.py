@@ -111,6 +111,7 @@ def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
     names = _spec_names(args)
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
                        n_ctx=args.n_ctx, progress=progress)
+    model.prepare()  # repack the weights before the first request (its time to first token)
     drafters = []
     if names:
         options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
