@@ -307,9 +307,10 @@ class QuantWeight:
         if m == 0:
             return out
         if m <= KERNEL_MAX_ROWS and _int8_args(self, [self]):
+            x = np.ascontiguousarray(x, dtype=np.float32)
             _int8_product(self._i8, x, out)
             if self.precise:
-                self._refine(np.ascontiguousarray(x, dtype=np.float32), out)
+                self._refine(x, out)
             return out
         if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
             blas.use(1)
@@ -329,12 +330,12 @@ class QuantWeight:
             out[:, o0:o1] = x @ w.T  # (matmul into a strided out= slice leaves BLAS)
         return out
 
-
     def _refine(self, x: np.ndarray, y: np.ndarray) -> None:
         """Recompute, per row of ``y`` (int8 products), the values within PRECISE_MARGIN of the row's
         maximum as f32 dot products of the dequantized weight rows with the f32 activations (at most
-        PRECISE_MAX of them: where more are that close, the margin shrinks until they fit): the argmax of an LM head is then the one f32 activations
-        give unless the int8 error passes half the margin. A row's result depends on that row only."""
+        PRECISE_MAX of them: where more are that close, the margin shrinks until they fit): the
+        argmax of an LM head is then the one f32 activations give unless the int8 error passes half
+        the margin. A row's result depends on that row only."""
         k8 = compiled_i8()
         for r in range(y.shape[0]):
             cols = near_max(y[r], PRECISE_MARGIN, PRECISE_MAX)

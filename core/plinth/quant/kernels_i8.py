@@ -35,18 +35,6 @@ from .simd import TYPE_CODES, groups_any
 I8_TYPES = tuple(TYPE_CODES)
 
 
-@njit(cache=True, fastmath=False, inline="always")
-def _block_scale(x: np.ndarray, r: int, b: int) -> tuple:
-    """Block b of row r: its int8 scale max|x| / 127 and the reciprocal the values are rounded with."""
-    amax = np.float32(0.0)
-    for j in range(32):
-        a = abs(x[r, b * 32 + j])
-        if a > amax:
-            amax = a
-    d = amax / np.float32(127.0)
-    return d, np.float32(0.0) if d == 0 else np.float32(1.0) / d
-
-
 @njit(cache=True, fastmath=False)
 def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarray, xit: np.ndarray) -> None:
     """x float32 [m, n] (n a multiple of 32) -> xq int8 [m, n], xdt float32 [n/32, m] the scales,
@@ -55,7 +43,13 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
     m, n = x.shape
     for r in range(m):
         for b in range(n // 32):
-            d, inv = _block_scale(x, r, b)
+            amax = np.float32(0.0)
+            for j in range(32):
+                a = abs(x[r, b * 32 + j])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            inv = np.float32(0.0) if d == 0 else np.float32(1.0) / d
             s = 0
             for h in range(2):
                 sh = 0

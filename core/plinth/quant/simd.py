@@ -47,11 +47,9 @@ from ..gguf.constants import GGMLType
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _v32i8 = ir.VectorType(_i8, 32)
-_v16i8 = ir.VectorType(_i8, 16)
 _v16i16 = ir.VectorType(_i16, 16)
 _v8i32 = ir.VectorType(_i32, 8)
 _v8f = ir.VectorType(_f32, 8)
-_v4f = ir.VectorType(_f32, 4)
 
 
 def _features() -> dict:
@@ -245,7 +243,7 @@ def _fifth_bits(builder, qh, j):
 
 
 def _decode(builder, kind, gb, vnni):
-    """The units of the group-block at ``gb`` (an i8*)."""
+    """The one unit of the 32-value group-block at ``gb`` (an i8*; the K-quants: :func:`_decode_k`)."""
     if kind in ("q4_0", "q4_1", "q5_0", "q5_1"):
         d = _halves8(builder, gb, 0)
         has_m = kind in ("q4_1", "q5_1")
@@ -261,13 +259,13 @@ def _decode(builder, kind, gb, vnni):
         if qh is not None:
             w = [builder.or_(w[j], _fifth_bits(builder, qh, j)) for j in range(8)]
         c = {"q4_0": 8, "q5_0": 16}.get(kind, 0)
-        return [_Unit(w, d, _halves8(builder, gb, 16) if has_m else None, parts=((0, 8, None, c),))]
+        return _Unit(w, d, _halves8(builder, gb, 16) if has_m else None, parts=((0, 8, None, c),))
     if kind == "q8_0":
         d = _halves8(builder, gb, 0)
         s = [_chunk(builder, gb, 16 + 32 * k) for k in range(8)]
         if vnni:  # w + 128 as unsigned bytes, 128 times the activations' sum taken off as an integer
-            return [_Unit([builder.xor(v, _splat(_i8, 32, 0x80)) for v in s], d, parts=((0, 8, None, 128),))]
-        return [_Unit([_psign(builder, v, v) for v in s], d, signed=s)]  # AVX2: pmaddubsw would saturate
+            return _Unit([builder.xor(v, _splat(_i8, 32, 0x80)) for v in s], d, parts=((0, 8, None, 128),))
+        return _Unit([_psign(builder, v, v) for v in s], d, signed=s)  # AVX2: pmaddubsw would saturate
     raise ValueError(kind)  # pragma: no cover
 
 
@@ -411,7 +409,7 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
         if per == 1:
-            unit(_decode(builder, kind, gb, vnni)[0], loop.index)
+            unit(_decode(builder, kind, gb, vnni), loop.index)
         else:
             with cgutils.for_range(builder, _const(idx, per // 2)) as sub:
                 for u, j in _decode_k(builder, kind, gb, sub.index):
