@@ -78,6 +78,13 @@ def attention_bias(
     return xp.where(vis, F32(0.0), F32(-xp.inf))
 
 
+def _threads() -> int:
+    """The compiled kernels' thread count now (``--threads`` / PLINTH_THREADS set it)."""
+    import numba
+
+    return numba.get_num_threads()
+
+
 def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale: float,
                      soft_cap: float | None = None) -> Any:
     """:func:`attention` with ``causal=False`` and an additive bias, for the query rows of several
@@ -132,7 +139,7 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
         if not (q.dtype == F32 and q.flags.c_contiguous):
             q = numpy.ascontiguousarray(q, dtype=F32)
         compiled_ops().attention_groups(q, numpy.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv,
-                                        hd_v, float(scale), float(soft_cap or 0.0), out)
+                                        hd_v, float(scale), float(soft_cap or 0.0), out, _threads())
         del keep
         done = {id(grp) for grp in small}
         groups = [grp for grp in groups if id(grp) not in done]

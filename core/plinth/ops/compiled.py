@@ -1,9 +1,10 @@
 """Compiled host kernels for the ops where numpy's per-call overhead dominates a decode step:
 attention for a few query rows, RMSNorm and RoPE (each a handful of numpy calls per layer otherwise).
 
-Attention for a few query rows (decode and verify batches) runs one (row, head) at a time, for
-the rows of one sequence or of several (a server step's decode rows, each sequence with its own
-cache) in one parallel region (:func:`attention_groups`).
+Attention for a few query rows (decode and verify batches), for the rows of one sequence or of
+several (a server step's decode rows, each sequence with its own cache), runs in one parallel
+region (:func:`attention_groups`): the vector kernel of :mod:`plinth.ops.attend_simd` where the head
+sizes suit it, else a plain loop per (row, head).
 
 Every query row runs exactly the same loops whether it comes alone or with others, so a row's
 output does not depend on the batch it is in: a verify batch of k draft tokens produces, row for
@@ -21,13 +22,20 @@ h // (n_head / n_head_kv)); a row that sees no key yields zeros.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
+from ..quant.jitcache import drop_stale
+from .attend_simd import attend_rows, lanes, scratch_floats
+
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
+#: float lanes of the vector attention kernel on this host (a compile-time constant of the cached code)
+_W = lanes()
 
 
 @njit(cache=True, fastmath=_FLAGS, inline="always")
@@ -84,15 +92,19 @@ def _f32_at(typingctx, addr):
 @njit(cache=True, parallel=True, fastmath=_FLAGS)
 def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
                      bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
-                     out: np.ndarray) -> None:
+                     out: np.ndarray, n_threads: int = 1) -> None:
     """Attention of a few query rows for one or more sequences in one parallel region: group g's query rows
     ``q[bounds[g, 0]:bounds[g, 1]]`` attend to its own ``n_kv[g]`` cached keys and values, C-order
     float32 arrays ``[n_kv, n_head_kv, hd]`` / ``[n_kv, n_head_kv, hd_v]`` at the data addresses
     ``k_at[g]`` / ``v_at[g]``, with the bias ``[rows, n_kv]`` at ``bias_at[g]`` (0: none); rows of
-    no group are left alone. Each (row, head) runs :func:`_attend_one` alone, so a row's output does
-    not depend on the other rows of the call. The caller keeps the arrays alive. (Row-heads go over
-    the kernel threads even for one decode row: its exps dominate, and the pool starts in
-    microseconds.)"""
+    no group are left alone; q and out C-order. The caller keeps the arrays alive.
+
+    Where the head sizes suit the vector kernel (:mod:`plinth.ops.attend_simd`: no soft-cap, hd a
+    multiple of W, hd_v of 4W) a task is one row and a run of the query heads that share a kv
+    head, which read each block of keys and values once between them; the runs are split until
+    there are two tasks for each of ``n_threads`` threads (so a lone decode row of a model with
+    one kv head still uses every thread). Otherwise each (row, head) runs :func:`_attend_one`. Either way a row's output does not
+    depend on the other rows of the call, nor on how the heads were split."""
     sc = np.float32(scale)
     cap = np.float32(soft_cap)
     n_head, hd = q.shape[1], q.shape[2]
@@ -107,6 +119,32 @@ def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: 
             group[i] = g
             row[i] = r
             i += 1
+    W = _W
+    if cap == 0 and hd % W == 0 and hd_v % (4 * W) == 0:
+        per_kv = n_head // n_head_kv
+        run = per_kv  # query heads a task
+        while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
+            run = (run + 1) // 2
+        runs = (per_kv + run - 1) // run
+        n_max = 0
+        for g in range(len(n_kv)):
+            n_max = max(n_max, n_kv[g])
+        n_scratch = scratch_floats(n_max, run, hd, hd_v, W)
+        q_at, out_at = q.ctypes.data, out.ctypes.data
+        for t in prange(n_sel * n_head_kv * runs):
+            j = t // (n_head_kv * runs)
+            rest = t - j * n_head_kv * runs
+            hk = rest // runs
+            h0 = hk * per_kv + (rest - hk * runs) * run
+            n_q = min(run, (hk + 1) * per_kv - h0)
+            g = group[j]
+            n = n_kv[g]
+            b_at = bias_at[g] + (row[j] - bounds[g, 0]) * n * 4 if bias_at[g] != 0 else 0
+            scratch = np.empty(n_scratch, np.float32)
+            attend_rows(q_at + (row[j] * n_head + h0) * hd * 4, n_q, hd, k_at[g] + hk * hd * 4,
+                        v_at[g] + hk * hd_v * 4, n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at,
+                        scratch.ctypes.data, out_at + (row[j] * n_head + h0) * hd_v * 4, hd_v)
+        return
     for t in prange(n_sel * n_head):
         j = t // n_head
         g = group[j]
@@ -168,3 +206,6 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox
                 sn = -sin[t, i] if inverse else sin[t, i]
                 out[t, h, ia] = a * c - b * sn
                 out[t, h, ib] = a * sn + b * c
+
+
+drop_stale(attention_groups, [Path(__file__).with_name("attend_simd.py")])

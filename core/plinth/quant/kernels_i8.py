@@ -22,13 +22,12 @@ approximation is the activation rounding, the one llama.cpp makes.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
 from numba import njit, prange
 
+from .jitcache import drop_stale
 from .simd import TYPE_CODES, groups_any
 
 #: the GGML type codes :func:`linear` computes
@@ -114,23 +113,4 @@ def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray,
             out[:, starts[p]:starts[p + 1]] = buf[:, 8 * gstarts[p]:8 * gstarts[p] + starts[p + 1] - starts[p]]
 
 
-def _drop_stale_cache() -> None:
-    """Remove this module's cached kernels when :mod:`plinth.quant.simd` changed since they were
-    compiled: numba keys a cached function on its own file's contents only, and the IR these
-    kernels inline is written in simd.py (an edit there would otherwise run the old code)."""
-    digest = hashlib.sha256(Path(__file__).with_name("simd.py").read_bytes()).hexdigest()
-    try:
-        where = Path(linear._cache._cache_path)
-        stamp = where / "kernels_i8.simd-digest"
-        if stamp.is_file() and stamp.read_text() == digest:
-            return
-        for f in where.glob("kernels_i8.*.nb[ic]"):
-            f.unlink(missing_ok=True)
-        tmp = stamp.with_suffix(f".{os.getpid()}")
-        tmp.write_text(digest)
-        tmp.replace(stamp)
-    except (AttributeError, OSError):  # no cache (read-only tree, numba internals moved): compile as usual
-        pass
-
-
-_drop_stale_cache()
+drop_stale(linear, [Path(__file__).with_name("simd.py")])

@@ -1,0 +1,328 @@
+"""One query row and head of decode / verify attention as LLVM IR on float vectors
+(``numba.extending.intrinsic``), for :func:`plinth.ops.compiled.attention_groups`.
+
+A loop over the keys that takes one dot product at a time spends most of its time in each
+product's horizontal sum (a chain of shuffles and adds per key). Here the keys go W at a time
+(W = 16 floats with AVX-512, else 8): W accumulators, one per key, each a W-lane vector summed
+over the head's W-wide chunks with fused multiply-adds; then one transposing reduction turns the
+W vectors into one vector of W scores (log2 W levels of two shuffles and an add; the same tree
+for every key). Softmax takes a vector exp (below), the value sum four W-wide chunks of the
+output at a time, each a chain over the keys.
+
+Every key's score goes through the same operations wherever it falls (the last, partial block of
+keys is copied into a zero-padded scratch block first, so it takes the same path), the denominator
+is a lane-wise sum plus a fixed tree, and keys whose weight is exactly 0 (masked, -inf) are skipped
+in the value sum: a row's result does not depend on how many keys past its own are in the call,
+nor on the other rows, so a verify row gives the bits its decode step would.
+
+``exp`` (arguments <= 0 here: scores minus their maximum): ``x = n ln2 + r`` with n rounded to
+nearest, |r| <= ln2 / 2, ``2^n`` built in the exponent bits and ``e^r`` a degree-7 Taylor
+polynomial (truncation under 1e-8 relative); below -87.3 the result is 0 (f32 normals end there),
+-inf included.
+
+Conditions (the caller falls back to its plain loop otherwise): head size a multiple of W, value
+head size a multiple of 4W, no soft-cap.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_i32, _i64 = ir.IntType(32), ir.IntType(64)
+_f32 = ir.FloatType()
+_F32P = _f32.as_pointer()
+
+
+def _features() -> dict:
+    try:
+        import llvmlite.binding as llvm
+
+        return dict(llvm.get_host_cpu_features())
+    except Exception:  # pragma: no cover - llvmlite without host feature queries
+        return {}
+
+
+def lanes() -> int:
+    """W: 16 with AVX-512 on the host, else 8."""
+    return 16 if _features().get("avx512f") else 8
+
+
+def _c64(v):
+    return ir.Constant(_i64, v)
+
+
+def _vec(W):
+    return ir.VectorType(_f32, W)
+
+
+def _splat(W, value):
+    return ir.Constant(_vec(W), [value] * W)
+
+
+def _bcast(b, v, W):
+    vec = b.insert_element(ir.Constant(_vec(W), None), v, ir.Constant(_i32, 0))
+    return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, W), [0] * W))
+
+
+def _fn(b, name, ret, args):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def _fma(b, x, y, z):
+    t = x.type
+    return b.call(_fn(b, f"llvm.fma.v{t.count}f32", t, [t, t, t]), [x, y, z])
+
+
+def _vload(b, p, W):
+    v = b.load(b.bitcast(p, _vec(W).as_pointer()))
+    v.align = 4
+    return v
+
+
+def _vstore(b, v, p):
+    s = b.store(v, b.bitcast(p, v.type.as_pointer()))
+    s.align = 4
+
+
+def _mask(idx):
+    return ir.Constant(ir.VectorType(_i32, len(idx)), list(idx))
+
+
+def _transpose_sum(b, vs, W):
+    """W vectors of W partial sums (vs[k]: key k's partials) -> one vector, lane k = key k's total:
+    log2 W levels, each pairing adjacent vectors; at a level of K keys x P partials a vector, two
+    shuffles take the low and the high halves of each key's partials and one add sums them."""
+    cur, K, P = list(vs), 1, W
+    while len(cur) > 1:
+        h = P // 2
+        lo = [s * P + p for s in range(K) for p in range(h)]
+        lo += [W + s * P + p for s in range(K) for p in range(h)]
+        hi = [i + h for i in lo]
+        cur = [b.fadd(b.shuffle_vector(cur[i], cur[i + 1], _mask(lo)), b.shuffle_vector(cur[i], cur[i + 1], _mask(hi)))
+               for i in range(0, len(cur), 2)]
+        K, P = 2 * K, h
+    return cur[0]
+
+
+def _hreduce(b, v, W, op):
+    """A fixed tree over the W lanes of v with ``op`` (halves combined lane-wise): lane 0 of the result."""
+    n = W
+    while n > 1:
+        n //= 2
+        v = op(v, b.shuffle_vector(v, v, _mask([i + n if i < n else i for i in range(W)])))
+    return b.extract_element(v, ir.Constant(_i32, 0))
+
+
+def _exp(b, x, W):
+    """e^x lane-wise for x <= 0 (see the module docstring)."""
+    vt = _vec(W)
+    it = ir.VectorType(_i32, W)
+    small = b.fcmp_ordered("<", x, _splat(W, -87.3))
+    xc = b.select(small, _splat(W, -87.3), x)
+    t = b.fmul(xc, _splat(W, 1.0 / math.log(2.0)))
+    n = b.call(_fn(b, f"llvm.nearbyint.v{W}f32", vt, [vt]), [t])
+    r = _fma(b, n, _splat(W, -0.693145751953125), xc)  # ln2 split: hi (exact times n) and lo
+    r = _fma(b, n, _splat(W, -1.428606765330187e-06), r)
+    p = _splat(W, 1.0 / 5040.0)
+    for c in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = _fma(b, p, r, _splat(W, c))
+    e = b.shl(b.add(b.fptosi(n, it), ir.Constant(it, [127] * W)), ir.Constant(it, [23] * W))
+    y = b.fmul(p, b.bitcast(e, vt))
+    return b.select(small, _splat(W, 0.0), y)
+
+
+_ARGS = [_F32P, _i64, _i64, _F32P, _F32P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64]
+
+
+@njit(cache=True)
+def scratch_floats(n_kv: int, n_q: int, hd: int, hd_v: int, W: int) -> int:
+    """Floats of scratch :func:`attend_rows` needs (a numba function: the kernels' callers size it)."""
+    return n_q * (-(-n_kv // W) * W + hd_v + W) + W * hd
+
+
+def _rows_fn(module, W):
+    """``plinth_attend_W(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch,
+    out, out_stride)``: n_q query vectors (query i at q + i * q_stride, its output at out + i *
+    out_stride) against the same keys and values (strides in floats between consecutive keys /
+    values), with the same bias (n_kv floats, or null); ``scratch`` :func:`scratch_floats` floats.
+    Each key block is read once for all the queries (they take it from the L1 cache in turn), and
+    each query's arithmetic is the same whatever n_q is."""
+    name = f"plinth_attend_{W}"
+    fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), _ARGS), name)
+    if not fn.is_declaration:
+        return fn
+    fn.linkage = "internal"
+    fn.attributes.add("noinline")
+    fn.attributes.add("nounwind")
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    qp, n_q, qs, kp, vp, n_kv, ks, vs, hd, hd_v, scale, bp, sp, op, os_ = fn.args
+    Wc = _c64(W)
+    vt = _vec(W)
+    ninf = _splat(W, -math.inf)
+    zero = _splat(W, 0.0)
+    n_full = b.udiv(n_kv, Wc)
+    rest = b.sub(n_kv, b.mul(n_full, Wc))
+    nb = b.udiv(b.add(n_kv, _c64(W - 1)), Wc)
+    srow = b.mul(nb, Wc)  # scratch: per query its scores (srow floats), then its output sums (hd_v), then
+    o_at = b.gep(sp, [b.mul(n_q, srow)])  # its 1 / denominator (W floats, lane 0); then the padded key block
+    inv_at = b.gep(o_at, [b.mul(n_q, hd_v)])
+    pad = b.gep(inv_at, [b.mul(n_q, Wc)])
+    accs = [cgutils.alloca_once_value(b, zero) for _ in range(W)]
+    sv = cgutils.alloca_once(b, vt)
+    btail = cgutils.alloca_once(b, vt)  # the last keys' bias, zero-padded
+    has_bias = b.icmp_unsigned("!=", b.ptrtoint(bp, _i64), _c64(0))
+    lane_idx = ir.Constant(ir.VectorType(_i64, W), list(range(W)))
+
+    def scores(blk, base, stride, bias_at):
+        """Every query's scores of keys blk*W .. blk*W + W - 1 read from ``base`` (key i at base + i *
+        stride), their bias (where there is one) at ``bias_at``."""
+        j0 = b.mul(blk, Wc)
+        valid = b.icmp_signed("<", b.add(_bcast_i64(b, j0, W), lane_idx), _bcast_i64(b, n_kv, W))
+        with cgutils.for_range(b, n_q) as qi:
+            qrow = b.gep(qp, [b.mul(qi.index, qs)])
+            for a in accs:
+                b.store(zero, a)
+            with cgutils.for_range(b, b.udiv(hd, Wc)) as c:
+                off = b.mul(c.index, Wc)
+                qc = _vload(b, b.gep(qrow, [off]), W)
+                for i, a in enumerate(accs):
+                    kc = _vload(b, b.gep(base, [b.add(b.mul(_c64(i), stride), off)]), W)
+                    b.store(_fma(b, qc, kc, b.load(a)), a)
+            b.store(b.fmul(_transpose_sum(b, [b.load(a) for a in accs], W), _bcast(b, scale, W)), sv)
+            with b.if_then(has_bias):
+                b.store(b.fadd(b.load(sv), _vload(b, bias_at, W)), sv)
+            _vstore(b, b.select(valid, b.load(sv), ninf), b.gep(sp, [b.add(b.mul(qi.index, srow), j0)]))
+
+    with cgutils.for_range(b, n_full) as blk:
+        j0 = b.mul(blk.index, Wc)
+        scores(blk.index, b.gep(kp, [b.mul(j0, ks)]), ks, b.gep(bp, [j0]))
+    with b.if_then(b.icmp_unsigned("!=", rest, _c64(0))):  # the last keys, copied into a zero-padded block
+        j0 = b.mul(n_full, Wc)
+        b.store(zero, btail)
+        tail = b.bitcast(btail, _F32P)
+        with cgutils.for_range(b, Wc) as i:
+            dst = b.gep(pad, [b.mul(i.index, hd)])
+            live = b.icmp_unsigned("<", i.index, rest)
+            with b.if_then(b.and_(live, has_bias)):
+                b.store(b.load(b.gep(bp, [b.add(j0, i.index)])), b.gep(tail, [i.index]))
+            with cgutils.for_range(b, b.udiv(hd, Wc)) as c:
+                off = b.mul(c.index, Wc)
+                with b.if_else(live) as (then, otherwise):
+                    with then:
+                        _vstore(b, _vload(b, b.gep(kp, [b.add(b.mul(b.add(j0, i.index), ks), off)]), W),
+                                b.gep(dst, [off]))
+                    with otherwise:
+                        _vstore(b, zero, b.gep(dst, [off]))
+        scores(n_full, pad, hd, tail)
+
+    def vmax(x, y):
+        return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+    mxv = cgutils.alloca_once(b, vt)
+    den = cgutils.alloca_once(b, vt)
+    with cgutils.for_range(b, n_q) as qi:  # softmax weights, in place of the scores
+        srow_at = b.gep(sp, [b.mul(qi.index, srow)])
+        b.store(ninf, mxv)
+        with cgutils.for_range(b, nb) as blk:
+            b.store(vmax(_vload(b, b.gep(srow_at, [b.mul(blk.index, Wc)]), W), b.load(mxv)), mxv)
+        mx = _hreduce(b, b.load(mxv), W, vmax)
+        seen = b.fcmp_ordered("!=", mx, ir.Constant(_f32, -math.inf))  # else: sees no key, output 0
+        mxb = _bcast(b, b.select(seen, mx, ir.Constant(_f32, 0.0)), W)
+        b.store(zero, den)
+        with cgutils.for_range(b, nb) as blk:
+            p_at = b.gep(srow_at, [b.mul(blk.index, Wc)])
+            p = _exp(b, b.fsub(_vload(b, p_at, W), mxb), W)
+            _vstore(b, p, p_at)
+            b.store(b.fadd(b.load(den), p), den)
+        total = _hreduce(b, b.load(den), W, b.fadd)
+        inv = b.select(seen, b.fdiv(ir.Constant(_f32, 1.0), total), ir.Constant(_f32, 0.0))
+        b.store(inv, b.gep(inv_at, [b.mul(qi.index, Wc)]))
+        with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
+            _vstore(b, zero, b.gep(o_at, [b.add(b.mul(qi.index, hd_v), b.mul(c.index, Wc))]))
+    outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
+
+    def value_sums(j0, j1, qis, off):
+        """Keys j0 .. j1 - 1 into the output sums of the queries ``qis`` (one or two: a pair shares the
+        value loads; each query's sums are the same chain over the keys either way), value lanes off ..
+        off + 4W."""
+        prows = [b.gep(sp, [b.mul(qi, srow)]) for qi in qis]
+        orows = [b.gep(o_at, [b.mul(qi, hd_v)]) for qi in qis]
+        for o4, orow in zip(outs, orows):
+            for i, o in enumerate(o4):
+                b.store(_vload(b, b.gep(orow, [b.add(off, _c64(i * W))]), W), o)
+        with cgutils.for_range(b, b.sub(j1, j0)) as jj:
+            j = b.add(j0, jj.index)
+            ps = [b.load(b.gep(prow, [j])) for prow in prows]
+            nz = [b.fcmp_unordered("!=", pj, ir.Constant(_f32, 0.0)) for pj in ps]
+            with b.if_then(nz[0] if len(nz) == 1 else b.or_(nz[0], nz[1])):
+                row = b.gep(vp, [b.add(b.mul(j, vs), off)])
+                vals = [_vload(b, b.gep(row, [_c64(i * W)]), W) for i in range(4)]
+                for pj, o4 in zip(ps, outs):  # (a weight of 0 beside a non-zero one: fma(0, v, o) is o)
+                    pv = _bcast(b, pj, W)
+                    for o, val in zip(o4, vals):
+                        b.store(_fma(b, pv, val, b.load(o)), o)
+        for o4, orow in zip(outs, orows):
+            for i, o in enumerate(o4):
+                _vstore(b, b.load(o), b.gep(orow, [b.add(off, _c64(i * W))]))
+
+    with cgutils.for_range(b, nb) as blk:  # value sums, a block of W keys at a time for all the queries
+        j0 = b.mul(blk.index, Wc)
+        j1 = b.select(b.icmp_unsigned("<", blk.index, n_full), b.add(j0, Wc), n_kv)
+        with cgutils.for_range(b, b.udiv(hd_v, _c64(4 * W))) as c:
+            off = b.mul(c.index, _c64(4 * W))
+            with cgutils.for_range(b, b.udiv(n_q, _c64(2))) as qp2:
+                q0 = b.mul(qp2.index, _c64(2))
+                value_sums(j0, j1, [q0, b.add(q0, _c64(1))], off)
+            with b.if_then(b.icmp_unsigned("!=", b.urem(n_q, _c64(2)), _c64(0))):
+                value_sums(j0, j1, [b.sub(n_q, _c64(1))], off)
+    with cgutils.for_range(b, n_q) as qi:
+        invb = _bcast(b, b.load(b.gep(inv_at, [b.mul(qi.index, Wc)])), W)
+        orow = b.gep(o_at, [b.mul(qi.index, hd_v)])
+        out_row = b.gep(op, [b.mul(qi.index, os_)])
+        with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
+            off = b.mul(c.index, Wc)
+            _vstore(b, b.fmul(_vload(b, b.gep(orow, [off]), W), invb), b.gep(out_row, [off]))
+    b.ret_void()
+    return fn
+
+
+def _bcast_i64(b, v, W):
+    vec = b.insert_element(ir.Constant(ir.VectorType(_i64, W), None), v, ir.Constant(_i32, 0))
+    return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, W), [0] * W))
+
+
+def _bcast_i1(b, v, W):
+    vec = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), W), None), v, ir.Constant(_i32, 0))
+    return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, W), [0] * W))
+
+
+def make_attend(W: int):
+    """The intrinsic for W float lanes (``attend_rows`` is the host's; tests build the other)."""
+
+    def attend(typingctx, q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
+               out_stride):
+        i64 = types.int64
+        sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, types.float32, i64, i64, i64, i64)
+
+        def codegen(context, builder, signature, args):
+            vals = [context.cast(builder, a, t, st) for a, t, st in zip(args, signature.args, sig.args)]
+            for i in (0, 3, 4, 11, 12, 13):
+                vals[i] = builder.inttoptr(vals[i], _F32P)
+            builder.call(_rows_fn(builder.module, W), vals)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    attend.__name__ = f"attend_rows_{W}"
+    return intrinsic(attend)
+
+
+#: ``attend_rows(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
+#: out_stride)`` from numba (:func:`_rows_fn` with the host's lanes): every pointer an int64 data
+#: address of float32 memory (``bias`` 0 for none), scale a float32, the rest int64
+attend_rows = make_attend(lanes())
