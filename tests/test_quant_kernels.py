@@ -346,3 +346,53 @@ def test_prepare_repacks_before_the_first_request() -> None:
     assert repacked, "no weight was repacked by prepare()"
     head = max(weights, key=lambda w: w.shape[0])
     assert head._i8 and head.precise  # the tied LM head: repacked and marked precise
+
+
+def _near_max_numpy(y: np.ndarray, margin: float, cap: int) -> np.ndarray:
+    """The selection rule in numpy: columns within margin of the maximum, the margin halved in float32
+    (at most 24 times) while more than cap are that close, then the first cap of them."""
+    mx = y.max()
+    lo = mx - np.float32(margin)
+    for _ in range(24):
+        if np.count_nonzero(y >= lo) <= cap:
+            break
+        lo = mx - (mx - lo) * np.float32(0.5)
+    return np.flatnonzero(y >= lo)[:cap]
+
+
+@needs_int8
+def test_near_max_rows_is_the_numpy_rule() -> None:
+    """The compiled selection of the precise head: the numpy rule's columns, with the margin halved,
+    ties beyond the cap, a row of equal values (halving cannot separate them), and columns past a
+    multiple of 64."""
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(5)
+    y = (rng.standard_normal((6, 1000)) * 3).astype(np.float32)
+    y[1, 500:540] = y[1].max() + 0.01  # 40 near-equal maxima
+    y[2] = 1.0  # all equal
+    y[3, 999] = 50.0  # the maximum in the last, partial chunk
+    y[4] = np.linspace(0, 1, 1000, dtype=np.float32)  # a dense ramp: the margin halves several times
+    for cap in (256, 16, 3):
+        cols = np.zeros((6, cap), np.int64)
+        counts = np.empty(6, np.int64)
+        k8.near_max_rows(y, y.max(axis=1), 1.5, cap, cols, counts)
+        for r in range(6):
+            assert np.array_equal(cols[r, :counts[r]], _near_max_numpy(y[r], 1.5, cap)), (cap, r)
+
+
+@needs_int8
+def test_dot_rows_fixed_order() -> None:
+    """The refinement's f32 dot: float32 accuracy against float64, and the same bits for a row alone,
+    in a batch, or at any length modulo 16."""
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(6)
+    for n in (576, 640, 37, 16, 5):
+        w = rng.standard_normal((9, n)).astype(np.float32)
+        x = rng.standard_normal(n).astype(np.float32)
+        out = np.empty(9, np.float32)
+        k8.dot_rows(w, x, out)
+        ref = w.astype(np.float64) @ x.astype(np.float64)
+        assert np.abs(out - ref).max() <= 1e-5 * np.abs(w).sum(1).max() * np.abs(x).max()
+        one = np.empty(1, np.float32)
+        k8.dot_rows(w[4:5].copy(), x, one)
+        assert one[0] == out[4]

@@ -335,28 +335,16 @@ class QuantWeight:
         maximum as f32 dot products of the dequantized weight rows with the f32 activations (at most
         PRECISE_MAX of them: where more are that close, the margin shrinks until they fit): the
         argmax of an LM head is then the one f32 activations give unless the int8 error passes half
-        the margin. A row's result depends on that row only."""
+        the margin. A row's result depends on that row only. Compiled: the selection
+        (:func:`plinth.quant.kernels_i8.near_max_rows`) and the dot products (``refine_rows``)."""
         k8 = compiled_i8()
-        for r in range(y.shape[0]):
-            cols = near_max(y[r], PRECISE_MARGIN, PRECISE_MAX)
-            vals = np.empty(len(cols), dtype=np.float32)
-            k8.dot_rows(self.take(cols), x[r], vals)
-            y[r, cols] = vals
-
-
-def near_max(y: np.ndarray, margin: float, cap: int) -> np.ndarray:
-    """The columns of the row ``y`` (finite values) within ``margin`` of its maximum, in order; where
-    more than ``cap`` are that close, the margin is halved until they fit (ties at the maximum
-    beyond ``cap``: the first ones)."""
-    mx = y.max()
-    lo = mx - np.float32(margin)
-    near = y >= lo
-    for _ in range(24):
-        if np.count_nonzero(near) <= cap:
-            break
-        lo = mx - (mx - lo) * np.float32(0.5)
-        near = y >= lo
-    return np.flatnonzero(near)[:cap]
+        m = y.shape[0]
+        cols = np.zeros((m, PRECISE_MAX), dtype=np.int64)
+        counts = np.empty(m, dtype=np.int64)
+        k8.near_max_rows(y, y.max(axis=1), PRECISE_MARGIN, PRECISE_MAX, cols, counts)
+        # the rows' columns dequantized once for the whole batch (verify rows share most of theirs)
+        union = np.unique(np.concatenate([cols[r, :counts[r]] for r in range(m)]))
+        k8.refine_rows(self.take(union), np.searchsorted(union, cols), cols, counts, x, y)
 
 
 #: a precise weight's values within this much of their row's maximum are recomputed from f32 activations

@@ -62,14 +62,83 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
             xsdt[b, r] = d * np.float32(s)
 
 
+@njit(cache=True)
+def _count_at_least(y: np.ndarray, r: int, lo: np.float32) -> int:
+    """How many of y[r] are >= lo (a loop LLVM vectorises)."""
+    c = 0
+    for j in range(y.shape[1]):
+        c += np.int64(y[r, j] >= lo)
+    return c
+
+
+@njit(cache=True, fastmath=False)
+def near_max_rows(y: np.ndarray, mx: np.ndarray, margin: float, cap: int, cols: np.ndarray,
+                  counts: np.ndarray) -> None:
+    """Per row r of y (finite float32 [m, n]; ``mx[r]`` its maximum): the columns within ``margin`` of
+    the maximum, in order, into ``cols[r, :counts[r]]`` (int64 [m, cap]); where more than ``cap`` are
+    that close the margin is halved (in float32, at most 24 times) until they fit, and the first
+    ``cap`` of those left are kept (ties at the maximum beyond ``cap``). One pass that counts, and one
+    that collects, 64 values at a time (a chunk without a close value is only compared)."""
+    m, n = y.shape
+    for r in range(m):
+        lo = mx[r] - np.float32(margin)
+        for _ in range(24):
+            if _count_at_least(y, r, lo) <= cap:
+                break
+            lo = mx[r] - (mx[r] - lo) * np.float32(0.5)
+        k = 0
+        row = y[r]
+        n64 = n - n % 64
+        for c0 in range(0, n64, 64):
+            hit = np.int32(0)
+            for j in range(64):  # (a constant trip count: LLVM vectorises it)
+                hit |= np.int32(row[c0 + j] >= lo)
+            if hit:
+                for j in range(c0, c0 + 64):
+                    if row[j] >= lo and k < cap:
+                        cols[r, k] = j
+                        k += 1
+        for j in range(n64, n):
+            if row[j] >= lo and k < cap:
+                cols[r, k] = j
+                k += 1
+        counts[r] = k
+
+
+@njit(cache=True, fastmath=False)
+def _dot16(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """w . x in float32 in one fixed order: 16 running sums (value j into sum j % 16), then a fixed tree."""
+    acc = np.zeros(16, np.float32)
+    n = x.shape[0]
+    n16 = n - n % 16
+    for j in range(0, n16, 16):
+        for lane in range(16):
+            acc[lane] += w[j + lane] * x[j + lane]
+    for j in range(n16, n):
+        acc[j - n16] += w[j] * x[j]
+    width = 8
+    while width:
+        for lane in range(width):
+            acc[lane] += acc[lane + width]
+        width //= 2
+    return acc[0]
+
+
 @njit(cache=True, fastmath=False)
 def dot_rows(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     """out[i] = w[i] . x in float32, one fixed order (the same bits for the same inputs)."""
     for i in range(w.shape[0]):
-        a = np.float32(0.0)
-        for j in range(x.shape[0]):
-            a += w[i, j] * x[j]
-        out[i] = a
+        out[i] = _dot16(w[i], x)
+
+
+@njit(cache=True, fastmath=False)
+def refine_rows(w: np.ndarray, at: np.ndarray, cols: np.ndarray, counts: np.ndarray, x: np.ndarray,
+                y: np.ndarray) -> None:
+    """y[r, cols[r, i]] = w[at[r, i]] . x[r] for i < counts[r] (w float32 dequantized weight rows,
+    x float32 activations; :func:`dot_rows`' order)."""
+    for r in range(y.shape[0]):
+        for i in range(counts[r]):
+            y[r, cols[r, i]] = _dot16(w[at[r, i]], x[r])
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
