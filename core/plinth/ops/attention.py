@@ -79,10 +79,10 @@ def attention_bias(
 
 
 def _threads() -> int:
-    """The compiled kernels' thread count now (``--threads`` / PLINTH_THREADS set it)."""
-    import numba
+    """The kernel threads (``--threads`` / PLINTH_THREADS; only the split of the work depends on it)."""
+    from .. import quant
 
-    return numba.get_num_threads()
+    return quant.threads()
 
 
 def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale: float,
@@ -131,7 +131,9 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
                 at = (k.ctypes.data, v.ctypes.data)
             b_at = 0
             if bias is not None:
-                b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
+                b = bias
+                if not (b.shape == (e - s, k.shape[0]) and b.dtype == F32 and b.flags.c_contiguous):
+                    b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
                 keep.append(b)
                 b_at = b.ctypes.data
             table.append((s, e, k.shape[0], at[0], at[1], b_at))
