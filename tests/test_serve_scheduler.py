@@ -234,3 +234,49 @@ def test_log_probs_are_those_of_the_logits(tiny):
         assert info.logprob == pytest.approx(lp[info.token], abs=1e-4)
         assert [i for i, _ in info.top] == list(np.argsort(-lp)[:2])
         history.append(info.token)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "recurrent"])
+def test_prompt_cache_reuses_whole_prompts_exactly(model_name, request, started):
+    """A request whose prompt tokens equal a kept prompt's copies its rows (recurrent states included)
+    and samples its first token from the kept logits: the tokens a solo run gives, greedy and seeded,
+    with fewer forwards; the least recently used prompt leaves at the entry bound; the kept rows are
+    not counted as the requests' (cache_tokens returns to 0)."""
+    model = request.getfixturevalue(model_name)
+    sched = started(model, max_batch=3, prompt_cache=2)
+    first = [(ids(p), 12, GREEDY) for p in PROMPTS[:3]]
+    assert run(sched, first) == [Generator(model).generate(p, n) for p, n, _ in first]
+    assert (sched.metrics.prompt_cache_hits, sched.metrics.prompt_cache_misses) == (0, 3)
+    assert sched.prompt_cache_usage() == (2, sum(len(p) for p, _, _ in first[1:]))  # the first one left
+    rows = []
+    forward = sched.ctx.forward
+    sched.ctx.forward = lambda batch, **kw: (rows.append(batch.n_rows), forward(batch, **kw))[1]
+    seeded = SamplerConfig(temperature=0.9, top_k=30, seed=5)
+    again = [(ids(PROMPTS[1]), 12, GREEDY), (ids(PROMPTS[2]), 15, seeded), (ids(PROMPTS[0]), 12, GREEDY)]
+    got = run(sched, again)
+    assert got == [Generator(model, Sampler(s)).generate(p, n) for p, n, s in again]
+    assert (sched.metrics.prompt_cache_hits, sched.metrics.prompt_cache_misses) == (2, 4)
+    # rows run: the one prompt not kept, and one row for every token after each request's first
+    assert sum(rows) == len(PROMPTS[0]) + sum(n - 1 for _, n, _ in again)
+    assert sched.cache_tokens() == 0 and sched.cache_seqs() == 0
+    assert sched.prompt_cache_usage()[0] == 2
+
+
+def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
+    """The token bound evicts the oldest prompts; speculative requests neither use nor fill the cache
+    (their drafters read the prompt's features); 0 turns it off."""
+    sched = started(tiny, max_batch=2, prompt_cache=8, prompt_cache_tokens=15)
+    a, b = ids(b"Hello there"), ids(b"plinth serves")  # 11 and 13 tokens: one at a time fits
+    run(sched, [(a, 4, GREEDY)])
+    run(sched, [(b, 4, GREEDY)])
+    assert sched.prompt_cache_usage() == (1, len(b))
+    assert run(sched, [(b, 6, GREEDY)]) == [Generator(tiny).generate(b, 6)]
+    assert sched.metrics.prompt_cache_hits == 1
+    spec = started(tiny, max_batch=2, drafters=[NgramDrafter()], spec=SpecConfig(n_max=3))
+    run(spec, [(a, 6, GREEDY)])
+    run(spec, [(a, 6, GREEDY)])
+    assert spec.prompt_cache_usage() == (0, 0) and spec.metrics.prompt_cache_hits == 0
+    off = started(tiny, max_batch=2, prompt_cache=0)
+    run(off, [(a, 4, GREEDY)])
+    run(off, [(a, 4, GREEDY)])
+    assert off.prompt_cache_usage() == (0, 0) and off.metrics.prompt_cache_misses == 0

@@ -43,6 +43,12 @@ def register(sub: Any) -> None:
                    help="requests waiting for a place at most; more get 429 (default 64)")
     p.add_argument("--prefill-chunk", type=_int_in(1), default=256,
                    help="prompt tokens run per step over all new requests (default 256)")
+    p.add_argument("--prompt-cache", type=_int_in(0), default=32, metavar="N",
+                   help="whole prompts kept for reuse, least recently used first out: a request whose prompt "
+                        "tokens equal a kept one's skips its prefill (default 32; 0: off; speculative requests "
+                        "always prefill)")
+    p.add_argument("--prompt-cache-tokens", type=_int_in(0), default=16384, metavar="N",
+                   help="prompt tokens the prompt cache keeps over all its prompts (default 16384)")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
@@ -120,7 +126,8 @@ def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
         drafters = [args.registry.make_drafter(n, model, options) for n in names]
     spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
     sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
-                      prefill_chunk=args.prefill_chunk, registry=args.registry)
+                      prefill_chunk=args.prefill_chunk, registry=args.registry, prompt_cache=args.prompt_cache,
+                      prompt_cache_tokens=args.prompt_cache_tokens)
     stem = Path(str(model.path)).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem
     aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)

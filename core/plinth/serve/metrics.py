@@ -37,6 +37,14 @@ def render_metrics(server: Any) -> str:
     metric("plinth_queue_bound", "gauge", "Requests that may wait before 429", [("", sched.max_queue)])
     metric("plinth_active_requests", "gauge", "Requests in the running batch", [("", sched.n_active)])
     metric("plinth_kv_cache_tokens", "gauge", "Rows held in the KV cache, all sequences", [("", sched.cache_tokens())])
+    n_prompts, n_prompt_tokens = sched.prompt_cache_usage()
+    metric("plinth_prompt_cache_hits_total", "counter", "Requests whose whole prompt was reused (no prefill)",
+           [("", m.prompt_cache_hits)])
+    metric("plinth_prompt_cache_misses_total", "counter", "Requests looked up in the prompt cache and prefilled",
+           [("", m.prompt_cache_misses)])
+    metric("plinth_prompt_cache_prompts", "gauge", "Prompts kept by the prompt cache", [("", n_prompts)])
+    metric("plinth_prompt_cache_tokens", "gauge", "Prompt tokens kept by the prompt cache (cache rows beside "
+           "plinth_kv_cache_tokens)", [("", n_prompt_tokens)])
     metric("plinth_steps_total", "counter", "Batched forward steps", [("", m.steps)])
     metric("plinth_forward_seconds_total", "counter", "Time spent in batched forwards", [("", m.forward_s)])
     metric("plinth_decode_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s",

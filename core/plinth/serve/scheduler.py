@@ -14,6 +14,16 @@ end-of-generation token, its token budget, the context limit, a stop string or a
 cancel (client gone), and its cache rows are freed at once. New requests wait in a bounded
 queue and join the running batch at the next step.
 
+A prompt seen recently is not prefilled again (the prompt cache, ``prompt_cache`` entries): when a
+request's prefill ends, its cache rows (every cache kind of every layer, recurrent states
+included) are copied to a parked sequence with the logits of its last prompt token, and a later
+request with the same prompt tokens copies them back and samples its first token from those
+logits, with no forward. Only whole prompts are reused: the rest of a prompt prefilled after a
+shared part would not go through the arithmetic a lone run gives it (another batch shape, and the
+int8 kernels turn last-bit differences into other tokens at near-ties), so a hit gives exactly
+the tokens a fresh prefill gives. Speculative requests always prefill (their drafters read the
+prompt's features).
+
 Greedy output equals a solo :class:`plinth.generate.Generator` run: a request's rows see
 only its own cache (the sequence id keeps them apart), and verification keeps exactly the
 tokens greedy decoding would have produced.
@@ -85,6 +95,7 @@ class Request:
     # running state
     seq: int = -1
     n_prefilled: int = 0
+    prompt_looked_up: bool = False  # in the prompt cache (once, at its first step)
     history: list[int] = attrs.field(factory=list)
     pending: list[tuple[int, Any]] = attrs.field(factory=list)  # decided tokens with their logits rows
     n_generated: int = 0
@@ -118,6 +129,8 @@ class Metrics:
     itl: list[float] = attrs.field(factory=list)  # recent inter-token latencies (bounded)
     ttft_sum: float = 0.0
     ttft_count: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
     spec: dict[str, list[int]] = attrs.field(factory=dict)  # drafter -> [drafts, drafted, accepted]
     recent: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))  # (time, n_out)
 
@@ -154,10 +167,14 @@ class Scheduler:
     max_queue: requests waiting for a place at most, beyond those the batch can take now; one
         more raises :class:`QueueFull`.
     prefill_chunk: prompt tokens run per step over all prefilling requests.
+    prompt_cache: whole prompts kept for reuse at most (0: none); their cache rows stay in the
+        context under sequence ids past ``max_batch``, the least recently used one goes first.
+    prompt_cache_tokens: prompt tokens kept over all of them at most.
     """
 
     def __init__(self, model: Any, *, drafters: Sequence[Any] = (), spec: SpecConfig | None = None,
-                 max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 256, registry: Any = None) -> None:
+                 max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 256, registry: Any = None,
+                 prompt_cache: int = 32, prompt_cache_tokens: int = 16384) -> None:
         self.model = model
         self.tokenizer = model.tokenizer
         self.drafters = list(drafters)
@@ -178,6 +195,12 @@ class Scheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._cache_usage = (0, 0)
+        self.prompt_cache = max(0, int(prompt_cache))
+        self.prompt_cache_tokens = max(0, int(prompt_cache_tokens))
+        # prompt tokens -> (parked sequence id, logits of the last prompt token), least recent first
+        self._prompts: collections.OrderedDict[tuple[int, ...], tuple[int, Any]] = collections.OrderedDict()
+        self._parked_free = list(range(self.max_batch, self.max_batch + self.prompt_cache))
+        self._parked_tokens = 0
 
     # ------------------------------------------------------------------ public
 
@@ -226,11 +249,57 @@ class Scheduler:
         """Sequences holding cache rows, as of the last step or finish."""
         return self._cache_usage[1]
 
+    def prompt_cache_usage(self) -> tuple[int, int]:
+        """(prompts, tokens) held by the prompt cache."""
+        return len(self._prompts), self._parked_tokens
+
     def _note_cache(self) -> None:
-        """Record the cache's size for other threads (only the scheduler thread reads the cache itself)."""
+        """Record the cache's size for other threads (only the scheduler thread reads the cache itself):
+        the requests' sequences, not the prompt cache's parked ones."""
         cache = self.ctx.cache
-        seqs = cache.seqs()
+        seqs = [s for s in cache.seqs() if s < self.max_batch]
         self._cache_usage = (int(sum(cache.n_cached(s) for s in seqs)), len(seqs))
+
+    # ------------------------------------------------------------------ prompt cache
+
+    def _reuse_prompt(self, req: Request) -> bool:
+        """A request whose whole prompt is cached: its rows copied in and its first token sampled from the
+        kept logits (no forward). False: not cached (or not eligible)."""
+        if not self.prompt_cache or req.speculative or req.n_prefilled or req.prompt_looked_up:
+            return False
+        req.prompt_looked_up = True
+        key = tuple(req.prompt_ids)
+        hit = self._prompts.get(key)
+        if hit is None:
+            self.metrics.prompt_cache_misses += 1
+            return False
+        self._prompts.move_to_end(key)
+        parked, lg = hit
+        self.ctx.cache.seq_cp(parked, req.seq)
+        self.metrics.prompt_cache_hits += 1
+        req.n_prefilled = len(req.prompt_ids)
+        req.pending = [(req.sampler.sample(lg, req.history).token, lg)]
+        self._emit_pending(req)
+        return True
+
+    def _keep_prompt(self, req: Request, lg: Any) -> None:
+        """Park a copy of ``req``'s rows (its prefill just ended) and its last logits for later requests."""
+        n = len(req.prompt_ids)
+        if not self.prompt_cache or req.speculative or n > self.prompt_cache_tokens:
+            return
+        key = tuple(req.prompt_ids)
+        if key in self._prompts:
+            self._prompts.move_to_end(key)
+            return
+        while self._prompts and (not self._parked_free or self._parked_tokens + n > self.prompt_cache_tokens):
+            old, (seq, _) = self._prompts.popitem(last=False)
+            self.ctx.cache.clear(seq)
+            self._parked_free.append(seq)
+            self._parked_tokens -= len(old)
+        seq = self._parked_free.pop()
+        self.ctx.cache.seq_cp(req.seq, seq)
+        self._prompts[key] = (seq, np.array(lg, dtype=np.float32, copy=True))
+        self._parked_tokens += n
 
     # ------------------------------------------------------------------ loop
 
@@ -290,7 +359,9 @@ class Scheduler:
         plan: list[tuple[Request, str, int, Any]] = []  # (request, kind, first row, detail)
         row = 0
         budget = self.prefill_chunk
-        for req in self._active:
+        for req in list(self._active):
+            if req.prefilling and self._reuse_prompt(req) and req.done:  # (a hit decodes in this step)
+                continue
             if req.prefilling:
                 left = len(req.prompt_ids) - req.n_prefilled
                 # a prompt that fits the budget waits for a step with room for all of it rather than
@@ -346,6 +417,7 @@ class Scheduler:
                 req.n_prefilled += n
                 if not req.prefilling:
                     lg = logits[where[first + n - 1]]
+                    self._keep_prompt(req, lg)
                     token = req.sampler.sample(lg, req.history).token
                     req.pending = [(token, lg)]
                     self._emit_pending(req)
