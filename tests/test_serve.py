@@ -401,7 +401,8 @@ def test_chat_page(server):
 @pytest.mark.real
 @pytest.mark.slow
 def test_real_model_greedy_chat_eight_clients_equal_generate(request, tmp_path, capsys):
-    """SmolLM2 through the server, 8 concurrent chat clients, equals `plinth generate --chat --temperature 0`."""
+    """SmolLM2 through the server, 8 concurrent chat clients, equals `plinth generate --chat --temperature 0`;
+    and again with every prompt reused from the prompt cache."""
     if "real" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("opt-in: run with -m real (SmolLM2 decoding 8 answers twice takes minutes on 2 cores)")
     from plinth import hub
@@ -425,3 +426,8 @@ def test_real_model_greedy_chat_eight_clients_equal_generate(request, tmp_path, 
         with cf.ThreadPoolExecutor(len(questions)) as pool:
             got = dict(zip(questions, pool.map(ask, questions, timeout=600)))
         assert got == want
+        with cf.ThreadPoolExecutor(len(questions)) as pool:  # again: every prompt from the prompt cache
+            again = dict(zip(questions, pool.map(ask, questions, timeout=600)))
+        assert again == want
+        metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert "plinth_prompt_cache_hits_total 8" in metrics, metrics
