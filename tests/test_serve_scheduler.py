@@ -280,3 +280,14 @@ def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
     run(off, [(a, 4, GREEDY)])
     run(off, [(a, 4, GREEDY)])
     assert off.prompt_cache_usage() == (0, 0) and off.metrics.prompt_cache_misses == 0
+
+
+def test_prepare_runs_on_the_scheduler_thread(tiny, started, monkeypatch):
+    """The warm-up forward runs on the thread that runs every later forward (the compiled kernels'
+    OpenMP team belongs to the launching thread: a team the main thread started first makes the
+    scheduler's forwards 2-2.5x slower), and start() returns after it."""
+    seen = []
+    monkeypatch.setattr(tiny, "prepare", lambda: seen.append(threading.current_thread().name) or 0.0)
+    sched = started(tiny, max_batch=2, prepare=True)
+    assert seen == ["plinth-scheduler"]
+    assert run(sched, [(ids(b"Hello"), 3, GREEDY)]) == [Generator(tiny).generate(ids(b"Hello"), 3)]

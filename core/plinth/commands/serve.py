@@ -117,7 +117,6 @@ def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
     names = _spec_names(args)
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
                        n_ctx=args.n_ctx, progress=progress)
-    model.prepare()  # repack the weights before the first request (its time to first token)
     drafters = []
     if names:
         options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
@@ -127,7 +126,8 @@ def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
     spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
     sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
                       prefill_chunk=args.prefill_chunk, registry=args.registry, prompt_cache=args.prompt_cache,
-                      prompt_cache_tokens=args.prompt_cache_tokens)
+                      prompt_cache_tokens=args.prompt_cache_tokens,
+                      prepare=True)  # (on the scheduler thread, before the first request: its time to first token)
     stem = Path(str(model.path)).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem
     aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)
