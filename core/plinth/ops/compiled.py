@@ -89,7 +89,7 @@ def _f32_at(typingctx, addr):
     return types.CPointer(types.float32)(types.int64), codegen
 
 
-@njit(cache=True, parallel=True, fastmath=_FLAGS)
+@njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
 def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
                      bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
                      out: np.ndarray, n_threads: int = 1) -> None:
@@ -157,7 +157,7 @@ def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: 
         _attend_one((row[j] - s0) * n_head + t - j * n_head, q[s0:s1], k, v, bias, has_bias, sc, cap, out[s0:s1])
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, eps: float, out: np.ndarray) -> None:
     """out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (or * (1 + w)) for x float32 [m, n] (C order).
 
@@ -181,7 +181,7 @@ def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, 
                 out[r, j] = x[r, j] * inv
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox: bool, inverse: bool,
               out: np.ndarray) -> None:
     """:func:`plinth.ops.apply_rope` on the host: x float32 [n, n_head, head_dim] (any strides), cos / sin

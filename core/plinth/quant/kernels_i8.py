@@ -149,7 +149,7 @@ MAX_PARTS = 3
 TILE_BYTES = 256 * 1024
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, nogil=True)
 def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray, x: np.ndarray,
            out: np.ndarray) -> None:
     """out = x @ W.T for W the parts stacked on the output axis: part p (type ``ts[p]``, one of
