@@ -285,9 +285,19 @@ def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
 def test_prepare_runs_on_the_scheduler_thread(tiny, started, monkeypatch):
     """The warm-up forward runs on the thread that runs every later forward (the compiled kernels'
     OpenMP team belongs to the launching thread: a team the main thread started first makes the
-    scheduler's forwards 2-2.5x slower), and start() returns after it."""
+    scheduler's forwards 2-2.5x slower), with the configured kernel threads, and start() returns
+    after it."""
+    import numba
+    from plinth import quant
+
     seen = []
-    monkeypatch.setattr(tiny, "prepare", lambda: seen.append(threading.current_thread().name) or 0.0)
-    sched = started(tiny, max_batch=2, prepare=True)
-    assert seen == ["plinth-scheduler"]
+    monkeypatch.setattr(tiny, "prepare", lambda: seen.append((threading.current_thread().name,
+                                                              numba.get_num_threads())) or 0.0)
+    threads = quant.threads()
+    quant.set_threads(1)  # --threads 1: the scheduler thread runs one kernel thread too (numba's count is per thread)
+    try:
+        sched = started(tiny, max_batch=2, prepare=True)
+    finally:
+        quant.set_threads(threads)
+    assert seen == [("plinth-scheduler", 1)]
     assert run(sched, [(ids(b"Hello"), 3, GREEDY)]) == [Generator(tiny).generate(ids(b"Hello"), 3)]

@@ -315,6 +315,10 @@ class Scheduler:
 
     def _run(self, ready: threading.Event | None = None) -> None:
         try:
+            from .. import quant
+
+            if quant.compiled() is not None:  # numba's thread count is per thread: --threads, here too
+                quant.set_threads(quant.threads())
             if self.prepare:
                 self.model.prepare()
         finally:
