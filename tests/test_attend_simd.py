@@ -140,3 +140,18 @@ def test_other_shapes_take_the_plain_loop():
     bias = np.where(vis, 0.0, -np.inf).astype(np.float32)
     y = ops.attention(q, k, v, scale=0.2, causal=False, bias=bias)
     np.testing.assert_allclose(y, reference(q, k, v, 0.2, vis), rtol=2e-5, atol=2e-6)
+
+
+def test_vector_kernel_and_plain_loop_agree():
+    """The two paths of the compiled entry point on the same shape (the benchmark compares their speed):
+    equal to float rounding."""
+    mod = _compiled()
+    q, k, v, vis = _case(8, 9, 3, 64, 64, 77)
+    bias = np.where(vis, 0.0, -np.inf).astype(np.float32)
+    t = np.array([[0, 8, 77, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64).T
+    outs = []
+    for plain in (True, False):
+        out = np.empty((8, 9, 64), np.float32)
+        mod.attention_groups(q, np.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], 3, 64, 0.125, 0.0, out, 2, plain)
+        outs.append(out)
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -92,7 +92,7 @@ def _f32_at(typingctx, addr):
 @njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
 def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
                      bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
-                     out: np.ndarray, n_threads: int = 1) -> None:
+                     out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
     """Attention of a few query rows for one or more sequences in one parallel region: group g's query rows
     ``q[bounds[g, 0]:bounds[g, 1]]`` attend to its own ``n_kv[g]`` cached keys and values, C-order
     float32 arrays ``[n_kv, n_head_kv, hd]`` / ``[n_kv, n_head_kv, hd_v]`` at the data addresses
@@ -120,7 +120,7 @@ def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: 
             row[i] = r
             i += 1
     W = _W
-    if cap == 0 and hd % W == 0 and hd_v % (4 * W) == 0:
+    if not plain and cap == 0 and hd % W == 0 and hd_v % (4 * W) == 0:
         per_kv = n_head // n_head_kv
         run = per_kv  # query heads a task
         while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:

@@ -1,0 +1,67 @@
+"""Decode / verify attention: the vector kernel (plinth.ops.attend_simd) against the plain per-(row,
+head) loop it replaced, on the same compiled entry point (``plinth.ops.compiled.attention_groups``).
+
+Usage::
+
+    python benchmarks/bench_attention.py [--keys 129,513] [--rows 1,4,8,16] [--shape 9,3,64] [--runs 300]
+
+``--shape`` is n_head, n_head_kv, head size (SmolLM2-135M: 9,3,64; Gemma-3-270M: 4,1,256). One
+sequence, causal rows at the end of the keys; best of ``--runs`` calls each, interleaved; the
+kernel threads are plinth's default (``PLINTH_THREADS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", default="129,513")
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--shape", default="9,3,64")
+    ap.add_argument("--runs", type=int, default=300)
+    args = ap.parse_args()
+
+    from plinth import quant
+    from plinth.ops._xp import compiled_ops
+
+    c = compiled_ops()
+    if c is None:
+        raise SystemExit("the compiled kernels are off here (numba missing or PLINTH_KERNELS=0)")
+    n_head, n_head_kv, hd = (int(x) for x in args.shape.split(","))
+    threads = quant.threads()
+    rng = np.random.default_rng(0)
+    print(f"{n_head} heads over {n_head_kv} kv heads of {hd}; {threads} threads; load average "
+          f"{os.getloadavg()[0]:.2f}; best of {args.runs}, microseconds a call")
+    print("| keys | rows | plain loop | vector kernel | ratio |")
+    print("|---|---|---|---|---|")
+    for n_kv in (int(x) for x in args.keys.split(",")):
+        k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+        for rows in (int(x) for x in args.rows.split(",")):
+            q = rng.standard_normal((rows, n_head, hd)).astype(np.float32)
+            bias = np.zeros((rows, n_kv), np.float32)
+            for i in range(rows):
+                bias[i, n_kv - rows + i + 1:] = -np.inf
+            t = np.array([[0, rows, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64).T
+            bounds = np.ascontiguousarray(t[:2].T)
+            outs = [np.empty((rows, n_head, hd), np.float32) for _ in range(2)]
+            best = [float("inf")] * 2
+            for _ in range(args.runs):
+                for j, plain in enumerate((True, False)):
+                    t0 = time.perf_counter()
+                    c.attention_groups(q, bounds, t[2], t[3], t[4], t[5], n_head_kv, hd, hd ** -0.5, 0.0, outs[j],
+                                       threads, plain)
+                    best[j] = min(best[j], time.perf_counter() - t0)
+            err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
+            print(f"| {n_kv} | {rows} | {best[0] * 1e6:.1f} | {best[1] * 1e6:.1f} | {best[0] / best[1]:.2f}x |"
+                  + (f" (max relative difference {err:.1e})" if err > 1e-5 else ""))
+
+
+if __name__ == "__main__":
+    main()
