@@ -33,23 +33,16 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant.simd import host_features
+
 _i32, _i64 = ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _F32P = _f32.as_pointer()
 
 
-def _features() -> dict:
-    try:
-        import llvmlite.binding as llvm
-
-        return dict(llvm.get_host_cpu_features())
-    except Exception:  # pragma: no cover - llvmlite without host feature queries
-        return {}
-
-
 def lanes() -> int:
     """W: 16 with AVX-512 on the host, else 8."""
-    return 16 if _features().get("avx512f") else 8
+    return 16 if host_features().get("avx512f") else 8
 
 
 def _c64(v):

@@ -52,7 +52,8 @@ _v8i32 = ir.VectorType(_i32, 8)
 _v8f = ir.VectorType(_f32, 8)
 
 
-def _features() -> dict:
+def host_features() -> dict:
+    """The host CPU's features as LLVM names them (``avx2``, ``avx512vnni``, ...; empty where unknown)."""
     try:
         import llvmlite.binding as llvm
 
@@ -63,13 +64,13 @@ def _features() -> dict:
 
 def available() -> bool:
     """AVX2 and F16C on the host (what the kernels of :mod:`plinth.quant.kernels_i8` need)."""
-    f = _features()
+    f = host_features()
     return bool(f.get("avx2")) and bool(f.get("f16c"))
 
 
 def has_vnni() -> bool:
     """AVX512-VNNI with 256-bit forms (AVX512VL) on the host: the one-instruction dot is compiled."""
-    f = _features()
+    f = host_features()
     return bool(f.get("avx512vnni")) and bool(f.get("avx512vl"))
 
 
