@@ -214,3 +214,36 @@ def test_a_cache_without_layout_keeps_the_1x_methods():
     assert [type(x).__name__ for x in cache.layers[0]] == ["KV"] and cache.holds_state(0)
     with pytest.raises(ValueError, match="recurrent state"):
         cache.seq_rm(0, 1)
+
+
+def test_reserve_and_compiled_scatter_equal_append():
+    """The server path's writes (room made by ``reserve``, every sequence's rows written by one
+    compiled call through the buffers' addresses) leave the cache a plain ``update`` leaves, across
+    buffer growth and from strided rows."""
+    from plinth.ops._xp import compiled_ops
+
+    c = compiled_ops()
+    if c is None:
+        pytest.skip("numba kernels off here")
+    plain, fast = Cache(1, layout=[(KV(),)]), Cache(1, layout=[(KV(),)])
+    for step in range(20):  # 3 sequences, 1-3 rows a step: past the 16-row first capacity
+        sizes = [1 + (step + s) % 3 for s in range(3)]
+        wide = rows(sum(sizes), 2, 4 + 3)  # k and v side by side: strided views, as a fused projection gives
+        k, v = wide[:, :, :4], wide[:, :, 4:]
+        starts = np.cumsum([0] + sizes)
+        pos = np.concatenate([np.arange(plain.kv(0).n_rows(s), plain.kv(0).n_rows(s) + n) for s, n in enumerate(sizes)])
+        for cache in (plain, fast):
+            cache.begin(pos, np.repeat(np.arange(3), sizes))
+        writes = []
+        for s in range(3):
+            sel = slice(starts[s], starts[s + 1])
+            plain.kv(0).update(s, pos[sel], k[sel], v[sel])
+            n_old = fast.kv(0).reserve(s, sizes[s], (k.shape[1:], v.shape[1:]))
+            writes.append((sel.start, sel.stop, n_old, *fast.kv(0).addresses(s)))
+        c.scatter_rows(k, v, pos, np.array(writes, dtype=np.int64))
+        for cache in (plain, fast):
+            cache.commit()
+    for s in range(3):
+        for a, b in zip(plain.kv(0).contents(s), fast.kv(0).contents(s)):
+            assert np.array_equal(a, b), s
+        assert fast.kv(0).n_rows(s) == plain.kv(0).n_rows(s) > 16

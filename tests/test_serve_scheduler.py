@@ -301,3 +301,26 @@ def test_prepare_runs_on_the_scheduler_thread(tiny, started, monkeypatch):
         quant.set_threads(threads)
     assert seen == [("plinth-scheduler", 1)]
     assert run(sched, [(ids(b"Hello"), 3, GREEDY)]) == [Generator(tiny).generate(ids(b"Hello"), 3)]
+
+
+def test_few_row_attention_path_equals_the_general_one(tiny, monkeypatch):
+    """plinth.graph.attend's path for few rows a sequence (rows written by one compiled call, the
+    kernel reading the cache in place) gives the general path's logits bit for bit: several
+    sequences of different lengths, one and several rows each, in the same forward."""
+    from plinth import graph
+    from plinth.context import Batch
+
+    def run() -> np.ndarray:
+        ctx = tiny.new_context()
+        for s, p in enumerate(PROMPTS[:3]):
+            ctx.forward(Batch.from_tokens(ids(p), start=0, seq=s, output="last"))
+        parts = [Batch.from_tokens(ids(b"ab"[:n]), start=len(PROMPTS[s]), seq=s, output="all")
+                 for s, n in enumerate((1, 2, 1))]
+        out = ctx.forward(Batch.concat(parts))
+        return np.asarray(out.logits)
+
+    fast = run()
+    calls = []
+    monkeypatch.setattr(graph, "_rows_path", lambda *a: calls.append(1) and False)
+    general = run()
+    assert calls and np.array_equal(fast, general)

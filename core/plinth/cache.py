@@ -148,6 +148,14 @@ class Rows(CacheKind):
         """Committed rows of ``seq``."""
         return self._len.get(seq, 0)
 
+    def n_rows(self, seq: int) -> int:
+        """Rows of ``seq`` including this forward's (what :meth:`get` returns)."""
+        return self._pending.get(seq, self._len.get(seq, 0))
+
+    def buffers(self, seq: int) -> list[Any]:
+        """``seq``'s storage, one array per field ``[capacity, *shape]`` (rows past :meth:`n_rows` unused)."""
+        return self._buf[seq]
+
     def positions(self, seq: int) -> np.ndarray:
         n = self._pending.get(seq, self._len.get(seq, 0))
         return self._pos[seq][:n] if seq in self._pos else np.zeros(0, np.int64)
@@ -161,11 +169,12 @@ class Rows(CacheKind):
 
     def addresses(self, seq: int) -> tuple[int, ...]:
         """The data addresses of ``seq``'s host buffers, one per field (what :meth:`get` and
-        :meth:`append` return are views at their start); remembered until a buffer is replaced."""
+        :meth:`append` return are views at their start), then of its positions buffer; remembered
+        until the buffers are replaced."""
         bufs = self._buf[seq]
         known = self._addr.get(seq)
         if known is None or known[0] is not bufs:
-            known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs))
+            known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs) + (self._pos[seq].ctypes.data,))
         return known[1]
 
     def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
@@ -173,15 +182,33 @@ class Rows(CacheKind):
 
         Returns every field's rows so far (views) and their positions.
         """
+        n_new = self.extend(seq, positions, *arrays)
+        bufs = self._buf[seq]
+        return (*(b[:n_new] for b in bufs), self._pos[seq][:n_new])
+
+    def extend(self, seq: int, positions: np.ndarray, *arrays: Any) -> int:
+        """:meth:`append` without the views: the rows of ``seq`` so far."""
+        n_old = self.reserve(seq, len(positions), [a.shape[1:] for a in arrays])
+        n_new = n_old + len(positions)
+        for b, a in zip(self._buf[seq], arrays):
+            b[n_old:n_new] = a
+        self._pos[seq][n_old:n_new] = positions
+        return n_new
+
+    def reserve(self, seq: int, n: int, shapes: Sequence[tuple[int, ...]]) -> int:
+        """Make room for ``n`` more rows of ``seq`` (fields of row shapes ``shapes``) and count them
+        as this forward's; returns where they start. The caller writes them (and their positions)
+        into :meth:`buffers` and :meth:`positions_buffer` (a server step writes every sequence's rows
+        in one compiled call)."""
         n_old = self._pending.get(seq)
         if n_old is None:
             n_old = self._len.get(seq, 0)
-        n_new = n_old + len(positions)
+        n_new = n_old + n
         bufs = self._buf.get(seq)
         if bufs is None or bufs[0].shape[0] < n_new:
             xp = self.xp
             cap = max(n_new, 2 * (bufs[0].shape[0] if bufs is not None else 0), 16)
-            grown = [xp.empty((cap,) + tuple(a.shape[1:]), dtype=xp.float32) for a in arrays]
+            grown = [xp.empty((cap,) + tuple(shape), dtype=xp.float32) for shape in shapes]
             pos = np.zeros(cap, np.int64)
             if bufs is not None:
                 for g, b in zip(grown, bufs):
@@ -189,14 +216,14 @@ class Rows(CacheKind):
                 pos[:n_old] = self._pos[seq][:n_old]
             else:
                 self._len[seq] = 0
-            bufs = self._buf[seq] = grown
+            self._buf[seq] = grown
             self._pos[seq] = pos
-        for b, a in zip(bufs, arrays):
-            b[n_old:n_new] = a
-        pos = self._pos[seq]
-        pos[n_old:n_new] = positions
         self._pending[seq] = n_new
-        return (*(b[:n_new] for b in bufs), pos[:n_new])
+        return n_old
+
+    def positions_buffer(self, seq: int) -> np.ndarray:
+        """``seq``'s positions storage (int64 ``[capacity]``; past :meth:`n_rows` unused)."""
+        return self._pos[seq]
 
     def commit(self) -> None:
         for seq, n in self._pending.items():

@@ -307,6 +307,8 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     positions = step.batch.positions
     groups = []  # per sequence: its rows, its K/V so far and its bias
     host = xp is np
+    if host and step.once(("attn_rows", il), lambda: _rows_path(kv, shared, step)):
+        return _attend_rows(q, k, v, kv, shared, step, scale, window, soft_cap)
     for seq, sel in step.groups:
         pos = positions[sel]
         # a layer sharing an earlier layer's K/V reads them (k, v unused); others append theirs
@@ -323,6 +325,68 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     for sel, kc, vc, bias, _ in groups:
         out[sel] = ops.attention(q[sel], kc, vc, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)
     return out
+
+
+def _rows_path(kv: Any, shared: bool, step: Step) -> bool:
+    """Whether :func:`attend` takes :func:`_attend_rows`: the compiled host kernels, every sequence's
+    rows a slice of at most ``KERNEL_MAX_Q`` (decode, verify and server steps), and (a shared layer)
+    rows cached for each."""
+    from .ops._xp import compiled_ops
+    from .ops.attention import KERNEL_MAX_Q
+
+    if compiled_ops() is None:
+        return False
+    for seq, sel in step.groups:
+        if not (isinstance(sel, slice) and 0 < sel.stop - sel.start <= KERNEL_MAX_Q):
+            return False
+        if shared and not kv.n_rows(seq):
+            return False
+    return True
+
+
+def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scale: float, window: int,
+                 soft_cap: float | None) -> Any:
+    """:func:`attend` for few rows a sequence on the host: room is made in each sequence's cache
+    buffers, one compiled call writes every sequence's rows there, and the attention kernel reads them
+    in place (one table row a sequence, no views, no per-group checks: a server step's 16 sequences
+    cost about a third of the Python of the general path)."""
+    from .ops._xp import compiled_ops
+
+    positions = step.batch.positions
+    groups = step.groups
+    if not shared:
+        shapes = (k.shape[1:], v.shape[1:])
+        writes = []
+        for seq, sel in groups:
+            n_old = kv.reserve(seq, sel.stop - sel.start, shapes)
+            ak, av, ap = kv.addresses(seq)
+            writes.append((sel.start, sel.stop, n_old, ak, av, ap))
+        compiled_ops().scatter_rows(k, v, np.asarray(positions, dtype=np.int64), np.array(writes, dtype=np.int64))
+    table = []
+    for seq, sel in groups:
+        n_kv = kv.n_rows(seq)
+        bias = step.once(("attn_bias", seq, window, n_kv),
+                         lambda: ops.attention_bias(positions[sel], kv.positions(seq), causal=True,
+                                                    sliding_window=window or None, xp=np))
+        b_at = 0
+        if bias is not None:  # (kept alive by the step's memo)
+            b_at = step.once(("attn_bias_at", seq, window, n_kv),
+                             lambda: _bias_address(step, bias, (seq, window, n_kv), sel.stop - sel.start, n_kv))
+        ak, av, _ = kv.addresses(seq)
+        table.append((sel.start, sel.stop, n_kv, ak, av, b_at))
+    kb, vb = kv.buffers(groups[0][0])[:2]
+    if kb.shape[2] != q.shape[2]:
+        raise ValueError(f"attention: the cached keys have head size {kb.shape[2]}, the queries {q.shape[2]}")
+    return ops.attention_rows(q, table, kb.shape[1], vb.shape[2], scale, soft_cap)
+
+
+def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> int:
+    """The data address of ``bias`` as a C-order float32 ``[n_rows, n_kv]`` array (kept in the step's memo)."""
+    b = bias
+    if not (b.shape == (n_rows, n_kv) and b.dtype == np.float32 and b.flags.c_contiguous):
+        b = np.ascontiguousarray(np.broadcast_to(np.asarray(bias, dtype=np.float32), (n_rows, n_kv)))
+    step.memo[("attn_bias_kept",) + key] = b
+    return int(b.ctypes.data)
 
 
 class Rope:

@@ -18,7 +18,7 @@ from .activations import (
     softmax,
     softplus,
 )
-from .attention import attention, attention_bias, attention_groups, attention_mask
+from .attention import attention, attention_bias, attention_groups, attention_mask, attention_rows
 from .ffn import geglu, glu_ffn, linear, linear_t, relu2_mlp, swiglu
 from .misc import TopK, gather_rows, pad, top_k
 from .moe import MoeRoute, moe_ffn, moe_route
@@ -47,6 +47,7 @@ __all__ = [
     "attention_bias",
     "attention_groups",
     "attention_mask",
+    "attention_rows",
     "causal_conv1d",
     "gated_group_rms_norm",
     "gather_rows",

@@ -85,6 +85,27 @@ def _threads() -> int:
     return quant.threads()
 
 
+def attention_rows(q: Any, table: Any, n_head_kv: int, hd_v: int, scale: float,
+                   soft_cap: float | None = None) -> Any:
+    """:func:`attention_groups` on the host for rows whose keys and values are in float32 C-order
+    host buffers already (``plinth.cache.Rows``' own, which :func:`plinth.graph.attend` passes for a
+    server step's or a verify batch's rows): ``table`` int64 ``[n_groups, 6]``, per group its rows'
+    start and stop in q (at most KERNEL_MAX_Q of them), its key count n_kv, the data addresses of its
+    K ``[>= n_kv, n_head_kv, hd]`` and V ``[>= n_kv, n_head_kv, hd_v]`` buffers and of its bias
+    ``[stop - start, n_kv]`` (0: none). The caller keeps those alive and guarantees their shapes: no
+    per-group check, one compiled call. Returns [n_rows, n_head, hd_v] for the rows the groups cover
+    (the same bits :func:`attention_groups` gives)."""
+    if q.shape[1] % n_head_kv:
+        raise ValueError(f"attention: n_head {q.shape[1]} is not a multiple of n_head_kv {n_head_kv}")
+    if not (q.dtype == F32 and q.flags.c_contiguous):
+        q = numpy.ascontiguousarray(q, dtype=F32)
+    out = numpy.empty((q.shape[0], q.shape[1], hd_v), dtype=F32)
+    t = numpy.ascontiguousarray(numpy.asarray(table, dtype=numpy.int64).T)
+    compiled_ops().attention_groups(q, numpy.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv, hd_v,
+                                    float(scale), float(soft_cap or 0.0), out, _threads())
+    return out
+
+
 def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale: float,
                      soft_cap: float | None = None) -> Any:
     """:func:`attention` with ``causal=False`` and an additive bias, for the query rows of several

@@ -89,6 +89,39 @@ def _f32_at(typingctx, addr):
     return types.CPointer(types.float32)(types.int64), codegen
 
 
+@intrinsic
+def _i64_at(typingctx, addr):
+    """The int64 pointer held in the integer ``addr``."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(64)))
+
+    return types.CPointer(types.int64)(types.int64), codegen
+
+
+@njit(cache=True, nogil=True)
+def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.ndarray) -> None:
+    """Write this forward's K / V rows and positions into their sequences' cache buffers: per row g of
+    ``table`` (int64 ``[n, 6]``) rows ``start:stop`` of k ``[rows, n_head_kv, hd]``, v ``[rows, n_head_kv,
+    hd_v]`` (any strides) and positions go to rows ``n_old ..`` of the float32 C-order buffers at the K
+    and V addresses and of the int64 buffer at the positions address (columns: start, stop, n_old, K,
+    V, positions address); the caller made the room (:meth:`plinth.cache.Rows.reserve`)."""
+    n_head_kv, hd, hd_v = k.shape[1], k.shape[2], v.shape[2]
+    for g in range(table.shape[0]):
+        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
+        n = n0 + s1 - s0
+        kb = carray(_f32_at(table[g, 3]), (n, n_head_kv, hd))
+        vb = carray(_f32_at(table[g, 4]), (n, n_head_kv, hd_v))
+        pb = carray(_i64_at(table[g, 5]), (n,))
+        for r in range(s0, s1):
+            j = n0 + r - s0
+            for h in range(n_head_kv):
+                for d in range(hd):
+                    kb[j, h, d] = k[r, h, d]
+                for d in range(hd_v):
+                    vb[j, h, d] = v[r, h, d]
+            pb[j] = positions[r]
+
+
 @njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
 def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
                      bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
