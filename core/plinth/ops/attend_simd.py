@@ -1,5 +1,5 @@
-"""One query row and head of decode / verify attention as LLVM IR on float vectors
-(``numba.extending.intrinsic``), for :func:`plinth.ops.compiled.attention_groups`.
+"""Decode / verify attention for the query heads of one row that share a kv head, as LLVM IR on
+float vectors (``numba.extending.intrinsic``), for :func:`plinth.ops.compiled.attention_groups`.
 
 A loop over the keys that takes one dot product at a time spends most of its time in each
 product's horizontal sum (a chain of shuffles and adds per key). Here the keys go W at a time
@@ -7,7 +7,8 @@ product's horizontal sum (a chain of shuffles and adds per key). Here the keys g
 over the head's W-wide chunks with fused multiply-adds; then one transposing reduction turns the
 W vectors into one vector of W scores (log2 W levels of two shuffles and an add; the same tree
 for every key). Softmax takes a vector exp (below), the value sum four W-wide chunks of the
-output at a time, each a chain over the keys.
+output at a time, each a chain over the keys, for two query heads at once (one read of each value
+row). The query heads of the call read each block of keys and values in turn, from the L1 cache.
 
 Every key's score goes through the same operations wherever it falls (the last, partial block of
 keys is copied into a zero-padded scratch block first, so it takes the same path), the denominator
@@ -286,11 +287,6 @@ def _rows_fn(module, W):
 
 def _bcast_i64(b, v, W):
     vec = b.insert_element(ir.Constant(ir.VectorType(_i64, W), None), v, ir.Constant(_i32, 0))
-    return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, W), [0] * W))
-
-
-def _bcast_i1(b, v, W):
-    vec = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), W), None), v, ir.Constant(_i32, 0))
     return b.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_i32, W), [0] * W))
 
 
