@@ -381,18 +381,23 @@ def test_near_max_rows_is_the_numpy_rule() -> None:
 
 
 @needs_int8
-def test_dot_rows_fixed_order() -> None:
-    """The refinement's f32 dot: float32 accuracy against float64, and the same bits for a row alone,
-    in a batch, or at any length modulo 16."""
+def test_refine_rows_fixed_order() -> None:
+    """The refinement's f32 dot (``refine_rows``): float32 accuracy against float64, and the same bits
+    for a row alone, in a batch, or at any length modulo 16."""
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(6)
+
+    def dots(w: np.ndarray, x: np.ndarray) -> np.ndarray:  # every row of w with x, through refine_rows
+        idx = np.arange(len(w))[None, :]
+        y = np.zeros((1, len(w)), np.float32)
+        k8.refine_rows(w, idx, idx, np.array([len(w)]), x[None, :], y)
+        return y[0]
+
     for n in (576, 640, 37, 16, 5):
         w = rng.standard_normal((9, n)).astype(np.float32)
         x = rng.standard_normal(n).astype(np.float32)
-        out = np.empty(9, np.float32)
-        k8.dot_rows(w, x, out)
+        out = dots(w, x)
         ref = w.astype(np.float64) @ x.astype(np.float64)
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(w).sum(1).max() * np.abs(x).max()
-        one = np.empty(1, np.float32)
-        k8.dot_rows(w[4:5].copy(), x, one)
+        one = dots(w[4:5].copy(), x)
         assert one[0] == out[4]

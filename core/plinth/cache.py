@@ -157,12 +157,12 @@ class Rows(CacheKind):
         return self._buf[seq]
 
     def positions(self, seq: int) -> np.ndarray:
-        n = self._pending.get(seq, self._len.get(seq, 0))
+        n = self.n_rows(seq)
         return self._pos[seq][:n] if seq in self._pos else np.zeros(0, np.int64)
 
     def get(self, seq: int) -> tuple[Any, ...]:
         """Every field of ``seq`` (views, including this forward's rows), then positions."""
-        n = self._pending.get(seq, self._len.get(seq, 0))
+        n = self.n_rows(seq)
         if seq not in self._buf:
             return tuple(None for _ in self.fields) + (np.zeros(0, np.int64),)
         return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
@@ -182,27 +182,20 @@ class Rows(CacheKind):
 
         Returns every field's rows so far (views) and their positions.
         """
-        n_new = self.extend(seq, positions, *arrays)
-        bufs = self._buf[seq]
-        return (*(b[:n_new] for b in bufs), self._pos[seq][:n_new])
-
-    def extend(self, seq: int, positions: np.ndarray, *arrays: Any) -> int:
-        """:meth:`append` without the views: the rows of ``seq`` so far."""
         n_old = self.reserve(seq, len(positions), [a.shape[1:] for a in arrays])
         n_new = n_old + len(positions)
-        for b, a in zip(self._buf[seq], arrays):
+        bufs = self._buf[seq]
+        for b, a in zip(bufs, arrays):
             b[n_old:n_new] = a
         self._pos[seq][n_old:n_new] = positions
-        return n_new
+        return (*(b[:n_new] for b in bufs), self._pos[seq][:n_new])
 
     def reserve(self, seq: int, n: int, shapes: Sequence[tuple[int, ...]]) -> int:
         """Make room for ``n`` more rows of ``seq`` (fields of row shapes ``shapes``) and count them
-        as this forward's; returns where they start. The caller writes them (and their positions)
-        into :meth:`buffers` and :meth:`positions_buffer` (a server step writes every sequence's rows
-        in one compiled call)."""
-        n_old = self._pending.get(seq)
-        if n_old is None:
-            n_old = self._len.get(seq, 0)
+        as this forward's; returns where they start. The caller writes them and their positions into
+        the buffers at :meth:`addresses` (a server step writes every sequence's rows in one compiled
+        call)."""
+        n_old = self.n_rows(seq)
         n_new = n_old + n
         bufs = self._buf.get(seq)
         if bufs is None or bufs[0].shape[0] < n_new:
@@ -220,10 +213,6 @@ class Rows(CacheKind):
             self._pos[seq] = pos
         self._pending[seq] = n_new
         return n_old
-
-    def positions_buffer(self, seq: int) -> np.ndarray:
-        """``seq``'s positions storage (int64 ``[capacity]``; past :meth:`n_rows` unused)."""
-        return self._pos[seq]
 
     def commit(self) -> None:
         for seq, n in self._pending.items():

@@ -382,9 +382,9 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
 
 def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> int:
     """The data address of ``bias`` as a C-order float32 ``[n_rows, n_kv]`` array (kept in the step's memo)."""
-    b = bias
-    if not (b.shape == (n_rows, n_kv) and b.dtype == np.float32 and b.flags.c_contiguous):
-        b = np.ascontiguousarray(np.broadcast_to(np.asarray(bias, dtype=np.float32), (n_rows, n_kv)))
+    from .ops.attention import host_bias
+
+    b = host_bias(bias, n_rows, n_kv)
     step.memo[("attn_bias_kept",) + key] = b
     return int(b.ctypes.data)
 

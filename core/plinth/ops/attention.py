@@ -85,6 +85,14 @@ def _threads() -> int:
     return quant.threads()
 
 
+def host_bias(bias: Any, n_rows: int, n_kv: int) -> Any:
+    """``bias`` as the C-order float32 ``[n_rows, n_kv]`` host array the compiled kernel reads through
+    its address (itself when it already is one)."""
+    if bias.shape == (n_rows, n_kv) and bias.dtype == F32 and bias.flags.c_contiguous:
+        return bias
+    return numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (n_rows, n_kv)))
+
+
 def attention_rows(q: Any, table: Any, n_head_kv: int, hd_v: int, scale: float,
                    soft_cap: float | None = None) -> Any:
     """:func:`attention_groups` on the host for rows whose keys and values are in float32 C-order
@@ -122,14 +130,12 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
     xp = array_module(q)
     n_head = q.shape[1]
     hd_v = groups[0][3].shape[2]
-    out = xp.empty((q.shape[0], n_head, hd_v), dtype=xp.float32)
+    out = None
     small = [grp for grp in groups if 0 < grp[1] - grp[0] <= KERNEL_MAX_Q and len(grp[2])] \
         if xp is numpy and compiled_ops() is not None else []
     if small:
         k0, v0 = small[0][2], small[0][3]
         n_head_kv = k0.shape[1]
-        if n_head % n_head_kv:
-            raise ValueError(f"attention: n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
         k_tail, v_tail = k0.shape[1:], v0.shape[1:]
         if k_tail[1] != q.shape[2]:
             raise ValueError(f"attention: rows {small[0][0]}:{small[0][1]} have k {k0.shape} against q {q.shape}: "
@@ -152,20 +158,16 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
                 at = (k.ctypes.data, v.ctypes.data)
             b_at = 0
             if bias is not None:
-                b = bias
-                if not (b.shape == (e - s, k.shape[0]) and b.dtype == F32 and b.flags.c_contiguous):
-                    b = numpy.ascontiguousarray(numpy.broadcast_to(as_f32(bias, numpy), (e - s, k.shape[0])))
+                b = host_bias(bias, e - s, k.shape[0])
                 keep.append(b)
                 b_at = b.ctypes.data
             table.append((s, e, k.shape[0], at[0], at[1], b_at))
-        t = numpy.array(table, dtype=numpy.int64).T
-        if not (q.dtype == F32 and q.flags.c_contiguous):
-            q = numpy.ascontiguousarray(q, dtype=F32)
-        compiled_ops().attention_groups(q, numpy.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv,
-                                        hd_v, float(scale), float(soft_cap or 0.0), out, _threads())
+        out = attention_rows(q, table, n_head_kv, hd_v, scale, soft_cap)
         del keep
         done = {id(grp) for grp in small}
         groups = [grp for grp in groups if id(grp) not in done]
+    if out is None:
+        out = xp.empty((q.shape[0], n_head, hd_v), dtype=xp.float32)
     for grp in groups:
         s, e, k, v, bias = grp[:5]
         out[s:e] = attention(q[s:e], k, v, scale=scale, causal=False, bias=bias, soft_cap=soft_cap)

@@ -136,8 +136,9 @@ def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: 
     multiple of W, hd_v of 4W) a task is one row and a run of the query heads that share a kv
     head, which read each block of keys and values once between them; the runs are split until
     there are two tasks for each of ``n_threads`` threads (so a lone decode row of a model with
-    one kv head still uses every thread). Otherwise each (row, head) runs :func:`_attend_one`. Either way a row's output does not
-    depend on the other rows of the call, nor on how the heads were split."""
+    one kv head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
+    the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
+    the other rows of the call, nor on how the heads were split."""
     sc = np.float32(scale)
     cap = np.float32(soft_cap)
     n_head, hd = q.shape[1], q.shape[2]

@@ -125,17 +125,10 @@ def _dot16(w: np.ndarray, x: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, fastmath=False)
-def dot_rows(w: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out[i] = w[i] . x in float32, one fixed order (the same bits for the same inputs)."""
-    for i in range(w.shape[0]):
-        out[i] = _dot16(w[i], x)
-
-
-@njit(cache=True, fastmath=False)
 def refine_rows(w: np.ndarray, at: np.ndarray, cols: np.ndarray, counts: np.ndarray, x: np.ndarray,
                 y: np.ndarray) -> None:
     """y[r, cols[r, i]] = w[at[r, i]] . x[r] for i < counts[r] (w float32 dequantized weight rows,
-    x float32 activations; :func:`dot_rows`' order)."""
+    x float32 activations; :func:`_dot16`'s fixed order, so the same bits for the same inputs)."""
     for r in range(y.shape[0]):
         for i in range(counts[r]):
             y[r, cols[r, i]] = _dot16(w[at[r, i]], x[r])

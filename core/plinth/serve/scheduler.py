@@ -288,9 +288,13 @@ class Scheduler:
         self.ctx.cache.seq_cp(parked, req.seq)
         self.metrics.prompt_cache_hits += 1
         req.n_prefilled = len(req.prompt_ids)
+        self._first_token(req, lg)
+        return True
+
+    def _first_token(self, req: Request, lg: Any) -> None:
+        """Sample and send ``req``'s first token from the logits ``lg`` of its last prompt token."""
         req.pending = [(req.sampler.sample(lg, req.history).token, lg)]
         self._emit_pending(req)
-        return True
 
     def _keep_prompt(self, req: Request, lg: Any) -> None:
         """Park a copy of ``req``'s rows (its prefill just ended) and its last logits for later requests."""
@@ -438,9 +442,7 @@ class Scheduler:
                 if not req.prefilling:
                     lg = logits[where[first + n - 1]]
                     self._keep_prompt(req, lg)
-                    token = req.sampler.sample(lg, req.history).token
-                    req.pending = [(token, lg)]
-                    self._emit_pending(req)
+                    self._first_token(req, lg)
             else:
                 self._verify(req, batch, out, logits, where, first, *detail)
         now = time.perf_counter()
