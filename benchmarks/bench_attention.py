@@ -48,15 +48,13 @@ def main() -> None:
             bias = np.zeros((rows, n_kv), np.float32)
             for i in range(rows):
                 bias[i, n_kv - rows + i + 1:] = -np.inf
-            t = np.array([[0, rows, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64).T
-            bounds = np.ascontiguousarray(t[:2].T)
+            t = np.array([[0, rows, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64)
             outs = [np.empty((rows, n_head, hd), np.float32) for _ in range(2)]
             best = [float("inf")] * 2
             for _ in range(args.runs):
                 for j, plain in enumerate((True, False)):
                     t0 = time.perf_counter()
-                    c.attention_groups(q, bounds, t[2], t[3], t[4], t[5], n_head_kv, hd, hd ** -0.5, 0.0, outs[j],
-                                       threads, plain)
+                    c.attention_groups(q, t, n_head_kv, hd, hd ** -0.5, 0.0, outs[j], threads, plain)
                     best[j] = min(best[j], time.perf_counter() - t0)
             err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
             print(f"| {n_kv} | {rows} | {best[0] * 1e6:.1f} | {best[1] * 1e6:.1f} | {best[0] / best[1]:.2f}x |"

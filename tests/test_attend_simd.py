@@ -95,9 +95,8 @@ def test_vector_kernel_row_is_its_decode_step(shape):
         assert np.array_equal(alone[0], y[i]), f"row {i}"
     for threads in (1, 3, 64):
         out = np.empty_like(y)
-        t = np.array([[0, n_q, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64).T
-        mod.attention_groups(q, np.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv, hd_v, scale, 0.0,
-                             out, threads)
+        t = np.array([[0, n_q, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64)
+        mod.attention_groups(q, t, n_head_kv, hd_v, scale, 0.0, out, threads)
         assert np.array_equal(out, y), threads
 
 
@@ -148,10 +147,10 @@ def test_vector_kernel_and_plain_loop_agree():
     mod = _compiled()
     q, k, v, vis = _case(8, 9, 3, 64, 64, 77)
     bias = np.where(vis, 0.0, -np.inf).astype(np.float32)
-    t = np.array([[0, 8, 77, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64).T
+    t = np.array([[0, 8, 77, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64)
     outs = []
     for plain in (True, False):
         out = np.empty((8, 9, 64), np.float32)
-        mod.attention_groups(q, np.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], 3, 64, 0.125, 0.0, out, 2, plain)
+        mod.attention_groups(q, t, 3, 64, 0.125, 0.0, out, 2, plain)
         outs.append(out)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)

@@ -217,33 +217,44 @@ def test_a_cache_without_layout_keeps_the_1x_methods():
 
 
 def test_reserve_and_compiled_scatter_equal_append():
-    """The server path's writes (room made by ``reserve``, every sequence's rows written by one
-    compiled call through the buffers' addresses) leave the cache a plain ``update`` leaves, across
-    buffer growth and from strided rows."""
+    """The server path's writes (room made by ``reserve_rows`` for every sequence, or ``reserve`` for
+    one, and every sequence's rows written by one compiled call through the buffers' addresses) leave
+    the cache a plain ``update`` leaves, across buffer growth, a forward rolled back, a sequence that
+    joins late and strided rows; ``rows_table`` reads what ``n_rows`` and ``addresses`` say."""
     from plinth.ops._xp import compiled_ops
 
     c = compiled_ops()
     if c is None:
         pytest.skip("numba kernels off here")
     plain, fast = Cache(1, layout=[(KV(),)]), Cache(1, layout=[(KV(),)])
-    for step in range(20):  # 3 sequences, 1-3 rows a step: past the 16-row first capacity
-        sizes = [1 + (step + s) % 3 for s in range(3)]
+    for step in range(20):  # 1-3 rows a step: past the 16-row first capacity
+        seqs = [0, 1, 2] if step < 5 else [2, 0, 1, 3]  # (sequence 3 joins late, out of order)
+        sizes = [1 + (step + s) % 3 for s in seqs]
         wide = rows(sum(sizes), 2, 4 + 3)  # k and v side by side: strided views, as a fused projection gives
         k, v = wide[:, :, :4], wide[:, :, 4:]
         starts = np.cumsum([0] + sizes)
-        pos = np.concatenate([np.arange(plain.kv(0).n_rows(s), plain.kv(0).n_rows(s) + n) for s, n in enumerate(sizes)])
+        pos = np.concatenate([np.arange(plain.kv(0).n_rows(s), plain.kv(0).n_rows(s) + n) for s, n in zip(seqs, sizes)])
+        groups = [(s, slice(int(starts[i]), int(starts[i + 1]))) for i, s in enumerate(seqs)]
         for cache in (plain, fast):
-            cache.begin(pos, np.repeat(np.arange(3), sizes))
-        writes = []
-        for s in range(3):
-            sel = slice(starts[s], starts[s + 1])
+            cache.begin(pos, np.repeat(np.array(seqs), sizes))
+        for s, sel in groups:
             plain.kv(0).update(s, pos[sel], k[sel], v[sel])
-            n_old = fast.kv(0).reserve(s, sizes[s], (k.shape[1:], v.shape[1:]))
-            writes.append((sel.start, sel.stop, n_old, *fast.kv(0).addresses(s)))
-        c.scatter_rows(k, v, pos, np.array(writes, dtype=np.int64))
+        if step % 2:
+            table = fast.kv(0).reserve_rows(groups, (k.shape[1:], v.shape[1:]))
+        else:
+            table = np.array([(sel.start, sel.stop, fast.kv(0).reserve(s, sel.stop - sel.start, (k.shape[1:], v.shape[1:])),
+                               *fast.kv(0).addresses(s)) for s, sel in groups], dtype=np.int64)
+        c.scatter_rows(k, v, pos, table)
+        read = fast.kv(0).rows_table(groups)
+        assert [tuple(r) for r in read] == [(sel.start, sel.stop, plain.kv(0).n_rows(s), *fast.kv(0).addresses(s))
+                                            for s, sel in groups]
+        if step == 7:  # a failed forward: neither cache keeps its rows
+            for cache in (plain, fast):
+                cache.rollback_pending()
+            continue
         for cache in (plain, fast):
             cache.commit()
-    for s in range(3):
+    for s in range(4):
         for a, b in zip(plain.kv(0).contents(s), fast.kv(0).contents(s)):
             assert np.array_equal(a, b), s
         assert fast.kv(0).n_rows(s) == plain.kv(0).n_rows(s) > 16

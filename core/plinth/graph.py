@@ -307,7 +307,7 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
     positions = step.batch.positions
     groups = []  # per sequence: its rows, its K/V so far and its bias
     host = xp is np
-    if host and step.once(("attn_rows", il), lambda: _rows_path(kv, shared, step)):
+    if host and step.once(("attn_rows", il if shared else -1), lambda: _rows_path(kv, shared, step)):
         return _attend_rows(q, k, v, kv, shared, step, scale, window, soft_cap)
     for seq, sel in step.groups:
         pos = positions[sel]
@@ -352,32 +352,36 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
     cost about a third of the Python of the general path)."""
     from .ops._xp import compiled_ops
 
-    positions = step.batch.positions
     groups = step.groups
     if not shared:
-        shapes = (k.shape[1:], v.shape[1:])
-        writes = []
-        for seq, sel in groups:
-            n_old = kv.reserve(seq, sel.stop - sel.start, shapes)
-            ak, av, ap = kv.addresses(seq)
-            writes.append((sel.start, sel.stop, n_old, ak, av, ap))
-        compiled_ops().scatter_rows(k, v, np.asarray(positions, dtype=np.int64), np.array(writes, dtype=np.int64))
-    table = []
-    for seq, sel in groups:
-        n_kv = kv.n_rows(seq)
-        bias = step.once(("attn_bias", seq, window, n_kv),
-                         lambda: ops.attention_bias(positions[sel], kv.positions(seq), causal=True,
-                                                    sliding_window=window or None, xp=np))
-        b_at = 0
-        if bias is not None:  # (kept alive by the step's memo)
-            b_at = step.once(("attn_bias_at", seq, window, n_kv),
-                             lambda: _bias_address(step, bias, (seq, window, n_kv), sel.stop - sel.start, n_kv))
-        ak, av, _ = kv.addresses(seq)
-        table.append((sel.start, sel.stop, n_kv, ak, av, b_at))
+        table = kv.reserve_rows(groups, (k.shape[1:], v.shape[1:]))
+        pos = step.once("positions_i64", lambda: np.asarray(step.batch.positions, dtype=np.int64))
+        compiled_ops().scatter_rows(k, v, pos, table)
+        table[:, 2] += table[:, 1] - table[:, 0]  # (the key counts, this forward's rows included)
+    else:
+        table = kv.rows_table(groups)
+    # the bias addresses take the positions column: one list a step for all the layers with these key counts
+    table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
+                            lambda: _bias_column(step, kv, table[:, 2], window))
     kb, vb = kv.buffers(groups[0][0])[:2]
     if kb.shape[2] != q.shape[2]:
         raise ValueError(f"attention: the cached keys have head size {kb.shape[2]}, the queries {q.shape[2]}")
     return ops.attention_rows(q, table, kb.shape[1], vb.shape[2], scale, soft_cap)
+
+
+def _bias_column(step: Step, kv: Any, n_kv: np.ndarray, window: int) -> np.ndarray:
+    """Per group of ``step``, the data address of its attention bias against its ``n_kv`` keys (0: none)."""
+    positions = step.batch.positions
+    col = np.zeros(len(step.groups), dtype=np.int64)
+    for i, (seq, sel) in enumerate(step.groups):
+        n = int(n_kv[i])
+        bias = step.once(("attn_bias", seq, window, n),
+                         lambda: ops.attention_bias(positions[sel], kv.positions(seq), causal=True,
+                                                    sliding_window=window or None, xp=np))
+        if bias is not None:  # (kept alive by the step's memo)
+            col[i] = step.once(("attn_bias_at", seq, window, n),
+                               lambda: _bias_address(step, bias, (seq, window, n), sel.stop - sel.start, n))
+    return col
 
 
 def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> int:

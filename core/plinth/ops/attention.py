@@ -108,9 +108,9 @@ def attention_rows(q: Any, table: Any, n_head_kv: int, hd_v: int, scale: float,
     if not (q.dtype == F32 and q.flags.c_contiguous):
         q = numpy.ascontiguousarray(q, dtype=F32)
     out = numpy.empty((q.shape[0], q.shape[1], hd_v), dtype=F32)
-    t = numpy.ascontiguousarray(numpy.asarray(table, dtype=numpy.int64).T)
-    compiled_ops().attention_groups(q, numpy.ascontiguousarray(t[:2].T), t[2], t[3], t[4], t[5], n_head_kv, hd_v,
-                                    float(scale), float(soft_cap or 0.0), out, _threads())
+    if not (isinstance(table, numpy.ndarray) and table.dtype == numpy.int64 and table.flags.c_contiguous):
+        table = numpy.ascontiguousarray(table, dtype=numpy.int64)
+    compiled_ops().attention_groups(q, table, n_head_kv, hd_v, float(scale), float(soft_cap or 0.0), out, _threads())
     return out
 
 

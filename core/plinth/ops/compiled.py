@@ -123,14 +123,13 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
 
 
 @njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
-def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: np.ndarray, v_at: np.ndarray,
-                     bias_at: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
+def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
                      out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
-    """Attention of a few query rows for one or more sequences in one parallel region: group g's query rows
-    ``q[bounds[g, 0]:bounds[g, 1]]`` attend to its own ``n_kv[g]`` cached keys and values, C-order
-    float32 arrays ``[n_kv, n_head_kv, hd]`` / ``[n_kv, n_head_kv, hd_v]`` at the data addresses
-    ``k_at[g]`` / ``v_at[g]``, with the bias ``[rows, n_kv]`` at ``bias_at[g]`` (0: none); rows of
-    no group are left alone; q and out C-order. The caller keeps the arrays alive.
+    """Attention of a few query rows for one or more sequences in one parallel region. ``table`` int64
+    ``[n_groups, 6]``, per group g: its query rows' start and stop in q, its key count n, and the data
+    addresses of its C-order float32 keys ``[n, n_head_kv, hd]``, values ``[n, n_head_kv, hd_v]`` and
+    bias ``[stop - start, n]`` (0: none). Rows of no group are left alone; q and out C-order. The
+    caller keeps the arrays alive.
 
     Where the head sizes suit the vector kernel (:mod:`plinth.ops.attend_simd`: no soft-cap, hd a
     multiple of W, hd_v of 4W) a task is one row and a run of the query heads that share a kv
@@ -139,6 +138,8 @@ def attention_groups(q: np.ndarray, bounds: np.ndarray, n_kv: np.ndarray, k_at: 
     one kv head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
+    bounds = table[:, :2]
+    n_kv, k_at, v_at, bias_at = table[:, 2], table[:, 3], table[:, 4], table[:, 5]
     sc = np.float32(scale)
     cap = np.float32(soft_cap)
     n_head, hd = q.shape[1], q.shape[2]
