@@ -12,8 +12,10 @@ request, and the scheduler frees its cache rows at the next step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -174,17 +176,69 @@ def _openai_finish(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
+class Mailbox:
+    """Events from the scheduler thread to the event loop's request queues, one wake-up of the loop for
+    a burst (a step's events for every stream) instead of one per event.
+
+    ``post`` (any thread) queues an event and wakes the loop unless a wake-up is already pending;
+    the loop hands every queued event to its request's queue. ``settle`` (the scheduler thread, after
+    a step that posted) waits, at most ``timeout`` seconds, until the loop has also run the streams
+    those events woke (their chunks formatted and written to the sockets). On a machine whose cores
+    the kernel threads fill, the loop's work then runs between two forwards instead of preempting
+    one of their threads, which stalls every parallel region of the forward (each waits for its
+    slowest thread); see docs/serving.md."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[tuple[asyncio.Queue, Event]] = collections.deque()
+        self._waking = False
+        self._posted = False
+
+    def post(self, queue: asyncio.Queue, ev: Event) -> None:
+        self._items.append((queue, ev))
+        self._posted = True
+        if not self._waking:
+            self._waking = True
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # the event loop is closed: the server is stopping
+                pass
+
+    def _drain(self) -> None:
+        self._waking = False  # (before taking the items: a post from now on wakes the loop again)
+        items = self._items
+        while items:
+            queue, ev = items.popleft()
+            queue.put_nowait(ev)
+
+    def settle(self, timeout: float = 0.005) -> None:
+        if not self._posted:
+            return
+        self._posted = False
+        done = threading.Event()
+        try:
+            # (queued behind the drain and the streams it wakes: it runs once they have written)
+            self.loop.call_soon_threadsafe(self.loop.call_soon, done.set)
+        except RuntimeError:
+            return
+        done.wait(timeout)
+
+
 def build_app(server: Server) -> Starlette:
     """The ASGI app; starting it starts the scheduler thread, stopping it stops the thread."""
     sched = server.scheduler
+    state: dict[str, Mailbox] = {}
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state["mailbox"] = box = Mailbox(asyncio.get_running_loop())
+        sched.after_step = box.settle
         sched.start()
         try:
             yield
         finally:
             sched.stop()
+            sched.after_step = None
 
     async def page(request: HTTPRequest) -> Response:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
@@ -228,14 +282,11 @@ def build_app(server: Server) -> Starlette:
             max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
             sampling = SamplerConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                                      repetition_penalty=p.repetition_penalty, seed=p.seed)
-            loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
+            box = state["mailbox"]
 
             def emit(ev: Event) -> None:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, ev)
-                except RuntimeError:  # the event loop is closed: the server is stopping
-                    pass
+                box.post(queue, ev)
 
             req = Request(prompt_ids=ids, max_tokens=max_tokens, sampling=sampling, emit=emit, stop=p.stop,
                           logprobs=p.logprobs, speculative=p.speculative)

@@ -208,6 +208,9 @@ class Scheduler:
         self._prompts: collections.OrderedDict[tuple[int, ...], tuple[int, Any]] = collections.OrderedDict()
         self._parked_free = list(range(self.max_batch, self.max_batch + self.prompt_cache))
         self._parked_tokens = 0
+        #: called on the scheduler thread after each step (the HTTP app lets its event loop send the
+        #: step's events there: :class:`plinth.serve.app.Mailbox`)
+        self.after_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -343,6 +346,8 @@ class Scheduler:
                     self.ctx.cache.rollback_pending()
                     for req in list(self._active):
                         self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
+            if self.after_step is not None:
+                self.after_step()
         for req in list(self._active) + list(self._waiting):
             self._finish(req, "cancelled", error="the server is shutting down")
 
