@@ -180,3 +180,19 @@ def test_sample_consistent_with_probs():
         r = s.sample(x)
         np.testing.assert_array_equal(r.probs, Sampler(cfg).probs(x))
         assert r.probs[r.token] > 0
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=1.2, top_k=5, seed=4),
+                                 dict(temperature=0.7, top_p=0.9, min_p=0.05, seed=5),
+                                 dict(temperature=0.0, repetition_penalty=1.3)])
+def test_token_is_the_sampled_token_with_the_same_draws(cfg):
+    """``Sampler.token`` (what decode loops call) picks what ``sample(...).token`` picks from the same
+    seeded generator, step after step, without building the whole distribution."""
+    rng = np.random.default_rng(0)
+    a, b = Sampler(SamplerConfig(**cfg)), Sampler(SamplerConfig(**cfg))
+    history = [1, 2, 3]
+    for _ in range(50):
+        logits = rng.standard_normal(300).astype(np.float32) * 3
+        t = a.token(logits, history)
+        assert t == b.sample(logits, history).token
+        history.append(t)

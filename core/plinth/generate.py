@@ -142,7 +142,7 @@ class Generator:
         while True:
             t1 = time.perf_counter()
             logits = np.asarray(model.backend.to_numpy(out.logits[-1]))
-            token = self.sampler.sample(logits, history).token
+            token = self.sampler.token(logits, history)
             stats.sample_s += time.perf_counter() - t1
             done = self._record(token, history, max_tokens)
             if done is None:

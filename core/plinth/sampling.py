@@ -176,6 +176,16 @@ class Sampler:
         out[ids] = p
         return SampleResult(int(ids[j]), out)
 
+    def token(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> int:
+        """``sample(logits, history).token`` (the same draw from the generator) without building the
+        distribution over the whole vocabulary: what a decode loop needs."""
+        c = self._candidates(logits, history)
+        if isinstance(c, int):
+            return c
+        ids, vals = c
+        j = self.draw(_softmax(vals / self.config.temperature))
+        return j if ids is None else int(ids[j])
+
     def draw(self, p: np.ndarray) -> int:
         """Draw an index from a normalised distribution with this sampler's generator."""
         cum = np.cumsum(p)
@@ -183,7 +193,7 @@ class Sampler:
         return int(min(np.searchsorted(cum, u, side="right"), p.shape[0] - 1))
 
     def __call__(self, logits, history=None) -> int:
-        return self.sample(logits, history).token
+        return self.token(logits, history)
 
 
 def _top_p(vals: np.ndarray, ids: np.ndarray, m: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:

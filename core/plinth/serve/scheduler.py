@@ -296,7 +296,7 @@ class Scheduler:
 
     def _first_token(self, req: Request, lg: Any) -> None:
         """Sample and send ``req``'s first token from the logits ``lg`` of its last prompt token."""
-        req.pending = [(req.sampler.sample(lg, req.history).token, lg)]
+        req.pending = [(req.sampler.token(lg, req.history), lg)]
         self._emit_pending(req)
 
     def _keep_prompt(self, req: Request, lg: Any) -> None:
@@ -476,12 +476,13 @@ class Scheduler:
         speculative loop does, so a seeded request draws the same random numbers in both.
         """
         k = len(draft)
-        lg = logits[[where[first + i] for i in range(k + 1)]]
         if not req.speculative:
-            req.pending = [(req.sampler.sample(lg[0], req.history).token, lg[0])]
+            lg0 = logits[where[first]]  # (a view: the step's logits are not written again)
+            req.pending = [(req.sampler.token(lg0, req.history), lg0)]
             req.stats.n_steps += 1
             self._emit_pending(req)
             return
+        lg = logits[[where[first + i] for i in range(k + 1)]]
         t0 = time.perf_counter()
         if isinstance(req.verifier, GreedyVerifier) and req.sampling.repetition_penalty == 1.0:
             res = GreedyVerifier.verify_argmax(draft.tokens, lg.argmax(axis=-1))

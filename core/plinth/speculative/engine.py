@@ -267,7 +267,7 @@ class SpeculativeGenerator(Generator):
             self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time
             stats.prompt_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            token = self.sampler.sample(np.asarray(model.backend.to_numpy(out.logits[-1])), history).token
+            token = self.sampler.token(np.asarray(model.backend.to_numpy(out.logits[-1])), history)
             stats.sample_s += time.perf_counter() - t1
             pending = [token]  # tokens decided but not yet yielded (the last one not yet run)
             step: tuple[Any, int, int] | None = None  # (snapshot, last token, its position) of the last step
@@ -301,7 +301,7 @@ class SpeculativeGenerator(Generator):
                     while a < k and self.rng.random() < cfg.synthetic_accept:
                         a += 1
                     nxt = int(np.argmax(logits[a])) if self.sampler.config.greedy else \
-                        self.sampler.sample(logits[a], history + list(draft.tokens[:a])).token
+                        self.sampler.token(logits[a], history + list(draft.tokens[:a]))
                 elif greedy_rule and self.sampler.config.repetition_penalty == 1.0:  # argmax is enough
                     res = GreedyVerifier.verify_argmax(draft.tokens, logits.argmax(axis=-1))
                     a, nxt = res.n_accepted, res.next_token
