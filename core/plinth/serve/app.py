@@ -227,12 +227,15 @@ class Mailbox:
 def build_app(server: Server) -> Starlette:
     """The ASGI app; starting it starts the scheduler thread, stopping it stops the thread."""
     sched = server.scheduler
-    state: dict[str, Mailbox] = {}
+    boxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # (one per loop that serves requests: usually one)
+
+    def settle() -> None:
+        for box in list(boxes.values()):
+            box.settle()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state["mailbox"] = box = Mailbox(asyncio.get_running_loop())
-        sched.after_step = box.settle
+        sched.after_step = settle
         sched.start()
         try:
             yield
@@ -283,7 +286,8 @@ def build_app(server: Server) -> Starlette:
             sampling = SamplerConfig(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                                      repetition_penalty=p.repetition_penalty, seed=p.seed)
             queue: asyncio.Queue[Event] = asyncio.Queue()
-            box = state["mailbox"]
+            loop = asyncio.get_running_loop()
+            box = boxes.get(loop) or boxes.setdefault(loop, Mailbox(loop))
 
             def emit(ev: Event) -> None:
                 box.post(queue, ev)
