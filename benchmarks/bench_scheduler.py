@@ -85,8 +85,9 @@ def main() -> None:
     try:
         for n in levels:
             r = results[n] = level(sched, model.tokenizer, n, args.requests, args.max_tokens)
+            steps = max(r["steps"], 1)
             print(f"  {n:3d} clients: {r['tokens'] / r['wall']:7.1f} tok/s; {r['steps']} steps, "
-                  f"{r['tokens'] / max(r['steps'], 1):.1f} tokens a step, forward {1e3 * r['forward_s'] / max(r['steps'], 1):.1f}"
+                  f"{r['tokens'] / steps:.1f} tokens a step, forward {1e3 * r['forward_s'] / steps:.1f}"
                   f" ms a step ({100 * r['forward_s'] / r['wall']:.0f}% of the wall time)", flush=True)
     finally:
         sched.stop()

@@ -242,7 +242,8 @@ def test_reserve_and_compiled_scatter_equal_append():
         if step % 2:
             table = fast.kv(0).reserve_rows(groups, (k.shape[1:], v.shape[1:]))
         else:
-            table = np.array([(sel.start, sel.stop, fast.kv(0).reserve(s, sel.stop - sel.start, (k.shape[1:], v.shape[1:])),
+            shapes = (k.shape[1:], v.shape[1:])
+            table = np.array([(sel.start, sel.stop, fast.kv(0).reserve(s, sel.stop - sel.start, shapes),
                                *fast.kv(0).addresses(s)) for s, sel in groups], dtype=np.int64)
         c.scatter_rows(k, v, pos, table)
         read = fast.kv(0).rows_table(groups)

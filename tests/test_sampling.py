@@ -182,7 +182,8 @@ def test_sample_consistent_with_probs():
         assert r.probs[r.token] > 0
 
 
-@pytest.mark.parametrize("cfg", [dict(temperature=0.0), dict(temperature=0.8, seed=3), dict(temperature=1.2, top_k=5, seed=4),
+@pytest.mark.parametrize("cfg", [dict(temperature=0.0), dict(temperature=0.8, seed=3),
+                                 dict(temperature=1.2, top_k=5, seed=4),
                                  dict(temperature=0.7, top_p=0.9, min_p=0.05, seed=5),
                                  dict(temperature=0.0, repetition_penalty=1.3)])
 def test_token_is_the_sampled_token_with_the_same_draws(cfg):

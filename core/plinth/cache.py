@@ -220,22 +220,8 @@ class Rows(CacheKind):
         per group its slice's start and stop, where its new rows start in its buffers, and the
         :meth:`addresses` of its K, V and positions buffers (what
         :func:`plinth.ops.compiled.scatter_rows` takes)."""
-        pending, length, bufs_of, known = self._pending, self._len, self._buf, self._addr
-        rows = []
-        for seq, sel in groups:
-            start, stop = sel.start, sel.stop
-            n_old = pending.get(seq)
-            if n_old is None:
-                n_old = length.get(seq, 0)
-            bufs = bufs_of.get(seq)
-            at = known.get(seq)
-            if bufs is None or bufs[0].shape[0] < n_old + stop - start or at is None or at[0] is not bufs:
-                self.reserve(seq, stop - start, shapes)  # (a new or growing buffer: the general path)
-                at = (None, self.addresses(seq))
-            else:
-                pending[seq] = n_old + stop - start
-            rows.append((start, stop, n_old) + at[1])
-        return np.array(rows, dtype=np.int64)
+        return np.array([(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) + self.addresses(seq)
+                         for seq, sel in groups], dtype=np.int64)
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its

@@ -318,7 +318,7 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
                                                     xp=xp))
         groups.append((sel, kc, vc, bias, kv.addresses(seq) if host and len(kpos) else None))
     if all(isinstance(g[0], slice) for g in groups):
-        # every sequence's rows in one call (a server step's decode rows: one compiled call a layer)
+        # (a step that mixes prompt chunks with few-row groups: those still go through one compiled call)
         return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias, at) for sel, kc, vc, bias, at in groups],
                                     scale=scale, soft_cap=soft_cap)
     out = xp.empty(q.shape[:2] + (v.shape[2],), dtype=xp.float32)

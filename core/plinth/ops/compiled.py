@@ -197,9 +197,10 @@ def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, 
     """out[r] = x[r] / sqrt(mean(x[r]**2) + eps) * w (or * (1 + w)) for x float32 [m, n] (C order).
 
     The sum of squares runs in float64 (a sequential f32 sum over a few thousand values would lose
-    more than numpy's pairwise one), in eight interleaved partial sums (eight independent chains
-    of adds instead of one: 16 rows of 576 in 3.8 us, not 8.5; float64's error on a few thousand squares is far below what
-    the float32 rounding after it keeps), the rest in f32 as :func:`plinth.ops.rms_norm` states it;
+    more than numpy's pairwise one), in eight interleaved partial sums (eight independent chains of
+    adds instead of one: 16 rows of 576 in 3.8 us, not 8.5; float64's error on a few thousand squares
+    is far below what the float32 rounding after it keeps), the rest in f32 as
+    :func:`plinth.ops.rms_norm` states it;
     each row is computed alone, so a row's result does not depend on its batch."""
     m, n = x.shape
     e = np.float32(eps)
@@ -208,7 +209,8 @@ def rms_norm_rows(x: np.ndarray, w: np.ndarray, has_w: bool, unit_offset: bool, 
     for r in range(m):
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
         for j in range(0, n8, 8):
-            v0, v1, v2, v3 = np.float64(x[r, j]), np.float64(x[r, j + 1]), np.float64(x[r, j + 2]), np.float64(x[r, j + 3])
+            v0, v1, v2, v3 = (np.float64(x[r, j]), np.float64(x[r, j + 1]), np.float64(x[r, j + 2]),
+                              np.float64(x[r, j + 3]))
             v4, v5, v6, v7 = (np.float64(x[r, j + 4]), np.float64(x[r, j + 5]), np.float64(x[r, j + 6]),
                               np.float64(x[r, j + 7]))
             s0 += v0 * v0
