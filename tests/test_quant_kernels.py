@@ -219,6 +219,27 @@ def test_precise_products_redo_the_top_values_in_f32(type_name: str, monkeypatch
 
 
 @needs_int8
+def test_int8_output_rows_of_4k_are_padded() -> None:
+    """A product with a multiple of 1024 outputs (an LM head) goes to rows ``ROW_PAD`` floats longer,
+    returned as a view of the first columns: the same values (against gguf-py's dequantizer), the
+    precise head's refinement confined to them, a row the same alone or in the batch."""
+    n_out, n_in = 2048, 64
+    raw = quantized_rows("Q8_0", n_out, n_in, 21)
+    ref_w = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0), np.float64).reshape(n_out, n_in)
+    w = QuantWeight(raw, int(GGMLType.Q8_0), (n_out, n_in))
+    x = np.random.default_rng(22).standard_normal((9, n_in)).astype(np.float32)
+    y = w.matmul(x)
+    assert y.shape == (9, n_out) and y.strides[0] == 4 * (n_out + quant.ROW_PAD)
+    assert _rel_err(y, _q8_round_trip(x) @ ref_w.T) < 1e-5
+    w.precise = True
+    yp = w.matmul(x)
+    assert np.array_equal(yp.argmax(1), (x.astype(np.float64) @ ref_w.T).argmax(1))
+    for r in (0, 8):
+        alone = w.matmul(x[r:r + 1])
+        assert alone.flags.c_contiguous and np.array_equal(alone[0], yp[r])
+
+
+@needs_int8
 def test_release_pages_only_for_mapped_files(tmp_path) -> None:
     """Repacked weights hand their mapped file pages back (they leave the resident set and read the
     same afterwards); an array in anonymous memory is never touched (MADV_DONTNEED would zero it)."""
@@ -364,7 +385,8 @@ def _near_max_numpy(y: np.ndarray, margin: float, cap: int) -> np.ndarray:
 def test_near_max_rows_is_the_numpy_rule() -> None:
     """The compiled selection of the precise head: the numpy rule's columns, with the margin halved,
     ties beyond the cap, a row of equal values (halving cannot separate them), and columns past a
-    multiple of 64."""
+    multiple of 64; the columns past ``n`` of longer rows (the padded output of an LM head) are not
+    looked at."""
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(5)
     y = (rng.standard_normal((6, 1000)) * 3).astype(np.float32)
@@ -372,10 +394,11 @@ def test_near_max_rows_is_the_numpy_rule() -> None:
     y[2] = 1.0  # all equal
     y[3, 999] = 50.0  # the maximum in the last, partial chunk
     y[4] = np.linspace(0, 1, 1000, dtype=np.float32)  # a dense ramp: the margin halves several times
+    longer = np.concatenate([y, np.full((6, 16), 99.0, np.float32)], axis=1)
     for cap in (256, 16, 3):
         cols = np.zeros((6, cap), np.int64)
         counts = np.empty(6, np.int64)
-        k8.near_max_rows(y, y.max(axis=1), 1.5, cap, cols, counts)
+        k8.near_max_rows(longer, y.max(axis=1), 1000, 1.5, cap, cols, counts)
         for r in range(6):
             assert np.array_equal(cols[r, :counts[r]], _near_max_numpy(y[r], 1.5, cap)), (cap, r)
 

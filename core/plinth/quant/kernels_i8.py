@@ -63,27 +63,27 @@ def quantize_rows(x: np.ndarray, xq: np.ndarray, xdt: np.ndarray, xsdt: np.ndarr
 
 
 @njit(cache=True)
-def _count_at_least(y: np.ndarray, r: int, lo: np.float32) -> int:
-    """How many of y[r] are >= lo (a loop LLVM vectorises)."""
+def _count_at_least(y: np.ndarray, r: int, n: int, lo: np.float32) -> int:
+    """How many of y[r, :n] are >= lo (a loop LLVM vectorises)."""
     c = 0
-    for j in range(y.shape[1]):
+    for j in range(n):
         c += np.int64(y[r, j] >= lo)
     return c
 
 
 @njit(cache=True, fastmath=False)
-def near_max_rows(y: np.ndarray, mx: np.ndarray, margin: float, cap: int, cols: np.ndarray,
+def near_max_rows(y: np.ndarray, mx: np.ndarray, n: int, margin: float, cap: int, cols: np.ndarray,
                   counts: np.ndarray) -> None:
-    """Per row r of y (finite float32 [m, n]; ``mx[r]`` its maximum): the columns within ``margin`` of
+    """Per row r of y's first n columns (finite float32; ``mx[r]`` their maximum): the columns within ``margin`` of
     the maximum, in order, into ``cols[r, :counts[r]]`` (int64 [m, cap]); where more than ``cap`` are
     that close the margin is halved (in float32, at most 24 times) until they fit, and the first
     ``cap`` of those left are kept (ties at the maximum beyond ``cap``). One pass that counts, and one
     that collects, 64 values at a time (a chunk without a close value is only compared)."""
-    m, n = y.shape
+    m = y.shape[0]
     for r in range(m):
         lo = mx[r] - np.float32(margin)
         for _ in range(24):
-            if _count_at_least(y, r, lo) <= cap:
+            if _count_at_least(y, r, n, lo) <= cap:
                 break
             lo = mx[r] - (mx[r] - lo) * np.float32(0.5)
         k = 0
