@@ -99,6 +99,33 @@ def test_int8_activations_are_gguf_q8_0() -> None:
 
 
 @needs_int8
+def test_int8_activations_follow_the_rule_exactly() -> None:
+    """The vector quantizer's bytes are numpy's float32 rule to the bit: d = max|x| / 127, q =
+    rint(x * (1 / d)) (halves to even, 0 for an all-zero block), the 16-value sums and d * sum(q);
+    blocks of zeros, negative zeros, exact halves, tiny and large magnitudes, rows of any count."""
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(23)
+    for m, n in ((1, 64), (3, 576), (9, 1536)):
+        x = (rng.standard_normal((m, n)) * 10.0 ** rng.uniform(-6, 6, (m, n // 32)).repeat(32, 1)).astype(np.float32)
+        x[0, :32] = 0.0
+        x[-1, 32:64] = -0.0
+        x[0, -32:] = np.arange(32) - np.float32(15.5)  # d = 1 (the 127 below): every product a half
+        x[0, -1] = 127.0
+        xq, xdt = np.empty((m, n), np.int8), np.empty((n // 32, m), np.float32)
+        xsdt, xit = np.empty_like(xdt), np.empty((n // 16, m), np.int32)
+        k8.quantize_rows(x, xq, xdt, xsdt, xit)
+        blocks = x.reshape(m, -1, 32)
+        d = np.abs(blocks).max(-1) / np.float32(127.0)
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, np.float32(0.0), np.float32(1.0) / d).astype(np.float32)
+        q = np.rint(blocks * inv[..., None]).astype(np.int32)
+        assert np.array_equal(xq, q.reshape(m, n).astype(np.int8)), (m, n)
+        assert np.array_equal(xdt, d.T)
+        assert np.array_equal(xit, q.reshape(m, -1, 16).sum(-1).T)
+        assert np.array_equal(xsdt, (d * q.sum(-1).astype(np.float32)).T)
+
+
+@needs_int8
 @pytest.mark.parametrize("type_name", I8_TYPES)
 def test_int8_kernel_product_matches_gguf_dequantizer(type_name: str) -> None:
     raw = _packed(type_name, seed=7)

@@ -534,3 +534,79 @@ def groups_any(typingctx, t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi):
         return context.get_dummy_value()
 
     return types.void(t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi), codegen
+
+
+# ---------------------------------------------------------------------------------------------
+# the activations' quantization
+
+
+def _reduce(builder, op, v):
+    """``llvm.vector.reduce.<op>`` of an <8 x i32>."""
+    return builder.call(_fn(builder, f"llvm.vector.reduce.{op}.v8i32", _i32, [_v8i32]), [v])
+
+
+def _emit_quantize_row(builder, xp, xqp, n, xdp, xsp, xip, m, r):
+    """IR for row ``r`` of :func:`quantize_row`: ``xp`` / ``xqp`` the row's floats and int8s, the
+    block-major arrays at their bases (``m`` rows a block)."""
+    i64 = lambda v: _const(_i64, v)  # noqa: E731
+    f32 = lambda v: _const(_f32, v)  # noqa: E731
+    with cgutils.for_range(builder, builder.udiv(n, i64(32))) as loop:
+        b = loop.index
+        v = [_load(builder, _at(builder, xp, builder.add(builder.mul(b, i64(128)), i64(32 * k))), _v8f)
+             for k in range(4)]
+        # max |x| on the bits: a finite float's magnitude orders as its bits without the sign
+        mag = [builder.and_(builder.bitcast(a, _v8i32), _splat(_i32, 8, 0x7FFFFFFF)) for a in v]
+        top = _reduce(builder, "smax", _smax(builder, _smax(builder, mag[0], mag[1]), _smax(builder, mag[2], mag[3])))
+        d = builder.fdiv(builder.bitcast(top, _f32), f32(127.0))
+        inv = builder.select(builder.fcmp_ordered("==", d, f32(0.0)), f32(0.0), builder.fdiv(f32(1.0), d))
+        rint = _fn(builder, "llvm.rint.v8f32", _v8f, [_v8f])  # to nearest even, as np.rint
+        q = [builder.fptosi(builder.call(rint, [builder.fmul(a, _broadcast(builder, inv, 8))]), _v8i32) for a in v]
+        for k in range(4):
+            st = builder.store(builder.trunc(q[k], _v8i8),
+                               builder.bitcast(_at(builder, xqp, builder.add(builder.mul(b, i64(32)), i64(8 * k))),
+                                               _v8i8.as_pointer()))
+            st.align = 1
+        halves = [_reduce(builder, "add", builder.add(q[0], q[1])), _reduce(builder, "add", builder.add(q[2], q[3]))]
+        at = builder.mul(builder.add(builder.mul(b, m), r), i64(4))  # [b, r] of the block-major arrays
+        for h in range(2):
+            ih = builder.mul(builder.add(builder.mul(builder.add(builder.mul(b, i64(2)), i64(h)), m), r), i64(4))
+            builder.store(halves[h], builder.bitcast(_at(builder, xip, ih), _i32.as_pointer()))
+        builder.store(d, builder.bitcast(_at(builder, xdp, at), _f32.as_pointer()))
+        s = builder.sitofp(builder.add(halves[0], halves[1]), _f32)
+        builder.store(builder.fmul(d, s), builder.bitcast(_at(builder, xsp, at), _f32.as_pointer()))
+
+
+def _smax(builder, a, b):
+    return builder.select(builder.icmp_signed(">", a, b), a, b)
+
+
+@intrinsic
+def quantize_row(typingctx, x, xq, xdt, xsdt, xit, r):
+    """Row ``r`` of :func:`plinth.quant.kernels_i8.quantize_rows` as vector IR: x float32 and xq
+    int8 ``[m, n]`` with contiguous rows (n a multiple of 32), xdt / xsdt float32 ``[n / 32, m]``
+    and xit int32 ``[n / 16, m]`` C-order. Per 32 values: ``d = max|x| / 127`` (the maximum
+    taken on the magnitudes' bits, which order as the floats do), ``q = rint(x * (1 / d))`` (0
+    where d is 0), the two 16-value sums of q, ``d`` and ``d * sum(q)``."""
+    if not all(isinstance(a, types.Array) and a.ndim == 2 for a in (x, xq, xdt, xsdt, xit)):
+        raise TypeError("quantize_row takes 2-D arrays")
+
+    def codegen(context, builder, sig, args):
+        x_, xq_, xd_, xs_, xi_ = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
+                                  for ty, v in zip(sig.args[:5], args[:5])]
+
+        def first(t):  # an UniTuple's first item as i64
+            v = cgutils.unpack_tuple(builder, t)[0]
+            return v if v.type == _i64 else builder.sext(v, _i64)
+
+        r = args[5] if args[5].type == _i64 else builder.sext(args[5], _i64)
+        xp = _at(builder, builder.bitcast(x_.data, _I8P), builder.mul(r, first(x_.strides)))
+        xqp = _at(builder, builder.bitcast(xq_.data, _I8P), builder.mul(r, first(xq_.strides)))
+        n = cgutils.unpack_tuple(builder, x_.shape)[1]
+        n = n if n.type == _i64 else builder.sext(n, _i64)
+        m = cgutils.unpack_tuple(builder, xd_.shape)[1]
+        m = m if m.type == _i64 else builder.sext(m, _i64)
+        _emit_quantize_row(builder, xp, xqp, n, builder.bitcast(xd_.data, _I8P), builder.bitcast(xs_.data, _I8P),
+                           builder.bitcast(xi_.data, _I8P), m, r)
+        return context.get_dummy_value()
+
+    return types.void(x, xq, xdt, xsdt, xit, r), codegen
