@@ -28,6 +28,10 @@ Every activation row goes through the same operations whatever the batch (its in
 exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
 on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
 
+In row groups of four and eight each block's bytes are prefetched :data:`PREFETCH_BYTES` ahead (a
+batch is compute-bound, and the hardware prefetchers left the weights' memory latency unhidden).
+:func:`quantize_row` quantizes the activations (the int8 side of these products) as vector code too.
+
 A weight whose row count is not a multiple of eight is padded with zero rows to the next group.
 Arrays are not bounds-checked: callers pass whole groups. :func:`available` says whether the host
 has AVX2 and F16C (else callers use the f32 kernels); :func:`has_vnni` whether the VNNI form is
