@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         urls = {e: stack.enter_context(_start(e, path, free_port(), args, log_dir / f"{e}.log")).url for e in engines}
         for e in engines:
             asyncio.run(_level(urls[e], "bench", 2, 3.0, 8, args.client))  # warm up
-        for _, n in ((rep, n) for rep in range(max(1, args.repeat)) for n in levels):
+        for n in levels * max(1, args.repeat):  # (1, 16, 1, 16, ...: the passes interleaved)
             for e in engines:
                 r = results[(e, n)] = asyncio.run(_level(urls[e], "bench", n, args.duration, args.max_tokens,
                                                          args.client))

@@ -30,7 +30,7 @@ temperature only reshapes the mass among the tokens already kept.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import numpy as np
@@ -145,16 +145,24 @@ class Sampler:
                 vals, ids = vals[keep], ids[keep]
         return ids, vals
 
+    def _kept(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None) -> Any:
+        """The candidates after all filters and their tempered probabilities: (ids or None for all,
+        p), or the token id alone where the choice is certain (greedy)."""
+        c = self._candidates(logits, history)
+        if isinstance(c, int):
+            return c
+        ids, vals = c
+        return ids, _softmax(vals / self.config.temperature)
+
     def probs(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """The full normalised float64 distribution over the vocabulary after all filters."""
         n = np.asarray(logits).shape[-1]
-        c = self._candidates(logits, history)
+        k = self._kept(logits, history)
         out = np.zeros(n, dtype=np.float64)
-        if isinstance(c, int):
-            out[c] = 1.0
+        if isinstance(k, int):
+            out[k] = 1.0
             return out
-        ids, vals = c
-        p = _softmax(vals / self.config.temperature)
+        ids, p = k
         if ids is None:
             return p
         out[ids] = p
@@ -163,13 +171,12 @@ class Sampler:
     def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> SampleResult:
         """Draw one token; also return the distribution it came from."""
         n = np.asarray(logits).shape[-1]
-        c = self._candidates(logits, history)
+        k = self._kept(logits, history)
         out = np.zeros(n, dtype=np.float64)
-        if isinstance(c, int):
-            out[c] = 1.0
-            return SampleResult(c, out)
-        ids, vals = c
-        p = _softmax(vals / self.config.temperature)
+        if isinstance(k, int):
+            out[k] = 1.0
+            return SampleResult(k, out)
+        ids, p = k
         j = self.draw(p)  # draw among the kept candidates only
         if ids is None:
             return SampleResult(j, p)
@@ -179,11 +186,11 @@ class Sampler:
     def token(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> int:
         """``sample(logits, history).token`` (the same draw from the generator) without building the
         distribution over the whole vocabulary: what a decode loop needs."""
-        c = self._candidates(logits, history)
-        if isinstance(c, int):
-            return c
-        ids, vals = c
-        j = self.draw(_softmax(vals / self.config.temperature))
+        k = self._kept(logits, history)
+        if isinstance(k, int):
+            return k
+        ids, p = k
+        j = self.draw(p)
         return j if ids is None else int(ids[j])
 
     def draw(self, p: np.ndarray) -> int:

@@ -489,6 +489,16 @@ def _typing(grp, xq, xdt, xsdt, xit, out):
     return 8 if has_vnni() else 4
 
 
+def _as_i64(builder, v):
+    """An integer value widened to i64 (signed)."""
+    return v if v.type == _i64 else builder.sext(v, _i64)
+
+
+def _dim(builder, tup, i):
+    """Item ``i`` of an array's shape or strides tuple, as i64."""
+    return _as_i64(builder, cgutils.unpack_tuple(builder, tup)[i])
+
+
 def _call_args(context, builder, sig, args):
     """The kernel function's argument values from the intrinsic's last nine arguments."""
     grp, xq, xd, xs, xi, out = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
@@ -498,14 +508,11 @@ def _call_args(context, builder, sig, args):
         return builder.bitcast(a.data, _I8P)
 
     def stride(a):
-        v = cgutils.unpack_tuple(builder, a.strides)[0]
-        return v if v.type == _i64 else builder.sext(v, _i64)
+        return _dim(builder, a.strides, 0)
 
-    n = cgutils.unpack_tuple(builder, xq.shape)[1]
-    n = n if n.type == _i64 else builder.sext(n, _i64)
-    vals = [base(grp), base(xq), stride(xq), n, base(xd), stride(xd), base(xs), stride(xs), base(xi), stride(xi),
-            base(out), stride(out)]
-    return vals + [a if a.type == _i64 else builder.sext(a, _i64) for a in args[-3:]]
+    vals = [base(grp), base(xq), stride(xq), _dim(builder, xq.shape, 1), base(xd), stride(xd), base(xs), stride(xs),
+            base(xi), stride(xi), base(out), stride(out)]
+    return vals + [_as_i64(builder, a) for a in args[-3:]]
 
 
 def make_group_dot(kind, vnni=None):
@@ -608,19 +615,12 @@ def quantize_row(typingctx, x, xq, xdt, xsdt, xit, r):
         x_, xq_, xd_, xs_, xi_ = [cgutils.create_struct_proxy(ty)(context, builder, value=v)
                                   for ty, v in zip(sig.args[:5], args[:5])]
 
-        def first(t):  # an UniTuple's first item as i64
-            v = cgutils.unpack_tuple(builder, t)[0]
-            return v if v.type == _i64 else builder.sext(v, _i64)
-
-        r = args[5] if args[5].type == _i64 else builder.sext(args[5], _i64)
-        xp = _at(builder, builder.bitcast(x_.data, _I8P), builder.mul(r, first(x_.strides)))
-        xqp = _at(builder, builder.bitcast(xq_.data, _I8P), builder.mul(r, first(xq_.strides)))
-        n = cgutils.unpack_tuple(builder, x_.shape)[1]
-        n = n if n.type == _i64 else builder.sext(n, _i64)
-        m = cgutils.unpack_tuple(builder, xd_.shape)[1]
-        m = m if m.type == _i64 else builder.sext(m, _i64)
-        _emit_quantize_row(builder, xp, xqp, n, builder.bitcast(xd_.data, _I8P), builder.bitcast(xs_.data, _I8P),
-                           builder.bitcast(xi_.data, _I8P), m, r)
+        r = _as_i64(builder, args[5])
+        xp = _at(builder, builder.bitcast(x_.data, _I8P), builder.mul(r, _dim(builder, x_.strides, 0)))
+        xqp = _at(builder, builder.bitcast(xq_.data, _I8P), builder.mul(r, _dim(builder, xq_.strides, 0)))
+        _emit_quantize_row(builder, xp, xqp, _dim(builder, x_.shape, 1), builder.bitcast(xd_.data, _I8P),
+                           builder.bitcast(xs_.data, _I8P), builder.bitcast(xi_.data, _I8P),
+                           _dim(builder, xd_.shape, 1), r)
         return context.get_dummy_value()
 
     return types.void(x, xq, xdt, xsdt, xit, r), codegen
