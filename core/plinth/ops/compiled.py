@@ -25,12 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from llvmlite import ir
 from numba import carray, njit, prange, types
-from numba.extending import intrinsic
 
-from ..quant.jitcache import drop_stale
-from .attend_simd import attend_rows, lanes, scratch_floats
+from ..quant.jitcache import address_call, drop_stale, pointer_to
+from .attend_simd import ATTEND_SIG, attend_address, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
@@ -38,7 +36,7 @@ _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 _W = lanes()
 
 
-@njit(cache=True, fastmath=_FLAGS, inline="always")
+@njit(cache=True, fastmath=_FLAGS)
 def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, sc: float,
                 cap: float, out: np.ndarray) -> None:
     """Query row t // n_head, head t % n_head."""
@@ -66,7 +64,8 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
             mx = a
     o = np.zeros(hd_v, dtype=np.float32)
     if mx == -np.inf:  # sees no key
-        out[i, h, :] = o
+        for d in range(hd_v):  # (a loop: an array assignment compiles numba's shape-error message, ~2 s)
+            out[i, h, d] = np.float32(0.0)
         return
     den = np.float32(0.0)
     for j in range(n_kv):
@@ -80,22 +79,39 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
         out[i, h, d] = o[d] * inv
 
 
-@intrinsic
-def _f32_at(typingctx, addr):
-    """The float32 pointer held in the integer ``addr`` (an array's data address)."""
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-
-    return types.CPointer(types.float32)(types.int64), codegen
+_f32_at = pointer_to(types.float32, "f32_at")
+_i64_at = pointer_to(types.int64, "i64_at")
 
 
-@intrinsic
-def _i64_at(typingctx, addr):
-    """The int64 pointer held in the integer ``addr``."""
-    def codegen(context, builder, sig, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(64)))
+#: :func:`_plain_task`'s arguments as a C function's
+PLAIN_SIG = types.void(*[types.int64] * 11, types.float32, types.float32, types.int64)
+_call_attend = address_call(ATTEND_SIG, "call_attend")
+_call_plain = address_call(PLAIN_SIG, "call_plain")
+_plain: dict[str, object] = {}
 
-    return types.CPointer(types.int64)(types.int64), codegen
+
+def _plain_task(t: int, q_at: int, n_rows: int, n_head: int, hd: int, k_at: int, v_at: int, n_kv: int, n_head_kv: int,
+                hd_v: int, bias_at: int, sc: float, cap: float, out_at: int) -> None:
+    """:func:`_attend_one` on data addresses: the rows of one group, q ``[n_rows, n_head, hd]``, keys and
+    values ``[n_kv, n_head_kv, hd | hd_v]``, bias ``[n_rows, n_kv]`` (0: none), out ``[n_rows, n_head, hd_v]``."""
+    q = carray(_f32_at(q_at), (n_rows, n_head, hd))
+    k = carray(_f32_at(k_at), (n_kv, n_head_kv, hd))
+    v = carray(_f32_at(v_at), (n_kv, n_head_kv, hd_v))
+    has_bias = bias_at != 0
+    bias = carray(_f32_at(bias_at if has_bias else k_at), (n_rows, n_kv if has_bias else 0))
+    out = carray(_f32_at(out_at), (n_rows, n_head, hd_v))
+    _attend_one(t, q, k, v, bias, has_bias, sc, cap, out)
+
+
+def plain_address() -> int:
+    """The address of :func:`_plain_task` compiled as a C function (:data:`PLAIN_SIG`; on first use, then
+    from numba's on-disk cache), for the same reason as :func:`plinth.ops.attend_simd.attend_address`."""
+    fn = _plain.get("plain")
+    if fn is None:
+        from numba import cfunc
+
+        fn = _plain["plain"] = cfunc(PLAIN_SIG, cache=True, fastmath=_FLAGS)(_plain_task)
+    return fn.address
 
 
 @njit(cache=True, nogil=True)
@@ -122,7 +138,6 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
             pb[j] = positions[r]
 
 
-@njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
 def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
                      out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
     """Attention of a few query rows for one or more sequences in one parallel region. ``table`` int64
@@ -138,6 +153,15 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     one kv head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
+    attention_table(attend_address(), plain_address(), q, table, n_head_kv, hd_v, scale, soft_cap, out, n_threads,
+                    plain)
+
+
+@njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
+def attention_table(vec_fn: int, plain_fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int,
+                    scale: float, soft_cap: float, out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
+    """:func:`attention_groups` with the addresses of its compiled tasks: ``vec_fn`` the vector kernel
+    (:func:`plinth.ops.attend_simd.attend_address`), ``plain_fn`` the plain loop (:func:`plain_address`)."""
     bounds = table[:, :2]
     n_kv, k_at, v_at, bias_at = table[:, 2], table[:, 3], table[:, 4], table[:, 5]
     sc = np.float32(scale)
@@ -155,6 +179,7 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
             row[i] = r
             i += 1
     W = _W
+    q_at, out_at = q.ctypes.data, out.ctypes.data
     if not plain and cap == 0 and hd % W == 0 and hd_v % (4 * W) == 0:
         per_kv = n_head // n_head_kv
         run = per_kv  # query heads a task
@@ -165,7 +190,6 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
         for g in range(len(n_kv)):
             n_max = max(n_max, n_kv[g])
         n_scratch = scratch_floats(n_max, run, hd, hd_v, W)
-        q_at, out_at = q.ctypes.data, out.ctypes.data
         for t in prange(n_sel * n_head_kv * runs):
             j = t // (n_head_kv * runs)
             rest = t - j * n_head_kv * runs
@@ -176,20 +200,16 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
             n = n_kv[g]
             b_at = bias_at[g] + (row[j] - bounds[g, 0]) * n * 4 if bias_at[g] != 0 else 0
             scratch = np.empty(n_scratch, np.float32)
-            attend_rows(q_at + (row[j] * n_head + h0) * hd * 4, n_q, hd, k_at[g] + hk * hd * 4,
-                        v_at[g] + hk * hd_v * 4, n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at,
-                        scratch.ctypes.data, out_at + (row[j] * n_head + h0) * hd_v * 4, hd_v)
+            _call_attend(vec_fn, q_at + (row[j] * n_head + h0) * hd * 4, n_q, hd, k_at[g] + hk * hd * 4,
+                         v_at[g] + hk * hd_v * 4, n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at,
+                         scratch.ctypes.data, out_at + (row[j] * n_head + h0) * hd_v * 4, hd_v)
         return
     for t in prange(n_sel * n_head):
         j = t // n_head
         g = group[j]
         s0, s1 = bounds[g, 0], bounds[g, 1]
-        n = n_kv[g]
-        k = carray(_f32_at(k_at[g]), (n, n_head_kv, hd))
-        v = carray(_f32_at(v_at[g]), (n, n_head_kv, hd_v))
-        has_bias = bias_at[g] != 0
-        bias = carray(_f32_at(bias_at[g] if has_bias else k_at[g]), (s1 - s0, n if has_bias else 0))
-        _attend_one((row[j] - s0) * n_head + t - j * n_head, q[s0:s1], k, v, bias, has_bias, sc, cap, out[s0:s1])
+        _call_plain(plain_fn, (row[j] - s0) * n_head + t - j * n_head, q_at + s0 * n_head * hd * 4, s1 - s0, n_head, hd,
+                    k_at[g], v_at[g], n_kv[g], n_head_kv, hd_v, bias_at[g], sc, cap, out_at + s0 * n_head * hd_v * 4)
 
 
 @njit(cache=True, nogil=True)
@@ -261,4 +281,4 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox
                 out[t, h, ib] = a * sn + b * c
 
 
-drop_stale(attention_groups, [Path(__file__).with_name("attend_simd.py")])
+drop_stale(attention_table, [Path(__file__).with_name("attend_simd.py"), Path(__file__).parents[1] / "quant" / "jitcache.py"])

@@ -199,7 +199,8 @@ def _cache_warm(k: Any) -> bool:
     dirs = [Path(k.__file__).parent / "__pycache__"]
     if os.environ.get("NUMBA_CACHE_DIR"):
         dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
-    return any(any(d.rglob("kernels_i8.linear-*.nbi")) and any(d.rglob("kernels.dequantize_fast_serial-*.nbi"))
+    return any(all(any(d.rglob(f"{name}-*.nbi")) for name in ("kernels_i8.linear", "simd.kernel_*",
+                                                               "kernels.dequantize_fast_serial"))
                for d in dirs if d.is_dir())
 
 
@@ -319,8 +320,7 @@ class QuantWeight:
                 k.matmul_fast(self.ggml_type, self.raw, self.raw16, x, k.F16_TABLE, out)
                 return out
             chunk = max(1, min(64, self.shape[0] // (8 * threads())))
-            k.matmul_rows(self.ggml_type, self.qk, self.raw, self.raw16, x, k.F16_TABLE, k.FP4_VALUES, out,
-                          chunk)
+            k.matmul_rows(self.ggml_type, self.qk, self.raw, x, k.F16_TABLE, k.FP4_VALUES, out, chunk)
             return out
         blas.use(blas_threads())
         tile = max(64, TILE_BYTES // (4 * self.shape[1]))
@@ -430,7 +430,7 @@ def _int8_product(args: tuple[Any, ...], x: np.ndarray, out: np.ndarray) -> np.n
 
 
 def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
-    """(types, groups, group starts, row starts) for :func:`plinth.quant.kernels_i8.linear`, or None
+    """(the types' compiled loops, groups, group starts, row starts) for :func:`plinth.quant.kernels_i8.linear`, or None
     where the int8 kernels are off or some part is of another type (or too many parts). The parts'
     rows are repacked here into groups of eight (:func:`plinth.quant.simd.repack`), once, and the
     mapped file pages they came from are handed back (:func:`release_pages`)."""
@@ -439,7 +439,7 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
         return None
     if any(p.ggml_type not in k8.I8_TYPES or p.shape[1] % 32 for p in parts):
         return None
-    from .simd import TYPE_CODES, repack
+    from .simd import TYPE_CODES, kernel_address, repack
 
     grps = []
     for p in parts:
@@ -448,10 +448,10 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
     for g in grps:
         g.flags.writeable = False  # (one array type: one compile)
     grps += [grps[0]] * (k8.MAX_PARTS - len(parts))
-    ts = np.array([p.ggml_type for p in parts], dtype=np.int64)
+    fns = np.array([kernel_address(p.ggml_type) for p in parts], dtype=np.int64)
     starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
     gstarts = np.cumsum([0] + [g.shape[0] for g in grps[:len(parts)]]).astype(np.int64)
-    return ts, tuple(grps), gstarts, starts
+    return fns, tuple(grps), gstarts, starts
 
 
 def release_pages(a: np.ndarray) -> int:

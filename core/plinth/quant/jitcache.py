@@ -1,7 +1,15 @@
-"""Numba's on-disk cache keys a compiled function on its own source file's contents only. The
+"""Numba's on-disk cache, and compiled functions called by address.
+
+Numba's on-disk cache keys a compiled function on its own source file's contents only. The
 kernels here also inline LLVM IR written in other modules (:mod:`plinth.quant.simd`,
-:mod:`plinth.ops.attend_simd`): an edit there would otherwise run the old code from the cache.
-:func:`drop_stale` removes a module's cached functions when the files it depends on changed."""
+:mod:`plinth.ops.attend_simd`, the intrinsics below): an edit there would otherwise run the old
+code from the cache. :func:`drop_stale` removes a module's cached functions when the files it
+depends on changed.
+
+The kernels' inner loops are compiled as C functions of their own (numba ``cfunc``) and the
+parallel regions call them by address (:func:`address_call`): numba would otherwise compile a
+callee's code again inside each function that holds it. That took the first compile of every
+kernel from 20-26 s to 12-15 s (``docs/performance.md``)."""
 
 from __future__ import annotations
 
@@ -9,6 +17,11 @@ import hashlib
 import os
 from pathlib import Path
 from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 def drop_stale(dispatcher: Any, deps: list[Path]) -> None:
@@ -32,3 +45,55 @@ def drop_stale(dispatcher: Any, deps: list[Path]) -> None:
         tmp.replace(stamp)
     except (AttributeError, OSError):  # no cache (read-only tree, numba internals moved): compile as usual
         pass
+
+
+def address_call(sig: Any, name: str) -> Any:
+    """An intrinsic ``f(address, *args)`` that calls the C function at the int64 ``address`` (a numba
+    ``cfunc``'s ``.address``) with ``args`` cast to ``sig``'s argument types.
+
+    Numba copies a callee's code into each function that calls it and optimises and emits it again
+    there; a parallel region's body is compiled as a function of its own, then its wrapper, then the
+    caller, so a kernel called inside a ``prange`` costs three compiles of its code. Compiled once as a
+    ``cfunc`` and reached through its address (a runtime argument: addresses differ per process, the
+    cached code must not hold one), it costs one."""
+    fnty = ir.FunctionType(ir.VoidType(), [_llvm_type(t) for t in sig.args])
+
+    def call(typingctx, address, *args):
+        if len(args) != len(sig.args):
+            raise TypeError(f"{name}: {len(sig.args)} arguments after the address, got {len(args)}")
+        star = types.StarArgTuple.from_types(args)
+
+        def codegen(context, builder, call_sig, values):
+            target = builder.inttoptr(context.cast(builder, values[0], call_sig.args[0], types.int64),
+                                      fnty.as_pointer())
+            given = cgutils.unpack_tuple(builder, values[1], len(args))
+            builder.call(target, [context.cast(builder, v, t, want) for v, t, want in zip(given, args, sig.args)])
+            return context.get_dummy_value()
+
+        return types.void(address, star), codegen
+
+    call.__name__ = name
+    return intrinsic(call)
+
+
+def pointer_to(dtype: Any, name: str) -> Any:
+    """An intrinsic ``f(address)``: the integer ``address`` as a numba pointer to ``dtype`` (for ``numba.carray``)."""
+
+    def at(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], _llvm_type(dtype).as_pointer())
+
+        return types.CPointer(dtype)(types.int64), codegen
+
+    at.__name__ = name
+    return intrinsic(at)
+
+
+def _llvm_type(t: Any) -> ir.Type:
+    if t == types.float32:
+        return ir.FloatType()
+    if t == types.float64:
+        return ir.DoubleType()
+    if isinstance(t, types.Integer):
+        return ir.IntType(t.bitwidth)
+    raise TypeError(f"address_call: argument type {t} (integers and floats only)")

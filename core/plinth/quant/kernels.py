@@ -20,8 +20,12 @@ pays the compile, later ones load it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
-from numba import njit, prange
+from numba import carray, cfunc, njit, prange, types
+
+from .jitcache import address_call, drop_stale, pointer_to
 
 # ggml type codes (plinth.gguf.constants.GGMLType)
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
@@ -31,6 +35,10 @@ Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 12, 13, 14, 30, 39
 KERNEL_TYPES = {F16: (32, 64), BF16: (32, 64), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
                 Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176),
                 Q6_K: (256, 210), MXFP4: (32, 17)}
+
+_f32_at = pointer_to(types.float32, "f32_at")
+_u8_at = pointer_to(types.uint8, "u8_at")
+_u16_at = pointer_to(types.uint16, "u16_at")
 
 #: f16 bit pattern -> float32 value (256 KiB, stays in cache)
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -71,38 +79,72 @@ def _decode_block(t: int, row: np.ndarray, row16: np.ndarray, ib: int, f16: np.n
             bufu[j] = np.uint32(row16[o + j]) << 16
 
 
-@njit(cache=True, parallel=True, fastmath=True)
-def matmul_rows(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray,
-                f16: np.ndarray, fp4: np.ndarray, out: np.ndarray, chunk: int) -> None:
+def _rows_run(t: int, qk: int, raw_at: int, raw_stride: int, row_bytes: int, x_at: int, m: int, n_in: int,
+              f16_at: int, fp4_at: int, out_at: int, n_out: int, o0: int, o1: int) -> None:
+    """Output columns o0 .. o1 - 1 of :func:`matmul_rows`, on data addresses: weight row o at ``raw_at + o *
+    raw_stride`` (``row_bytes`` bytes), x float32 [m, n_in] and out float32 [m, n_out] C-order, the f16 table
+    and the FP4 values."""
+    x = carray(_f32_at(x_at), (m, n_in))
+    out = carray(_f32_at(out_at), (m, n_out))
+    f16 = carray(_f32_at(f16_at), (65536,))
+    fp4 = carray(_f32_at(fp4_at), (16,))
+    buf = np.empty(qk, dtype=np.float32)
+    bufu = buf.view(np.uint32)
+    acc = np.empty(m, dtype=np.float32)
+    for o in range(o0, o1):
+        row = carray(_u8_at(raw_at + o * raw_stride), (row_bytes,))
+        row16 = carray(_u16_at(raw_at + o * raw_stride), (row_bytes // 2,))
+        for r in range(m):
+            acc[r] = 0.0
+        for ib in range(n_in // qk):
+            _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
+            base = ib * qk
+            for r in range(m):
+                s = np.float32(0.0)
+                for l in range(qk):
+                    s += buf[l] * x[r, base + l]
+                acc[r] += s
+        for r in range(m):
+            out[r, o] = acc[r]
+
+
+#: :func:`_rows_run`'s arguments as a C function's
+ROWS_SIG = types.void(*[types.int64] * 14)
+_call_rows = address_call(ROWS_SIG, "call_rows")
+_compiled: dict[str, object] = {}
+
+
+def rows_address() -> int:
+    """The address of :func:`_rows_run` compiled as a C function (on first use, then from numba's on-disk
+    cache): :func:`matmul_rows_at`'s parallel region calls it instead of holding its code
+    (:func:`plinth.quant.jitcache.address_call` says why)."""
+    fn = _compiled.get("rows")
+    if fn is None:
+        fn = _compiled["rows"] = cfunc(ROWS_SIG, cache=True, fastmath=True)(_rows_run)
+    return fn.address
+
+
+def matmul_rows(t: int, qk: int, raw: np.ndarray, x: np.ndarray, f16: np.ndarray, fp4: np.ndarray, out: np.ndarray,
+                chunk: int) -> None:
     """out[r, o] = sum_i x[r, i] * W[o, i] for an MXFP4, F16 or BF16 W (``qk`` = 32 values a block).
 
-    raw: uint8 [n_out, row_bytes];  raw16: the same bytes as uint16 [n_out, row_bytes // 2]
-    x: float32 [m, n_in] (C-contiguous);  out: float32 [m, n_out]
+    raw: uint8 [n_out, row_bytes] (rows of contiguous bytes, an even count)
+    x: float32 [m, n_in] (C-contiguous);  out: float32 [m, n_out] (C-contiguous)
     Output rows are split over threads in runs of ``chunk``.
     """
+    matmul_rows_at(rows_address(), t, qk, raw, x, f16, fp4, out, chunk)
+
+
+@njit(cache=True, parallel=True)
+def matmul_rows_at(fn: int, t: int, qk: int, raw: np.ndarray, x: np.ndarray, f16: np.ndarray, fp4: np.ndarray,
+                   out: np.ndarray, chunk: int) -> None:
+    """:func:`matmul_rows` with the address of its compiled task (:func:`rows_address`)."""
     n_out = raw.shape[0]
     m, n_in = x.shape
-    nb = n_in // qk
     n_chunks = (n_out + chunk - 1) // chunk
     for ci in prange(n_chunks):
-        buf = np.empty(qk, dtype=np.float32)
-        bufu = buf.view(np.uint32)
-        acc = np.empty(m, dtype=np.float32)
-        o1 = min(n_out, (ci + 1) * chunk)
-        for o in range(ci * chunk, o1):
-            row = raw[o]
-            row16 = raw16[o]
-            acc[:] = 0.0
-            for ib in range(nb):
-                _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
-                base = ib * qk
-                for r in range(m):
-                    s = np.float32(0.0)
-                    for l in range(qk):
-                        s += buf[l] * x[r, base + l]
-                    acc[r] += s
-            for r in range(m):
-                out[r, o] = acc[r]
+        _call_rows(fn, t, qk, raw.ctypes.data, raw.strides[0], raw.shape[1], x.ctypes.data, m, n_in, f16.ctypes.data,
+                   fp4.ctypes.data, out.ctypes.data, n_out, ci * chunk, min(n_out, (ci + 1) * chunk))
 
 
 @njit(cache=True, inline="always")
@@ -113,7 +155,8 @@ def _deq_generic_row(t: int, qk: int, row: np.ndarray, row16: np.ndarray, f16: n
     bufu = buf.view(np.uint32)
     for ib in range(y.shape[0] // qk):
         _decode_block(t, row, row16, ib, f16, fp4, buf, bufu)
-        y[ib * qk:(ib + 1) * qk] = buf
+        for j in range(qk):  # (a loop: an array assignment compiles numba's shape-error message, ~2 s)
+            y[ib * qk + j] = buf[j]
 
 
 @njit(cache=True, parallel=True)
@@ -406,3 +449,6 @@ def dequantize_fast_serial(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.
     """:func:`dequantize_fast` on the calling thread (prompt tiles: BLAS has the cores)."""
     for k in range(rows.shape[0]):
         _deq_row(t, raw[rows[k]], raw16[rows[k]], f16, out[k])
+
+
+drop_stale(matmul_rows_at, [Path(__file__).with_name("jitcache.py")])

@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
-from .simd import TYPE_CODES, groups_any, quantize_row
+from .simd import TYPE_CODES, call_group, quantize_row
 
 #: the GGML type codes :func:`linear` computes
 I8_TYPES = tuple(TYPE_CODES)
@@ -125,10 +125,11 @@ TILE_BYTES = 256 * 1024
 
 
 @njit(cache=True, parallel=True, nogil=True)
-def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray, x: np.ndarray,
+def linear(fns: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray, x: np.ndarray,
            out: np.ndarray) -> None:
-    """out = x @ W.T for W the parts stacked on the output axis: part p (type ``ts[p]``, one of
-    I8_TYPES, ``starts[p+1] - starts[p]`` rows) fills output columns ``starts[p]:starts[p+1]``.
+    """out = x @ W.T for W the parts stacked on the output axis: part p (``starts[p+1] - starts[p]`` rows
+    of a type of I8_TYPES, whose compiled loop is at address ``fns[p]``:
+    :func:`plinth.quant.simd.kernel_address`) fills output columns ``starts[p]:starts[p+1]``.
     ``grps[p]``: its rows in groups of eight (uint8 ``[n_groups, bytes]`` as
     :func:`plinth.quant.simd.repack` writes them, the last group padded with zero rows); ``gstarts``
     the cumulative group counts (the tuple holds MAX_PARTS arrays; unused slots repeat a part).
@@ -136,7 +137,7 @@ def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray,
     over all the parts' groups per tile of activation rows (TILE_BYTES), each weight row read once
     for them.  out: float32 [m, starts[-1]]."""
     m, n = x.shape
-    n_parts = len(ts)
+    n_parts = len(fns)
     xq = np.empty((m, n), np.int8)
     xdt = np.empty((n // 32, m), np.float32)
     xsdt = np.empty((n // 32, m), np.float32)
@@ -151,10 +152,12 @@ def linear(ts: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray,
             p = 0
             while p + 1 < n_parts and g >= gstarts[p + 1]:
                 p += 1
-            groups_any(ts[p], grps[p][g - gstarts[p]], xq, xdt, xsdt, xit, buf, 8 * g, r, r_hi)
+            call_group(fns[p], grps[p][g - gstarts[p]], xq, xdt, xsdt, xit, buf, 8 * g, r, r_hi)
     if padded:  # a part whose rows are not a multiple of 8: its columns without the padding's
-        for p in range(n_parts):
-            out[:, starts[p]:starts[p + 1]] = buf[:, 8 * gstarts[p]:8 * gstarts[p] + starts[p + 1] - starts[p]]
+        for p in range(n_parts):  # (loops: an array assignment compiles numba's shape-error message, ~2 s)
+            for r in range(m):
+                for j in range(starts[p + 1] - starts[p]):
+                    out[r, starts[p] + j] = buf[r, 8 * gstarts[p] + j]
 
 
 drop_stale(linear, [Path(__file__).with_name("simd.py")])

@@ -40,6 +40,8 @@ compiled.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -532,29 +534,70 @@ def make_group_dot(kind, vnni=None):
     return intrinsic(group_dot)
 
 
-@intrinsic
-def groups_any(typingctx, t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi):
-    """out[r, o0 : o0 + 8] = x[r] . W[o0 : o0 + 8] for r_lo <= r < r_hi: ``grp`` one group of eight
-    weight rows of GGML type ``t`` (one of :data:`TYPE_CODES`) as :func:`repack` wrote it; xq int8
-    [m, n], xdt / xsdt float32 and xit int32 block-major (:func:`plinth.quant.kernels_i8.quantize_rows`)."""
-    G = _typing(grp, xq, xdt, xsdt, xit, out)
+#: a compiled kernel's C signature: :data:`_FN_ARGS` with the pointers passed as integers
+_KERNEL_SIG = types.void(*[types.int64] * len(_FN_ARGS))
+_KERNEL_FN_TYPE = ir.FunctionType(ir.VoidType(), [_i64] * len(_FN_ARGS))
+
+
+@intrinsic(prefer_literal=True)
+def _kernel_body(typingctx, code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
+    """The loop of type ``code`` (a literal) on :data:`_FN_ARGS` given as integers."""
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    kind = TYPE_CODES[code.literal_value]
     vnni = has_vnni()
+    G = 8 if vnni else 4
 
     def codegen(context, builder, sig, args):
-        vals = _call_args(context, builder, sig, args)
-        code = context.cast(builder, args[0], sig.args[0], types.int64)
-        end = builder.append_basic_block("groups_any.end")
-        switch = builder.switch(code, end)
-        for c, kind in TYPE_CODES.items():
-            block = builder.append_basic_block(f"groups_any.{kind}")
-            switch.add_case(_const(_i64, c), block)
-            builder.position_at_end(block)
-            builder.call(_kernel_fn(builder.module, kind, vnni, G), vals)
-            builder.branch(end)
-        builder.position_at_end(end)
+        vals = [builder.inttoptr(a, ty) if ty == _I8P else a for a, ty in zip(args[1:], _FN_ARGS)]
+        builder.call(_kernel_fn(builder.module, kind, vnni, G), vals)
         return context.get_dummy_value()
 
-    return types.void(t, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi), codegen
+    return types.void(code, *[types.int64] * len(_FN_ARGS)), codegen
+
+
+_kernels: dict[int, object] = {}
+_kernels_lock = threading.Lock()
+
+
+def kernel_address(code: int) -> int:
+    """The address of type ``code``'s compiled loop (a C function with :data:`_KERNEL_SIG`), compiled on
+    first use and kept in numba's on-disk cache.
+
+    Each type is a compiled function of its own that :func:`call_group` reaches through its address,
+    instead of code inlined into :func:`plinth.quant.kernels_i8.linear`: numba copies a callee's code
+    into every function that calls it, and optimises and emits it again there (the product's parallel
+    region, its wrapper and the function itself: three times). Apart, a type costs one compile of its
+    loop, 0.2-0.5 s, and only the types a model holds are compiled (all eight in ``linear``: 7 s)."""
+    with _kernels_lock:
+        fn = _kernels.get(code)
+        if fn is None:
+            from numba import cfunc
+
+            def kernel(gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
+                _kernel_body(code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi)
+
+            # (the cache is keyed on the name and the closure's value, the type code: one entry a type)
+            kernel.__name__ = kernel.__qualname__ = f"kernel_{TYPE_CODES[code]}"
+            fn = _kernels[code] = cfunc(_KERNEL_SIG, cache=True)(kernel)
+        return fn.address
+
+
+@intrinsic
+def call_group(typingctx, fn, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi):
+    """out[r, o0 : o0 + 8] = x[r] . W[o0 : o0 + 8] for r_lo <= r < r_hi: ``grp`` one group of eight
+    weight rows as :func:`repack` wrote it, multiplied by the loop at address ``fn`` (from
+    :func:`kernel_address` for the weight's type); xq int8 [m, n], xdt / xsdt float32 and xit int32
+    block-major (:func:`plinth.quant.kernels_i8.quantize_rows`)."""
+    _typing(grp, xq, xdt, xsdt, xit, out)
+
+    def codegen(context, builder, sig, args):
+        vals = [builder.ptrtoint(v, _i64) if v.type == _I8P else v for v in _call_args(context, builder, sig, args)]
+        target = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), _KERNEL_FN_TYPE.as_pointer())
+        builder.call(target, vals)
+        return context.get_dummy_value()
+
+    return types.void(fn, grp, xq, xdt, xsdt, xit, out, o0, r_lo, r_hi), codegen
 
 
 # ---------------------------------------------------------------------------------------------
