@@ -316,24 +316,3 @@ def make_attend(W: int):
 #: address of float32 memory (``bias`` 0 for none), scale a float32, the rest int64
 attend_rows = make_attend(lanes())
 
-#: :func:`attend_rows`' arguments as a C function's
-ATTEND_SIG = types.void(*[types.int64] * 10, types.float32, *[types.int64] * 4)
-_compiled: dict[str, object] = {}
-
-
-def attend_address() -> int:
-    """The address of :func:`attend_rows` compiled as a C function of its own (:data:`ATTEND_SIG`; on first
-    use, then from numba's on-disk cache): :func:`plinth.ops.compiled.attention_groups` calls it through
-    :func:`plinth.quant.jitcache.address_call` rather than holding its code, which numba would optimise
-    and emit three times there (the parallel region, its wrapper, the function)."""
-    fn = _compiled.get("attend")
-    if fn is None:
-        from numba import cfunc
-
-        def attend_kernel(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-                          out_stride):
-            attend_rows(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-                        out_stride)
-
-        fn = _compiled["attend"] = cfunc(ATTEND_SIG, cache=True)(attend_kernel)
-    return fn.address

@@ -28,7 +28,7 @@ import numpy as np
 from numba import carray, njit, prange, types
 
 from ..quant.jitcache import address_call, drop_stale, pointer_to
-from .attend_simd import ATTEND_SIG, attend_address, lanes, scratch_floats
+from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
@@ -83,34 +83,70 @@ _f32_at = pointer_to(types.float32, "f32_at")
 _i64_at = pointer_to(types.int64, "i64_at")
 
 
-#: :func:`_plain_task`'s arguments as a C function's
-PLAIN_SIG = types.void(*[types.int64] * 11, types.float32, types.float32, types.int64)
-_call_attend = address_call(ATTEND_SIG, "call_attend")
-_call_plain = address_call(PLAIN_SIG, "call_plain")
-_plain: dict[str, object] = {}
+#: an attention task's arguments as a C function's: :func:`_vector_task`, :func:`_plain_task`
+TASK_SIG = types.void(*[types.int64] * 12, types.float32, types.float32)
+_call_task = address_call(TASK_SIG, "call_task")
+_tasks: dict[str, object] = {}
 
 
-def _plain_task(t: int, q_at: int, n_rows: int, n_head: int, hd: int, k_at: int, v_at: int, n_kv: int, n_head_kv: int,
-                hd_v: int, bias_at: int, sc: float, cap: float, out_at: int) -> None:
-    """:func:`_attend_one` on data addresses: the rows of one group, q ``[n_rows, n_head, hd]``, keys and
-    values ``[n_kv, n_head_kv, hd | hd_v]``, bias ``[n_rows, n_kv]`` (0: none), out ``[n_rows, n_head, hd_v]``."""
-    q = carray(_f32_at(q_at), (n_rows, n_head, hd))
-    k = carray(_f32_at(k_at), (n_kv, n_head_kv, hd))
-    v = carray(_f32_at(v_at), (n_kv, n_head_kv, hd_v))
-    has_bias = bias_at != 0
-    bias = carray(_f32_at(bias_at if has_bias else k_at), (n_rows, n_kv if has_bias else 0))
-    out = carray(_f32_at(out_at), (n_rows, n_head, hd_v))
-    _attend_one(t, q, k, v, bias, has_bias, sc, cap, out)
+@njit(cache=True)
+def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
+    """The group g and the row of q of the j-th row the groups of ``table`` select (in table order)."""
+    g = 0
+    while j >= table[g, 1] - table[g, 0]:
+        j -= table[g, 1] - table[g, 0]
+        g += 1
+    return g, table[g, 0] + j
 
 
-def plain_address() -> int:
-    """The address of :func:`_plain_task` compiled as a C function (:data:`PLAIN_SIG`; on first use, then
-    from numba's on-disk cache), for the same reason as :func:`plinth.ops.attend_simd.attend_address`."""
-    fn = _plain.get("plain")
+def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_sel: int,
+                 n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
+    """Task t of :func:`attention_table`'s vector path: one selected row and a run of ``run`` query heads
+    that share a kv head (:mod:`plinth.ops.attend_simd`)."""
+    table = carray(_i64_at(table_at), (n_groups, 6))
+    per_kv = n_head // n_head_kv
+    runs = (per_kv + run - 1) // run
+    j = t // (n_head_kv * runs)
+    rest = t - j * n_head_kv * runs
+    hk = rest // runs
+    h0 = hk * per_kv + (rest - hk * runs) * run
+    n_q = min(run, (hk + 1) * per_kv - h0)
+    g, r = _selected(table, j)
+    n = table[g, 2]
+    b_at = table[g, 5] + (r - table[g, 0]) * n * 4 if table[g, 5] != 0 else 0
+    scratch = np.empty(n_scratch, np.float32)
+    attend_rows(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * hd * 4, table[g, 4] + hk * hd_v * 4,
+                n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at, scratch.ctypes.data,
+                out_at + (r * n_head + h0) * hd_v * 4, hd_v)
+
+
+def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_sel: int,
+                n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
+    """Task t of :func:`attention_table`'s plain path: one selected row and one query head
+    (:func:`_attend_one` on its group's arrays; ``run`` and ``n_scratch`` unused)."""
+    table = carray(_i64_at(table_at), (n_groups, 6))
+    j = t // n_head
+    g, r = _selected(table, j)
+    s0, s1, n_kv = table[g, 0], table[g, 1], table[g, 2]
+    q = carray(_f32_at(q_at + s0 * n_head * hd * 4), (s1 - s0, n_head, hd))
+    k = carray(_f32_at(table[g, 3]), (n_kv, n_head_kv, hd))
+    v = carray(_f32_at(table[g, 4]), (n_kv, n_head_kv, hd_v))
+    has_bias = table[g, 5] != 0
+    bias = carray(_f32_at(table[g, 5] if has_bias else table[g, 3]), (s1 - s0, n_kv if has_bias else 0))
+    out = carray(_f32_at(out_at + s0 * n_head * hd_v * 4), (s1 - s0, n_head, hd_v))
+    _attend_one((r - s0) * n_head + t - j * n_head, q, k, v, bias, has_bias, sc, cap, out)
+
+
+def task_address(vector: bool) -> int:
+    """The address of :func:`_vector_task` or :func:`_plain_task` compiled as a C function (:data:`TASK_SIG`;
+    on first use, then from numba's on-disk cache): :func:`attention_table`'s parallel region calls it
+    rather than holding its code (:func:`plinth.quant.jitcache.address_call` says why)."""
+    name = "vector" if vector else "plain"
+    fn = _tasks.get(name)
     if fn is None:
         from numba import cfunc
 
-        fn = _plain["plain"] = cfunc(PLAIN_SIG, cache=True, fastmath=_FLAGS)(_plain_task)
+        fn = _tasks[name] = cfunc(TASK_SIG, cache=True, fastmath=_FLAGS)(_vector_task if vector else _plain_task)
     return fn.address
 
 
@@ -153,63 +189,36 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     one kv head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
-    attention_table(attend_address(), plain_address(), q, table, n_head_kv, hd_v, scale, soft_cap, out, n_threads,
-                    plain)
+    vector = not plain and not soft_cap and q.shape[2] % _W == 0 and hd_v % (4 * _W) == 0
+    attention_table(task_address(vector), vector, q, table, n_head_kv, hd_v, scale, soft_cap, out, n_threads)
 
 
 @njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
-def attention_table(vec_fn: int, plain_fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int,
-                    scale: float, soft_cap: float, out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
-    """:func:`attention_groups` with the addresses of its compiled tasks: ``vec_fn`` the vector kernel
-    (:func:`plinth.ops.attend_simd.attend_address`), ``plain_fn`` the plain loop (:func:`plain_address`)."""
-    bounds = table[:, :2]
-    n_kv, k_at, v_at, bias_at = table[:, 2], table[:, 3], table[:, 4], table[:, 5]
-    sc = np.float32(scale)
-    cap = np.float32(soft_cap)
+def attention_table(fn: int, vector: bool, q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, scale: float,
+                    soft_cap: float, out: np.ndarray, n_threads: int) -> None:
+    """:func:`attention_groups`' parallel region: its tasks run the compiled function at ``fn``
+    (:func:`task_address`; the vector kernel where ``vector``, else the plain loop)."""
+    n_groups = table.shape[0]
     n_head, hd = q.shape[1], q.shape[2]
     n_sel = 0
-    for g in range(len(n_kv)):
-        n_sel += bounds[g, 1] - bounds[g, 0]
-    group = np.empty(n_sel, np.int64)
-    row = np.empty(n_sel, np.int64)
-    i = 0
-    for g in range(len(n_kv)):
-        for r in range(bounds[g, 0], bounds[g, 1]):
-            group[i] = g
-            row[i] = r
-            i += 1
-    W = _W
-    q_at, out_at = q.ctypes.data, out.ctypes.data
-    if not plain and cap == 0 and hd % W == 0 and hd_v % (4 * W) == 0:
+    for g in range(n_groups):
+        n_sel += table[g, 1] - table[g, 0]
+    run = n_scratch = 0
+    n_tasks = n_sel * n_head
+    if vector:
         per_kv = n_head // n_head_kv
         run = per_kv  # query heads a task
         while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
             run = (run + 1) // 2
-        runs = (per_kv + run - 1) // run
+        n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
         n_max = 0
-        for g in range(len(n_kv)):
-            n_max = max(n_max, n_kv[g])
-        n_scratch = scratch_floats(n_max, run, hd, hd_v, W)
-        for t in prange(n_sel * n_head_kv * runs):
-            j = t // (n_head_kv * runs)
-            rest = t - j * n_head_kv * runs
-            hk = rest // runs
-            h0 = hk * per_kv + (rest - hk * runs) * run
-            n_q = min(run, (hk + 1) * per_kv - h0)
-            g = group[j]
-            n = n_kv[g]
-            b_at = bias_at[g] + (row[j] - bounds[g, 0]) * n * 4 if bias_at[g] != 0 else 0
-            scratch = np.empty(n_scratch, np.float32)
-            _call_attend(vec_fn, q_at + (row[j] * n_head + h0) * hd * 4, n_q, hd, k_at[g] + hk * hd * 4,
-                         v_at[g] + hk * hd_v * 4, n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at,
-                         scratch.ctypes.data, out_at + (row[j] * n_head + h0) * hd_v * 4, hd_v)
-        return
-    for t in prange(n_sel * n_head):
-        j = t // n_head
-        g = group[j]
-        s0, s1 = bounds[g, 0], bounds[g, 1]
-        _call_plain(plain_fn, (row[j] - s0) * n_head + t - j * n_head, q_at + s0 * n_head * hd * 4, s1 - s0, n_head, hd,
-                    k_at[g], v_at[g], n_kv[g], n_head_kv, hd_v, bias_at[g], sc, cap, out_at + s0 * n_head * hd_v * 4)
+        for g in range(n_groups):
+            n_max = max(n_max, table[g, 2])
+        n_scratch = scratch_floats(n_max, run, hd, hd_v, _W)
+    sc, cap = np.float32(scale), np.float32(soft_cap)
+    for t in prange(n_tasks):  # (the tasks read only the caller's arrays: the addresses stay valid)
+        _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_sel, n_head, n_head_kv, hd,
+                   hd_v, run, n_scratch, sc, cap)
 
 
 @njit(cache=True, nogil=True)
