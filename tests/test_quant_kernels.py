@@ -451,3 +451,74 @@ def test_refine_rows_fixed_order() -> None:
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(w).sum(1).max() * np.abs(x).max()
         one = dots(w[4:5].copy(), x)
         assert one[0] == out[4]
+
+
+_LOOPS = """
+import sys
+import numpy as np
+import plinth.quant as quant
+from plinth.ops import compiled
+from plinth.quant import kernels, simd
+simd.kernel_address(int(sys.argv[1]))
+compiled.task_address(True)
+compiled.task_address(False)
+kernels.rows_address()
+"""
+
+
+@needs_int8
+def test_compiled_loops_come_from_the_disk_cache_in_a_second_process(tmp_path) -> None:
+    """The loops compiled as C functions of their own (an int8 type's, the attention tasks, the
+    f32 row loop) are cached under one key per machine: a second process loads them and adds
+    nothing to the cache (a key that changed per process, e.g. from an object in a closure, would
+    compile them again in every process and write another entry each time)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    code = int(GGMLType.Q4_0)
+
+    def entries() -> set[str]:
+        return {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.nb[ci]")}
+
+    subprocess.run([sys.executable, "-c", _LOOPS, str(code)], env=env, check=True, timeout=300)
+    first = entries()
+    assert any("kernel_q4_0" in e for e in first) and any("_vector_task" in e for e in first), first
+    subprocess.run([sys.executable, "-c", _LOOPS, str(code)], env=env, check=True, timeout=300)
+    assert entries() == first
+
+
+@needs_int8
+def test_address_call_checks_its_arguments() -> None:
+    """``address_call`` calls a C function by address with the arguments cast to its signature, and
+    says so when the count is wrong."""
+    from numba import carray, cfunc, njit, types
+
+    from plinth.quant.jitcache import address_call, pointer_to
+
+    sig = types.void(types.int64, types.int64, types.float32)
+    f32_at = pointer_to(types.float32, "f32_at")
+
+    @cfunc(sig)
+    def fill(at, n, value):
+        a = carray(f32_at(at), (n,))
+        for i in range(n):
+            a[i] = value + i
+
+    call = address_call(sig, "call_fill")
+
+    @njit
+    def run(fn, out):
+        call(fn, out.ctypes.data, out.shape[0], 1.5)
+
+    out = np.zeros(5, np.float32)
+    run(fill.address, out)
+    assert out.tolist() == [1.5, 2.5, 3.5, 4.5, 5.5]
+
+    @njit
+    def wrong(fn, out):
+        call(fn, out.ctypes.data, 1.5)
+
+    with pytest.raises(TypeError, match="call_fill: 3 arguments after the address, got 2"):
+        wrong(fill.address, out)

@@ -121,7 +121,7 @@ def _load_kernels() -> Any:
         _note(f"numba is not importable ({exc}); quantized weights use numpy tiles (slow): pip install numba")
         return False
     if not _cache_warm(k):
-        print("plinth: compiling the quantized-weight kernels (once per machine, about 10-20 s)...",
+        print("plinth: compiling the quantized-weight kernels (once per machine, about 10-15 s)...",
               file=sys.stderr, flush=True)
     _state["kernels"] = k
     set_threads(_state["threads"] or default_threads())

@@ -146,8 +146,8 @@ def linear(fns: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray
     padded = 8 * gstarts[n_parts] != starts[n_parts]
     buf = np.empty((m, 8 * gstarts[n_parts]), np.float32) if padded else out
     tile = max(64, TILE_BYTES // n // 8 * 8)  # (a tile's rows go in the same groups of 8 as without tiles)
-    for r in range(0, m, tile):  # (one parallel region a tile, in this function: each function that holds
-        r_hi = min(m, r + tile)  # the kernels' code optimises it again when compiled, so one less is faster)
+    for r in range(0, m, tile):  # (one parallel region a tile)
+        r_hi = min(m, r + tile)
         for g in prange(gstarts[n_parts]):
             p = 0
             while p + 1 < n_parts and g >= gstarts[p + 1]:
