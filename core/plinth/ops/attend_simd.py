@@ -315,4 +315,3 @@ def make_attend(W: int):
 #: out_stride)`` from numba (:func:`_rows_fn` with the host's lanes): every pointer an int64 data
 #: address of float32 memory (``bias`` 0 for none), scale a float32, the rest int64
 attend_rows = make_attend(lanes())
-

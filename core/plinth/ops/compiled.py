@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import address_call, drop_stale, pointer_to
+from ..quant.jitcache import address_call, cfunc_address, drop_stale, pointer_to
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -84,9 +84,8 @@ _i64_at = pointer_to(types.int64, "i64_at")
 
 
 #: an attention task's arguments as a C function's: :func:`_vector_task`, :func:`_plain_task`
-TASK_SIG = types.void(*[types.int64] * 12, types.float32, types.float32)
+TASK_SIG = types.void(*[types.int64] * 11, types.float32, types.float32)
 _call_task = address_call(TASK_SIG, "call_task")
-_tasks: dict[str, object] = {}
 
 
 @njit(cache=True)
@@ -99,8 +98,7 @@ def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
     return g, table[g, 0] + j
 
 
-def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_sel: int,
-                 n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
+def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s vector path: one selected row and a run of ``run`` query heads
     that share a kv head (:mod:`plinth.ops.attend_simd`)."""
     table = carray(_i64_at(table_at), (n_groups, 6))
@@ -120,8 +118,7 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
                 out_at + (r * n_head + h0) * hd_v * 4, hd_v)
 
 
-def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_sel: int,
-                n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
+def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s plain path: one selected row and one query head
     (:func:`_attend_one` on its group's arrays; ``run`` and ``n_scratch`` unused)."""
     table = carray(_i64_at(table_at), (n_groups, 6))
@@ -141,13 +138,8 @@ def task_address(vector: bool) -> int:
     """The address of :func:`_vector_task` or :func:`_plain_task` compiled as a C function (:data:`TASK_SIG`;
     on first use, then from numba's on-disk cache): :func:`attention_table`'s parallel region calls it
     rather than holding its code (:func:`plinth.quant.jitcache.address_call` says why)."""
-    name = "vector" if vector else "plain"
-    fn = _tasks.get(name)
-    if fn is None:
-        from numba import cfunc
-
-        fn = _tasks[name] = cfunc(TASK_SIG, cache=True, fastmath=_FLAGS)(_vector_task if vector else _plain_task)
-    return fn.address
+    return cfunc_address(f"attention.{'vector' if vector else 'plain'}", TASK_SIG,
+                         lambda: _vector_task if vector else _plain_task, fastmath=_FLAGS)
 
 
 @njit(cache=True, nogil=True)
@@ -217,8 +209,8 @@ def attention_table(fn: int, vector: bool, q: np.ndarray, table: np.ndarray, n_h
         n_scratch = scratch_floats(n_max, run, hd, hd_v, _W)
     sc, cap = np.float32(scale), np.float32(soft_cap)
     for t in prange(n_tasks):  # (the tasks read only the caller's arrays: the addresses stay valid)
-        _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_sel, n_head, n_head_kv, hd,
-                   hd_v, run, n_scratch, sc, cap)
+        _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_head, n_head_kv, hd, hd_v,
+                   run, n_scratch, sc, cap)
 
 
 @njit(cache=True, nogil=True)

@@ -513,9 +513,11 @@ def warm_up() -> float:
         w.take([0])
     from .. import ops
 
-    for hd in (64, 8):  # the compiled host ops: decode attention (the vector kernel, the plain loop), RMSNorm, RoPE
-        q = np.zeros((1, 1, hd), dtype=np.float32)
-        ops.attention(q, q, q, causal=False)
+    # the compiled host ops: decode attention (the vector kernel: hd 64; the plain loop: hd 8), RMSNorm, RoPE
+    q64 = np.zeros((1, 1, 64), dtype=np.float32)
+    ops.attention(q64, q64, q64, causal=False)
+    q = np.zeros((1, 1, 8), dtype=np.float32)
+    ops.attention(q, q, q, causal=False)
     ops.rms_norm(q[0], np.ones(8, dtype=np.float32), 1e-6)
     cs = np.ones((1, 4), dtype=np.float32)
     ops.apply_rope(q, cos_sin=(cs, cs))

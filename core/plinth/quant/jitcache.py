@@ -9,14 +9,15 @@ depends on changed.
 The kernels' inner loops are compiled as C functions of their own (numba ``cfunc``) and the
 parallel regions call them by address (:func:`address_call`): numba would otherwise compile a
 callee's code again inside each function that holds it. That took the first compile of every
-kernel from 20-26 s to 12-15 s (``docs/performance.md``)."""
+kernel from 19-24 s to 10-11 s on the 2-core test machine (``docs/performance.md``)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llvmlite import ir
 from numba import types
@@ -45,6 +46,24 @@ def drop_stale(dispatcher: Any, deps: list[Path]) -> None:
         tmp.replace(stamp)
     except (AttributeError, OSError):  # no cache (read-only tree, numba internals moved): compile as usual
         pass
+
+
+_cfuncs: dict[str, Any] = {}
+_cfuncs_lock = threading.Lock()
+
+
+def cfunc_address(key: str, sig: Any, make: Callable[[], Callable[..., None]], **options: Any) -> int:
+    """The address of ``make()`` compiled as a numba ``cfunc`` with ``sig`` and ``options``: once a process
+    (under ``key``), and from numba's on-disk cache after the first process on a machine. The cache is keyed
+    on the function's name and the values its closure holds, so those must be the same in every process
+    (plain numbers and strings, not objects)."""
+    with _cfuncs_lock:
+        fn = _cfuncs.get(key)
+        if fn is None:
+            from numba import cfunc
+
+            fn = _cfuncs[key] = cfunc(sig, cache=True, **options)(make())
+        return fn.address
 
 
 def address_call(sig: Any, name: str) -> Any:
@@ -96,4 +115,4 @@ def _llvm_type(t: Any) -> ir.Type:
         return ir.DoubleType()
     if isinstance(t, types.Integer):
         return ir.IntType(t.bitwidth)
-    raise TypeError(f"address_call: argument type {t} (integers and floats only)")
+    raise TypeError(f"jitcache: type {t} (integers and floats only)")

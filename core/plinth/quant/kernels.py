@@ -23,9 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from numba import carray, cfunc, njit, prange, types
+from numba import carray, njit, prange, types
 
-from .jitcache import address_call, drop_stale, pointer_to
+from .jitcache import address_call, cfunc_address, drop_stale, pointer_to
 
 # ggml type codes (plinth.gguf.constants.GGMLType)
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
@@ -111,17 +111,13 @@ def _rows_run(t: int, qk: int, raw_at: int, raw_stride: int, row_bytes: int, x_a
 #: :func:`_rows_run`'s arguments as a C function's
 ROWS_SIG = types.void(*[types.int64] * 14)
 _call_rows = address_call(ROWS_SIG, "call_rows")
-_compiled: dict[str, object] = {}
 
 
 def rows_address() -> int:
     """The address of :func:`_rows_run` compiled as a C function (on first use, then from numba's on-disk
     cache): :func:`matmul_rows_at`'s parallel region calls it instead of holding its code
     (:func:`plinth.quant.jitcache.address_call` says why)."""
-    fn = _compiled.get("rows")
-    if fn is None:
-        fn = _compiled["rows"] = cfunc(ROWS_SIG, cache=True, fastmath=True)(_rows_run)
-    return fn.address
+    return cfunc_address("kernels.rows", ROWS_SIG, lambda: _rows_run, fastmath=True)
 
 
 def matmul_rows(t: int, qk: int, raw: np.ndarray, x: np.ndarray, f16: np.ndarray, fp4: np.ndarray, out: np.ndarray,

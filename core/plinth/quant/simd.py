@@ -40,8 +40,6 @@ compiled.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -49,6 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..gguf.constants import GGMLType
+from .jitcache import cfunc_address
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -556,10 +555,6 @@ def _kernel_body(typingctx, code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, s
     return types.void(code, *[types.int64] * len(_FN_ARGS)), codegen
 
 
-_kernels: dict[int, object] = {}
-_kernels_lock = threading.Lock()
-
-
 def kernel_address(code: int) -> int:
     """The address of type ``code``'s compiled loop (a C function with :data:`_KERNEL_SIG`), compiled on
     first use and kept in numba's on-disk cache.
@@ -569,18 +564,15 @@ def kernel_address(code: int) -> int:
     into every function that calls it, and optimises and emits it again there (the product's parallel
     region, its wrapper and the function itself: three times). Apart, a type costs one compile of its
     loop, 0.2-0.5 s, and only the types a model holds are compiled (all eight in ``linear``: 7 s)."""
-    with _kernels_lock:
-        fn = _kernels.get(code)
-        if fn is None:
-            from numba import cfunc
 
-            def kernel(gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
-                _kernel_body(code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi)
+    def make():
+        def kernel(gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
+            _kernel_body(code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi)
 
-            # (the cache is keyed on the name and the closure's value, the type code: one entry a type)
-            kernel.__name__ = kernel.__qualname__ = f"kernel_{TYPE_CODES[code]}"
-            fn = _kernels[code] = cfunc(_KERNEL_SIG, cache=True)(kernel)
-        return fn.address
+        kernel.__name__ = kernel.__qualname__ = f"kernel_{TYPE_CODES[code]}"  # (one cache entry a type)
+        return kernel
+
+    return cfunc_address(f"simd.kernel_{code}", _KERNEL_SIG, make)
 
 
 @intrinsic
