@@ -8,8 +8,8 @@ Per run, each in a fresh process with its own empty ``NUMBA_CACHE_DIR``:
 
 * **all kernels**: ``plinth.quant.warm_up()`` (every kept type's products, row gathers, the
   attention tasks, RMSNorm, RoPE): its seconds, and the process's wall and CPU time;
-* **second process**: the same call again on the cache the first one filled (wall time with the
-  interpreter's start and the imports);
+* **second process**: the same call again on the cache the first one filled: its seconds (the kernels
+  loaded), and the process's wall time (the interpreter's start and numpy's and numba's imports too);
 * **first generate** per ``--models``: ``plinth generate -n 8`` on an empty cache (what a first run
   compiles for that model), then again on the filled cache.
 
@@ -51,9 +51,9 @@ def one_run(label: str, tree: Path | None, models: list[str]) -> None:
     warm = [sys.executable, "-c", "import plinth.quant as q; print(round(q.warm_up(), 2))"]
     with tempfile.TemporaryDirectory(prefix="plinth-jit-") as cache:
         wall, cpu, out = _run(warm, cache, tree)
-        again, _, _ = _run(warm, cache, tree)
+        again, _, out2 = _run(warm, cache, tree)
         print(f"{label}: all kernels warm_up {out.strip()} s (process wall {wall:.2f} s, CPU {cpu:.2f} s); "
-              f"second process {again:.2f} s wall", flush=True)
+              f"second process warm_up {out2.strip()} s (process wall {again:.2f} s)", flush=True)
     for m in models:
         gen = [sys.executable, "-m", "plinth", "generate", "-m", m, "-n", "8", "--threads", "2", "The capital of France is"]
         with tempfile.TemporaryDirectory(prefix="plinth-jit-") as cache:
