@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import address_call, cfunc_address, drop_stale, pointer_to
+from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i64_at
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -79,10 +79,6 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
         out[i, h, d] = o[d] * inv
 
 
-_f32_at = pointer_to(types.float32, "f32_at")
-_i64_at = pointer_to(types.int64, "i64_at")
-
-
 #: an attention task's arguments as a C function's: :func:`_vector_task`, :func:`_plain_task`
 TASK_SIG = types.void(*[types.int64] * 11, types.float32, types.float32)
 _call_task = address_call(TASK_SIG, "call_task")
@@ -101,7 +97,7 @@ def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
 def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s vector path: one selected row and a run of ``run`` query heads
     that share a kv head (:mod:`plinth.ops.attend_simd`)."""
-    table = carray(_i64_at(table_at), (n_groups, 6))
+    table = carray(i64_at(table_at), (n_groups, 6))
     per_kv = n_head // n_head_kv
     runs = (per_kv + run - 1) // run
     j = t // (n_head_kv * runs)
@@ -121,16 +117,16 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
 def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s plain path: one selected row and one query head
     (:func:`_attend_one` on its group's arrays; ``run`` and ``n_scratch`` unused)."""
-    table = carray(_i64_at(table_at), (n_groups, 6))
+    table = carray(i64_at(table_at), (n_groups, 6))
     j = t // n_head
     g, r = _selected(table, j)
     s0, s1, n_kv = table[g, 0], table[g, 1], table[g, 2]
-    q = carray(_f32_at(q_at + s0 * n_head * hd * 4), (s1 - s0, n_head, hd))
-    k = carray(_f32_at(table[g, 3]), (n_kv, n_head_kv, hd))
-    v = carray(_f32_at(table[g, 4]), (n_kv, n_head_kv, hd_v))
+    q = carray(f32_at(q_at + s0 * n_head * hd * 4), (s1 - s0, n_head, hd))
+    k = carray(f32_at(table[g, 3]), (n_kv, n_head_kv, hd))
+    v = carray(f32_at(table[g, 4]), (n_kv, n_head_kv, hd_v))
     has_bias = table[g, 5] != 0
-    bias = carray(_f32_at(table[g, 5] if has_bias else table[g, 3]), (s1 - s0, n_kv if has_bias else 0))
-    out = carray(_f32_at(out_at + s0 * n_head * hd_v * 4), (s1 - s0, n_head, hd_v))
+    bias = carray(f32_at(table[g, 5] if has_bias else table[g, 3]), (s1 - s0, n_kv if has_bias else 0))
+    out = carray(f32_at(out_at + s0 * n_head * hd_v * 4), (s1 - s0, n_head, hd_v))
     _attend_one((r - s0) * n_head + t - j * n_head, q, k, v, bias, has_bias, sc, cap, out)
 
 
@@ -153,9 +149,9 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
     for g in range(table.shape[0]):
         s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
         n = n0 + s1 - s0
-        kb = carray(_f32_at(table[g, 3]), (n, n_head_kv, hd))
-        vb = carray(_f32_at(table[g, 4]), (n, n_head_kv, hd_v))
-        pb = carray(_i64_at(table[g, 5]), (n,))
+        kb = carray(f32_at(table[g, 3]), (n, n_head_kv, hd))
+        vb = carray(f32_at(table[g, 4]), (n, n_head_kv, hd_v))
+        pb = carray(i64_at(table[g, 5]), (n,))
         for r in range(s0, s1):
             j = n0 + r - s0
             for h in range(n_head_kv):

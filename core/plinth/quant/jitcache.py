@@ -57,6 +57,9 @@ def cfunc_address(key: str, sig: Any, make: Callable[[], Callable[..., None]], *
     (under ``key``), and from numba's on-disk cache after the first process on a machine. The cache is keyed
     on the function's name and the values its closure holds, so those must be the same in every process
     (plain numbers and strings, not objects)."""
+    fn = _cfuncs.get(key)
+    if fn is not None:  # (called on every attention call: no lock once compiled)
+        return fn.address
     with _cfuncs_lock:
         fn = _cfuncs.get(key)
         if fn is None:
@@ -116,3 +119,10 @@ def _llvm_type(t: Any) -> ir.Type:
     if isinstance(t, types.Integer):
         return ir.IntType(t.bitwidth)
     raise TypeError(f"jitcache: type {t} (integers and floats only)")
+
+
+#: an integer data address as a pointer to float32 / int64 / uint8 / uint16 (the kernels' ``carray`` views)
+f32_at = pointer_to(types.float32, "f32_at")
+i64_at = pointer_to(types.int64, "i64_at")
+u8_at = pointer_to(types.uint8, "u8_at")
+u16_at = pointer_to(types.uint16, "u16_at")

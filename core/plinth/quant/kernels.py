@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from .jitcache import address_call, cfunc_address, drop_stale, pointer_to
+from .jitcache import address_call, cfunc_address, drop_stale, f32_at, u8_at, u16_at
 
 # ggml type codes (plinth.gguf.constants.GGMLType)
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
@@ -35,10 +35,6 @@ Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 12, 13, 14, 30, 39
 KERNEL_TYPES = {F16: (32, 64), BF16: (32, 64), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
                 Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176),
                 Q6_K: (256, 210), MXFP4: (32, 17)}
-
-_f32_at = pointer_to(types.float32, "f32_at")
-_u8_at = pointer_to(types.uint8, "u8_at")
-_u16_at = pointer_to(types.uint16, "u16_at")
 
 #: f16 bit pattern -> float32 value (256 KiB, stays in cache)
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -84,16 +80,16 @@ def _rows_run(t: int, qk: int, raw_at: int, raw_stride: int, row_bytes: int, x_a
     """Output columns o0 .. o1 - 1 of :func:`matmul_rows`, on data addresses: weight row o at ``raw_at + o *
     raw_stride`` (``row_bytes`` bytes), x float32 [m, n_in] and out float32 [m, n_out] C-order, the f16 table
     and the FP4 values."""
-    x = carray(_f32_at(x_at), (m, n_in))
-    out = carray(_f32_at(out_at), (m, n_out))
-    f16 = carray(_f32_at(f16_at), (65536,))
-    fp4 = carray(_f32_at(fp4_at), (16,))
+    x = carray(f32_at(x_at), (m, n_in))
+    out = carray(f32_at(out_at), (m, n_out))
+    f16 = carray(f32_at(f16_at), (65536,))
+    fp4 = carray(f32_at(fp4_at), (16,))
     buf = np.empty(qk, dtype=np.float32)
     bufu = buf.view(np.uint32)
     acc = np.empty(m, dtype=np.float32)
     for o in range(o0, o1):
-        row = carray(_u8_at(raw_at + o * raw_stride), (row_bytes,))
-        row16 = carray(_u16_at(raw_at + o * raw_stride), (row_bytes // 2,))
+        row = carray(u8_at(raw_at + o * raw_stride), (row_bytes,))
+        row16 = carray(u16_at(raw_at + o * raw_stride), (row_bytes // 2,))
         for r in range(m):
             acc[r] = 0.0
         for ib in range(n_in // qk):
