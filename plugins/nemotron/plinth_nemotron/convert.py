@@ -231,6 +231,8 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str, mtp: bool =
         f"{a}.feed_forward_length": n_ff,
         f"{a}.attention.head_count": heads[0] if len(heads) == 1 else (n_head if heads else 0),
         f"{a}.attention.head_count_kv": n_head_kv,
+        # llama.cpp's loader requires layer_norm_epsilon (and reads layer_norm_rms_epsilon when present)
+        f"{a}.attention.layer_norm_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)),
         f"{a}.attention.layer_norm_rms_epsilon": float(cfg.get("layer_norm_epsilon", 1e-5)),
         f"{a}.ssm.conv_kernel": m["conv_kernel"],
         f"{a}.ssm.inner_size": m["mamba_num_heads"] * m["mamba_head_dim"],

@@ -132,6 +132,19 @@ def model_type(arch: str, n_layer: int, n_expert_used: Sequence[int]) -> str:
     return "?B"
 
 
+def read_norm_eps(r: KeyReader, source: str) -> float:
+    """The RMSNorm epsilon: ``attention.layer_norm_rms_epsilon``, else ``attention.layer_norm_epsilon``.
+
+    llama.cpp's converter writes only ``layer_norm_epsilon`` for these models, and its loader
+    requires that key and uses it where ``layer_norm_rms_epsilon`` is absent; plinth reads either.
+    """
+    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
+        if r.has(name):
+            return r.get(name, float)
+    raise HParamsError(f"{source}: missing required key '{r.key('attention.layer_norm_rms_epsilon')}' (or "
+                       f"'{r.key('attention.layer_norm_epsilon')}', as llama.cpp writes it)")
+
+
 def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> NemotronHParams:
     r = KeyReader(metadata, source, arch)
     n_embd = r.get("embedding_length")
@@ -149,7 +162,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         ssm_n_head=r.get("ssm.time_step_rank"),
         ssm_n_group=r.get("ssm.group_count"),
     )
-    norm_eps = r.get("attention.layer_norm_rms_epsilon", float)
+    norm_eps = read_norm_eps(r, source)
     n_head = r.get_key_or_arr("attention.head_count", n_all, required=False, default=0)
     # as in llama.cpp, head_count_kv defaults to head_count (then no layer is recurrent)
     n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_all, required=False, default=None)

@@ -193,3 +193,17 @@ def test_plinth_info_shows_the_type(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "architecture: nemotron_h_moe (plugin 'nemotron')" in out
         assert any(line.split() == ["model_type", label] for line in out.splitlines()), out
+
+
+def test_llama_cpp_epsilon_key_is_accepted(registry):
+    """llama.cpp's converter writes ``attention.layer_norm_epsilon`` (its loader requires that key and
+    falls back to it for ``layer_norm_rms_epsilon``); plinth reads either, the RMS one first."""
+    md = tiny.metadata("M*E-", top_k=[0, 0, 2, 0], n_ff_exp=[0, 0, 16, 0])
+    rms = md.pop(f"{ARCH}.attention.layer_norm_rms_epsilon")
+    md[f"{ARCH}.attention.layer_norm_epsilon"] = 3e-4
+    assert hparams(registry, md).norm_eps == pytest.approx(3e-4)
+    md[f"{ARCH}.attention.layer_norm_rms_epsilon"] = rms
+    assert hparams(registry, md).norm_eps == pytest.approx(rms)
+    del md[f"{ARCH}.attention.layer_norm_rms_epsilon"], md[f"{ARCH}.attention.layer_norm_epsilon"]
+    with pytest.raises(HParamsError, match=r"missing required key .*layer_norm_rms_epsilon.*\(or .*layer_norm_epsilon"):
+        hparams(registry, md)
