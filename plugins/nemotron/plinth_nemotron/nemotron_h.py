@@ -75,13 +75,23 @@ class NemotronHParams:
     ssm_d_state: int
     ssm_n_head: int
     ssm_n_group: int
-    # the MTP head: blocks appended after the trunk (blk.{n_layer}..), "" when the file has none
+    # the MTP head's sub-blocks ("*E": attention then MoE), "" when the file has none
     mtp_pattern: str = ""
+    # llama.cpp's layout: both sub-blocks folded into one block blk.{n_layer} (the MoE one normed by
+    # post_attention_norm); else plinth's earlier layout, one block each (blk.{n_layer}, blk.{n_layer+1})
+    mtp_folded: bool = False
 
     @property
     def n_nextn(self) -> int:
-        """Number of MTP sub-blocks after the trunk (``nextn_predict_layers``; 0 or 2)."""
-        return len(self.mtp_pattern)
+        """Number of GGUF blocks after the trunk (``nextn_predict_layers``): 1 folded, 2 split, 0 none."""
+        return 1 if self.mtp_folded else len(self.mtp_pattern)
+
+    def mtp_sublayers(self) -> list[tuple[int, str, str]]:
+        """The MTP head's sub-blocks in order: (GGUF block index, mixer kind, pre-norm tensor suffix)."""
+        n = self.n_layer
+        if self.mtp_folded:
+            return [(n, ATTENTION, "attn_norm.weight"), (n, MOE, "post_attention_norm.weight")]
+        return [(n + j, KIND_OF_CHAR[c], "attn_norm.weight") for j, c in enumerate(self.mtp_pattern)]
 
     @property
     def ssm_head_dim(self) -> int:
@@ -98,8 +108,11 @@ class NemotronHParams:
         return int(il)
 
     def kind(self, il: int) -> str:
-        """The mixer of layer ``il`` (trunk or MTP block): "mamba", "attention", "mlp" or "moe"."""
-        return KIND_OF_CHAR[(self.pattern + self.mtp_pattern)[self._layer(il, "kind")]]
+        """The mixer of layer ``il`` (trunk or split MTP block; a folded MTP block reads as its MoE part)."""
+        il = self._layer(il, "kind")
+        if self.mtp_folded and il == self.n_layer:
+            return MOE
+        return KIND_OF_CHAR[(self.pattern + self.mtp_pattern)[il]]
 
     def is_recurrent(self, il: int) -> bool:
         return self.kind(il) == MAMBA
@@ -138,9 +151,12 @@ def read_norm_eps(r: KeyReader, source: str) -> float:
     llama.cpp's converter writes only ``layer_norm_epsilon`` for these models, and its loader
     requires that key and uses it where ``layer_norm_rms_epsilon`` is absent; plinth reads either.
     """
-    for name in ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon"):
-        if r.has(name):
-            return r.get(name, float)
+    rms = r.get("attention.layer_norm_rms_epsilon", float, required=False)
+    plain = r.get("attention.layer_norm_epsilon", float, required=False)  # llama.cpp's MTP final LayerNorm's too
+    if rms is not None:
+        return rms
+    if plain is not None:
+        return plain
     raise HParamsError(f"{source}: missing required key '{r.key('attention.layer_norm_rms_epsilon')}' (or "
                        f"'{r.key('attention.layer_norm_epsilon')}', as llama.cpp writes it)")
 
@@ -163,6 +179,15 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         ssm_n_group=r.get("ssm.group_count"),
     )
     norm_eps = read_norm_eps(r, source)
+    # keys llama.cpp writes that change nothing here: Nemotron-H has no positional encoding (llama.cpp's
+    # converter still writes the head size as rope.dimension_count, and its graph applies no rope either),
+    # and rope.scaling.finetuned is a flag for tools
+    r.get("rope.dimension_count", required=False)
+    r.get("rope.scaling.finetuned", bool, required=False)
+    n_shared = r.get("expert_shared_count", required=False, default=1)
+    if n_shared > 1:
+        raise HParamsError(f"{source}: key '{r.key('expert_shared_count')}' = {n_shared}; Nemotron-H has one shared "
+                           "expert (its width is expert_shared_feed_forward_length)")
     n_head = r.get_key_or_arr("attention.head_count", n_all, required=False, default=0)
     # as in llama.cpp, head_count_kv defaults to head_count (then no layer is recurrent)
     n_head_kv = r.get_key_or_arr("attention.head_count_kv", n_all, required=False, default=None)
@@ -202,9 +227,17 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
                                f"'{r.key('attention.head_count')}' gives it 0 heads")
 
     mtp_pattern = "".join(pattern[n_layer:])
-    if n_nextn and mtp_pattern != "*E":
+    # llama.cpp folds the head into one block that has both attention heads and experts
+    folded = n_nextn == 1 and mtp_pattern == "E" and n_head_kv[n_layer] > 0
+    if folded:
+        mtp_pattern = "*E"
+        if n_head[n_layer] == 0:
+            raise HParamsError(f"{source}: the MTP block {n_layer} has KV heads but key "
+                               f"'{r.key('attention.head_count')}' gives it 0 heads")
+    elif n_nextn and mtp_pattern != "*E":
         raise HParamsError(f"{source}: the {n_nextn} MTP block(s) after layer {n_layer - 1} have the pattern "
-                           f"{mtp_pattern!r}; a Nemotron-H MTP head is one attention block then one MoE block ('*E')")
+                           f"{mtp_pattern!r}; a Nemotron-H MTP head is one attention block then one MoE block ('*E'), "
+                           "or llama.cpp's single block with both (head_count_kv > 0 and experts)")
     attn_heads = [n_head[il] for il in range(n_all) if pattern[il] == "*"]
     default_hd = n_embd // attn_heads[0] if attn_heads else 0
     head_dim = r.get("attention.key_length", required=False, default=default_hd)
@@ -222,6 +255,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
         model_type=model_type(arch, n_layer, n_used[:n_layer]),
         pattern="".join(pattern[:n_layer]),
         mtp_pattern=mtp_pattern,
+        mtp_folded=folded,
         n_vocab=n_vocab,
         n_embd=n_embd,
         n_layer=n_layer,
@@ -257,16 +291,19 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
         TensorSpec("output.weight", (v, e), required=False),  # absent: tied to token_embd
     ]
     d_in_proj = 2 * hp.ssm_d_inner + 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_n_head
-    for il in range(hp.n_layer + hp.n_nextn):
+    blocks = [(il, hp.kind(il)) for il in range(hp.n_layer)] + [(il, kind) for il, kind, _ in hp.mtp_sublayers()]
+    for il, kind in blocks:
         b = f"blk.{il}."
-        specs.append(TensorSpec(b + "attn_norm.weight", (e,)))
-        if hp.n_nextn and il == hp.n_layer:  # the MTP head's input: eh_proj([enorm(embed); hnorm(h)])
+        if hp.mtp_folded and il == hp.n_layer and kind == MOE:  # the folded block's second sub-block
+            specs.append(TensorSpec(b + "post_attention_norm.weight", (e,)))
+        else:
+            specs.append(TensorSpec(b + "attn_norm.weight", (e,)))
+        if hp.n_nextn and (il, kind) == blocks[hp.n_layer]:  # the MTP head's input: eh_proj([enorm(embed); hnorm(h)])
             specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e)),
                       TensorSpec(b + "nextn.enorm.weight", (e,)),
                       TensorSpec(b + "nextn.hnorm.weight", (e,))]
-        if hp.n_nextn and il == hp.n_layer + hp.n_nextn - 1:  # the MTP head's final norm
+        if hp.n_nextn and (il, kind) == blocks[-1]:  # the MTP head's final norm
             specs.append(TensorSpec(b + "nextn.shared_head_norm.weight", (e,)))
-        kind = hp.kind(il)
         if kind == MAMBA:
             cd, h = hp.ssm_conv_dim, hp.ssm_n_head
             specs += [
@@ -461,9 +498,9 @@ class NemotronHGraph(BaseGraph):
         cache.begin(batch.positions, batch.seq_ids)
         step = Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
         try:
-            for j, il in enumerate(range(il0, il0 + hp.n_nextn)):
-                h = ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps)
-                x = x + (self.attention(il, h, step, slot=j) if hp.kind(il) == ATTENTION else self.moe(il, h))
+            for j, (il, kind, norm) in enumerate(hp.mtp_sublayers()):
+                h = ops.rms_norm(x, w[f"blk.{il}.{norm}"], hp.norm_eps)
+                x = x + (self.attention(il, h, step, slot=j) if kind == ATTENTION else self.moe(il, h))
         except BaseException:
             cache.rollback_pending()
             raise
@@ -516,8 +553,8 @@ class MtpHead:
 
     def new_cache(self) -> Cache:
         hp = self._graph.hp
-        layout = [(KV(),) if hp.kind(il) == ATTENTION else () for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)]
-        return Cache(hp.n_nextn, self.xp, layout)
+        layout = [(KV(),) if kind == ATTENTION else () for _, kind, _ in hp.mtp_sublayers()]
+        return Cache(len(layout), self.xp, layout)
 
     def target_rows(self, tapped: Any) -> Any:
         """Tapped residual rows [n, n_embd] -> the target's final-normed rows the head reads."""
