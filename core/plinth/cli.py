@@ -29,7 +29,8 @@ def _global_parser(add_help: bool) -> argparse.ArgumentParser:  # noqa: F821
         description="plinth: run GGUF language models with numpy or cupy; every architecture "
         "and speculative-decoding drafter is a plugin.",
         epilog="Environment: PLINTH_PLUGINS (only these entry-point names; empty = none), "
-        "PLINTH_DISABLE_PLUGINS, PLINTH_PREFER, PLINTH_STRICT_PLUGINS=1, PLINTH_CACHE (model cache). "
+        "PLINTH_DISABLE_PLUGINS, PLINTH_PREFER, PLINTH_STRICT_PLUGINS=1, PLINTH_ALLOW_UNUSED=1, "
+        "PLINTH_CACHE (model cache). "
         "Run `plinth COMMAND --help` for each command.",
     )
     parser.add_argument("--version", action="version",
@@ -42,6 +43,9 @@ def _global_parser(add_help: bool) -> argparse.ArgumentParser:  # noqa: F821
                         help="plugins that win when two provide the same name (added to $PLINTH_PREFER)")
     parser.add_argument("--strict-plugins", action="store_true", default=None,
                         help="fail if any plugin fails to load (as PLINTH_STRICT_PLUGINS=1)")
+    parser.add_argument("--allow-unused", action="store_true", default=None,
+                        help="load model files holding tensors or architecture keys that the architecture does "
+                        "not read (refused by default: the result may be wrong; as PLINTH_ALLOW_UNUSED=1)")
     return parser
 
 
@@ -105,13 +109,15 @@ def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
     # global options may stand anywhere; read them first, since they decide which
     # plugins (and so which subcommands) exist
     pre, rest = _global_parser(add_help=False).parse_known_args(list(argv))
+    if pre.allow_unused:  # read by every load (plinth.model.load_model), Ray actors' included
+        os.environ["PLINTH_ALLOW_UNUSED"] = "1"
 
     from .plugins import discover
 
     registry = discover(**plugin_selection(pre))
     parser = build_parser(registry, strict=bool(registry.strict))
     args = parser.parse_args(rest)
-    for key in ("plugins", "disable_plugins", "prefer", "strict_plugins"):
+    for key in ("plugins", "disable_plugins", "prefer", "strict_plugins", "allow_unused"):
         setattr(args, key, getattr(pre, key))
     args.parser = parser
     if not getattr(args, "func", None):

@@ -23,7 +23,7 @@ from .cache import Cache
 from .context import Batch, ForwardOutput
 from .errors import UserError
 from .quant import QuantWeight
-from .tensors import TensorSpec, check_tensors, scale_name, unused_tensors
+from .tensors import KeyUse, TensorSpec, check_tensors, check_unused, scale_name, unused_tensors
 from .validation import check_model_file, check_tensor_types, check_vocab
 
 
@@ -33,7 +33,10 @@ class LoadStats:
     weights_s: float = 0.0
     build_s: float = 0.0
     n_params: int = 0
+    #: tensors and ``{arch}.*`` keys of the file that the architecture does not read (only with
+    #: ``allow_unused``; otherwise such a file is refused)
     unused: list[str] = attrs.field(factory=list)
+    unused_keys: list[str] = attrs.field(factory=list)
 
 
 class Context:
@@ -223,23 +226,41 @@ def _quantizable(info: Any) -> bool:
             and info.shape[1] % block_values(info.type_name) == 0)
 
 
+def allow_unused_default() -> bool:
+    """``PLINTH_ALLOW_UNUSED=1`` (the ``--allow-unused`` option sets it): load files whose tensors or keys
+    the architecture does not read."""
+    text = os.environ.get("PLINTH_ALLOW_UNUSED", "0")
+    if text not in ("0", "1"):
+        raise UserError(f"PLINTH_ALLOW_UNUSED={text!r}: 1 (load files with tensors or keys nothing reads) or 0")
+    return text == "1"
+
+
 def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
-               n_ctx: int | None = None, progress: bool = False, tokenizer: bool = False) -> Model:
+               n_ctx: int | None = None, progress: bool = False, tokenizer: bool = False,
+               allow_unused: bool | None = None) -> Model:
     """Load a GGUF file (or a known model name, fetched on first use) with its architecture plugin.
 
     Every problem with the file is a :class:`~plinth.errors.UserError` naming it, raised before
     the weights load. With ``tokenizer=True`` the tokenizer is built (and checked against the
     vocabulary size) before the weights too, so a file without one fails at once.
+
+    A file holding tensors or ``{arch}.*`` keys that the architecture does not read is refused
+    (:class:`~plinth.tensors.UnusedError`): a rope table or a bias left out computes fluent, wrong
+    text. ``allow_unused=True`` (default: ``PLINTH_ALLOW_UNUSED``) loads it anyway and lists them in
+    ``model.stats.unused`` / ``unused_keys``. Integer tensors (I8..I64) load as integer arrays
+    where the architecture's spec allows their type.
     """
+    if allow_unused is None:
+        allow_unused = allow_unused_default()
     from . import hub
-    from .gguf import GGUFFile
+    from .gguf import open_gguf
     from .plugins import default_registry
 
     registry = registry or default_registry()
     path = hub.resolve_model(str(path_or_name), progress=progress)
     stats = LoadStats()
     t0 = time.perf_counter()
-    gf = GGUFFile(path)
+    gf = open_gguf(path)
     metadata = dict(gf.metadata)
     arch = check_model_file(metadata, len(gf.tensors), str(path))
     plugin = registry.owner("architectures", arch, source=str(path))
@@ -248,7 +269,8 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
         from .tokenizer import Tokenizer
 
         tok = Tokenizer.from_metadata(metadata, source=str(path))
-    hparams = registry.arch_hparams(arch, metadata, str(path))
+    key_use = KeyUse(metadata)
+    hparams = registry.arch_hparams(arch, key_use, str(path))
     missing = [f for f in HPARAMS_FIELDS if not hasattr(hparams, f)]
     if missing:
         raise UserError(f"{path}: the {arch} hparams (plugin {plugin}) lack {', '.join(missing)}; an architecture's "
@@ -260,8 +282,13 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     specs = registry.arch_tensors(arch, hparams)
     present = {name: (tuple(info.shape), info.type_name) for name, info in gf.tensors.items()}
     found = check_tensors(specs, present, str(path))
-    check_tensor_types([n for spec in found for n in (spec.name, scale_name(spec.name))], gf.tensors, str(path))
+    integer = {spec.name for spec in found if _integer(gf.tensors[spec.name], spec)}
+    check_tensor_types([n for spec in found for n in (spec.name, scale_name(spec.name)) if n not in integer],
+                       gf.tensors, str(path))
     stats.unused = unused_tensors(specs, gf.tensors)
+    stats.unused_keys = key_use.unread(arch + ".")
+    if not allow_unused:
+        check_unused(stats.unused, stats.unused_keys, str(path), arch, plugin)
     stats.open_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -275,6 +302,9 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for spec in iterator:
             info = gf.tensors[spec.name]
+            if spec.name in integer:  # an index table (DeepSeek V4's token-to-expert map): kept as integers
+                weights[spec.name] = be.asarray(np.array(gf.raw(spec.name)))
+                continue
             scaled = spec.scale and scale_name(spec.name) in gf.tensors
             if keep and not scaled and _quantizable(info):
                 weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape))
@@ -297,6 +327,14 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     model = Model(path, arch, plugin, hparams, specs, weights, graph, be, metadata, types, stats, n_ctx=n_ctx)
     model._tokenizer = tok
     return model
+
+
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")
+
+
+def _integer(info: Any, spec: TensorSpec) -> bool:
+    """An integer tensor whose spec names its type among the allowed ones (loaded as integers)."""
+    return info.type_name in _INTEGER_TYPES and spec.dtypes is not None and info.type_name in spec.dtypes
 
 
 def _progress(items: Sequence[Any], desc: str) -> Iterable[Any]:

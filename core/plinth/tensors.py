@@ -78,3 +78,65 @@ def unused_tensors(specs: Iterable[TensorSpec], names: Iterable[str]) -> list[st
         if spec.scale:
             declared.add(scale_name(spec.name))
     return sorted(n for n in names if n not in declared)
+
+
+class UnusedError(UserError):
+    """A file holds tensors or architecture keys that its architecture does not read: computing without
+    them would answer wrongly without a word, so the load is refused (``allow_unused=True`` overrides)."""
+
+
+class KeyUse(Mapping[str, Any]):
+    """A read-only view of a file's metadata that records which keys an architecture's hparams step asks
+    for (``m[key]``, ``m.get(key)``, ``key in m``). Walking the whole mapping (``for``, ``items()``)
+    counts as reading every key, so a plugin that reads its keys in bulk is never refused by mistake."""
+
+    def __init__(self, metadata: Mapping[str, Any]) -> None:
+        self._metadata = metadata
+        self.read: set[str] = set()
+        self.walked = False
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return self._metadata[key]
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.add(key)
+        return key in self._metadata
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return self._metadata.get(key, default)
+
+    def __iter__(self) -> Any:
+        self.walked = True
+        return iter(self._metadata)
+
+    def __len__(self) -> int:
+        return len(self._metadata)
+
+    def unread(self, prefix: str) -> list[str]:
+        """The keys under ``prefix`` (``"llama."``) that were never asked for."""
+        if self.walked:
+            return []
+        return sorted(k for k in self._metadata if k.startswith(prefix) and k not in self.read)
+
+
+def check_unused(tensors: Sequence[str], keys: Sequence[str], source: str, arch: str, plugin: str) -> None:
+    """Refuse a file with tensors or ``{arch}.*`` keys that no part of its architecture reads (one line
+    naming them). A llama.cpp file may carry a feature plinth lacks (a rope table, a bias, an expert
+    layout); loading it without that feature would give fluent, wrong text."""
+    if not tensors and not keys:
+        return
+    what = []
+    if tensors:
+        shown = ", ".join(tensors[:MAX_LISTED]) + (f" and {len(tensors) - MAX_LISTED} more"
+                                                   if len(tensors) > MAX_LISTED else "")
+        what.append(f"{len(tensors)} tensor(s) ({shown})")
+    if keys:
+        shown = ", ".join(keys[:MAX_LISTED]) + (f" and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED
+                                                else "")
+        what.append(f"{len(keys)} key(s) ({shown})")
+    raise UnusedError(f"{source}: the {arch} architecture (plugin {plugin}) does not read {' and '.join(what)} "
+                      f"of this file, so it would compute without them and answer wrongly; load with "
+                      f"--allow-unused (PLINTH_ALLOW_UNUSED=1, load_model(..., allow_unused=True)) to run anyway")

@@ -29,6 +29,7 @@ from ..errors import UserError, missing_extra
 
 #: environment variables carried to every replica (plugin selection, kernels, threads)
 CARRIED_ENV = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGINS", "PLINTH_PREFER", "PLINTH_STRICT_PLUGINS", "PLINTH_THREADS",
+               "PLINTH_ALLOW_UNUSED",
                "PLINTH_KERNELS", "PLINTH_INT8", "PLINTH_KERNEL_ROWS", "PLINTH_DEQUANTIZE", "PLINTH_MALLOC",
                "PLINTH_CACHE_DIR", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "NUMBA_CACHE_DIR")
 #: what a parsed command line holds that is not an option (rebuilt on the replica)
