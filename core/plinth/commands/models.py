@@ -48,7 +48,7 @@ def run_info(args: argparse.Namespace) -> int:
     import attrs
 
     from .. import hub
-    from ..gguf import GGUFFile
+    from ..gguf import SplitGGUF, open_gguf
 
     from ..errors import UserError
     from ..validation import check_model_file
@@ -56,7 +56,7 @@ def run_info(args: argparse.Namespace) -> int:
     if args.model and args.model_path and args.model != args.model_path:
         raise UserError(f"two models given: -m {args.model} and {args.model_path}; give one")
     path = hub.resolve_model(args.model or args.model_path or hub.DEFAULT_MODEL, progress=True)
-    gf = GGUFFile(path)
+    gf = open_gguf(path)
     md = gf.metadata
     arch = check_model_file(md, None, str(path))
     registry = args.registry
@@ -93,6 +93,10 @@ def run_info(args: argparse.Namespace) -> int:
         by_type[info.type_name][1] += n
         total += n
     print(f"tensors:      {len(gf.tensors)}, {total / 1e6:.1f} M parameters")
+    if isinstance(gf, SplitGGUF):
+        print(f"parts:        {len(gf.parts)} (a split model)")
+        for part in gf.parts:
+            print(f"  {part.path.name:<40} {len(part.tensors):>5} tensors  {part.size / 1e6:9.1f} MB")
     for name, (count, n) in sorted(by_type.items()):
         print(f"  {name:<6} {count:>4} tensors  {n / 1e6:8.2f} M")
     if args.tensors:
