@@ -3,6 +3,7 @@
 #   make test   installs the same plus the test tools and runs the whole default test suite
 # Opt-in suites: make test-ref (torch + transformers), make test-peer (llama-cpp-python, plus torch +
 # transformers for the agreement bar), make test-gpu, make test-fuzz (600 mutated GGUF files),
+# make test-interop (llama.cpp's converter -> plinth, plinth's converters -> llama.cpp),
 # make test-browser (Debian chromium + playwright: the chat page in a real headless browser),
 # make test-ray (a two-node Ray cluster on loopback: Ray Serve replicas, a model split over Ray actors).
 
@@ -12,7 +13,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
+.PHONY: install demo test test-ref test-interop test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +47,12 @@ test-ref-mlx-dspark: install
 	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
 	$(MLX_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "mlx[cpu]==0.32.4" mlx-dspark==0.20.3 numpy
 	PLINTH_MLX_DSPARK_PYTHON=$(abspath $(MLX_VENV))/bin/python $(BIN)/python -m pytest -q -m mlx_dspark
+
+# llama.cpp's converter and gguf-py (from the llama-cpp-python sdist, fetched once) write tiny random checkpoints of
+# every architecture both engines share; plinth must match transformers on them, and llama.cpp on plinth's files
+test-interop: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
+	$(BIN)/python -m pytest -q -m interop
 
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
