@@ -6,9 +6,12 @@ Per block (GGUF stores Gemma's norm weights with the +1 already added)::
     x = h + post_ffw_norm(geglu_ffn(ffn_norm(h)))  # down(gelu_tanh(gate(h)) * up(h))
 
 * Input embeddings are scaled by sqrt(n_embd); the LM head is tied to them.
-* Five of every six layers attend within ``attention.sliding_window`` and use the local
-  RoPE base (``rope.freq_base_swa``, 10000 when absent); every sixth layer is global with
-  ``rope.freq_base``. ``rope.scaling.*`` applies to the global layers only.
+* Sliding-window layers attend within ``attention.sliding_window`` and use the local RoPE
+  base (``rope.freq_base_swa``, 10000 when absent); the others are global with
+  ``rope.freq_base``. Which layers slide: ``attention.sliding_window_pattern``, per layer
+  (bools, true = sliding) or a period n (layer il slides when il % n < n - 1; 0 = all), as
+  llama.cpp reads it; absent, the period is 6 (five sliding layers, then a global one).
+  ``rope.scaling.*`` applies to the global layers only.
 * Optional soft-capping of attention scores and final logits when the file sets it.
 * Attention scale 1/sqrt(head_dim), except the 62-layer (27B) model, which was trained
   with 1/sqrt(n_embd / n_head) (its query_pre_attn_scalar; GGUF has no key for it).
@@ -21,11 +24,11 @@ from typing import Any, Mapping
 import attrs
 
 from plinth import ops
-from plinth.graph import KeyReader, PerLayer, Rope, Step, TensorSpec, embed_rows
+from plinth.graph import HParamsError, KeyReader, PerLayer, Rope, Step, TensorSpec, embed_rows
 
-from .llama import LlamaHParams, Qwen3Graph, Qwen3, read_hparams
+from .llama import LlamaHParams, Qwen3Graph, Qwen3, no_experts, read_hparams, rope_scaling_args
 
-SWA_PERIOD = 6  # layers il with il % 6 < 5 use the sliding window
+SWA_PERIOD = 6  # without attention.sliding_window_pattern: layers il with il % 6 < 5 use the sliding window
 
 
 @attrs.frozen
@@ -46,8 +49,7 @@ class Gemma3Graph(Qwen3Graph):  # Q/K norms and NeoX RoPE as qwen3
         hp = self.hp
         local = [w > 0 for w in hp.sliding_window]
         return Rope(hp.n_rot, [hp.rope_base_local if s else hp.rope_base for s in local], self.xp, mode="neox",
-                    scaling=hp.rope_scaling, factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig,
-                    scaled=[not s for s in local])
+                    scaled=[not s for s in local], **rope_scaling_args(hp))
 
     def embed(self, batch: Any) -> Any:
         return embed_rows(self.embed_table, batch, self.xp, scale=float(self.hp.n_embd) ** 0.5)
@@ -69,9 +71,10 @@ class Gemma3(Qwen3):  # qwen3's tensors (Q/K norms) plus the post-norms
 
     def hparams(self, r: KeyReader) -> Gemma3HParams:
         kw = read_hparams(r, norm_eps=1e-6, rope_base=1_000_000.0)
+        no_experts(r, LlamaHParams(**kw))
         n_layer = kw["n_layer"]
         window = r.get("attention.sliding_window", required=False, default=0)
-        is_swa = [window > 0 and il % SWA_PERIOD < SWA_PERIOD - 1 for il in range(n_layer)]
+        is_swa = [window > 0 and s for s in sliding_layers(r, n_layer)]
         head_dim = kw["head_dim"] if n_layer != 62 else kw["n_embd"] // kw["n_head"][0]  # 27B: see above
         return Gemma3HParams(
             **kw,
@@ -85,3 +88,22 @@ class Gemma3(Qwen3):  # qwen3's tensors (Q/K norms) plus the post-norms
     def layer_tensors(self, hp: Gemma3HParams, il: int) -> list[TensorSpec]:
         return super().layer_tensors(hp, il) + [TensorSpec(f"blk.{il}.{n}.weight", (hp.n_embd,))
                                                 for n in ("post_attention_norm", "post_ffw_norm")]
+
+
+def sliding_layers(r: KeyReader, n_layer: int) -> list[bool]:
+    """Per layer, whether it uses the sliding window (``attention.sliding_window_pattern``, see the module)."""
+    key = r.key("attention.sliding_window_pattern")
+    value = r.metadata.get(key)
+    if value is None:
+        period = SWA_PERIOD
+    else:
+        value = value.tolist() if hasattr(value, "tolist") else value
+        if isinstance(value, (list, tuple)):
+            if len(value) != n_layer or not all(isinstance(v, (bool, int)) for v in value):
+                raise HParamsError(f"{r.source}: key '{key}' must hold {n_layer} booleans (one per layer), "
+                                   f"got {len(value)} values")
+            return [bool(v) for v in value]
+        period = r.get("attention.sliding_window_pattern", required=False)
+        if period < 0:
+            raise HParamsError(f"{r.source}: key '{key}' = {period}: a period must be >= 0")
+    return [period == 0 or il % period < period - 1 for il in range(n_layer)]

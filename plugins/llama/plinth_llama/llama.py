@@ -23,7 +23,9 @@ from typing import Any, Mapping
 import attrs
 
 from plinth import ops
-from plinth.graph import Architecture, BaseGraph, KeyReader, Linear, PerLayer, Rope, Step, TensorSpec, attend
+from plinth.errors import UserError
+from plinth.graph import (Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step, TensorSpec,
+                          attend)
 from plinth.hparams import DENSE_RANGES
 
 
@@ -43,6 +45,68 @@ class LlamaHParams:
     rope_scaling: str
     rope_factor: float
     rope_ctx_orig: int
+    rope_attn_factor: float = 1.0  # multiplies cos and sin (rope.scaling.attn_factor, YaRN's magnitude)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float | None = None  # None: 1 for YaRN
+    n_expert: int = 0  # > 0: every FFN is a Mixtral-style routed MoE
+    n_expert_used: int = 0
+
+
+#: rope.scaling.type values plinth computes (llama.cpp also has longrope: refused by name)
+ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def read_rope_scaling(r: KeyReader) -> dict[str, Any]:
+    """The ``rope.scaling.*`` keys as llama.cpp reads them for the dense archs.
+
+    No type and no factor: none. A factor without a type: linear (llama.cpp's default type; the
+    old key ``rope.scale_linear`` is the factor when ``rope.scaling.factor`` is absent). A type
+    plinth does not implement is refused by name. YaRN: ``original_context_length`` (default the
+    training context), ``yarn_beta_fast`` / ``yarn_beta_slow`` / ``yarn_ext_factor`` when the file
+    sets them, cos and sin scaled by ``1 + 0.1 ln(factor)`` (or, with ``yarn_attn_factor``, by that
+    value, as transformers' ``attention_factor``; with ``yarn_log_multiplier`` m, by
+    ``(1 + 0.1 ln f) / (1 + 0.1 m ln f)`` as llama.cpp); ``rope.scaling.attn_factor`` multiplies all.
+    """
+    kind = r.get("rope.scaling.type", str, required=False, default=None)
+    factor = r.get("rope.scaling.factor", float, required=False, default=None)
+    old = r.get("rope.scale_linear", float, required=False, default=None)
+    if factor is None and old is not None:
+        if not old > 0:
+            raise HParamsError(f"{r.source}: key '{r.key('rope.scale_linear')}' = {old}: must be > 0")
+        factor = old
+    if kind is None:
+        kind = "linear" if factor is not None else "none"
+    if kind not in ROPE_SCALING_TYPES:
+        raise HParamsError(f"{r.source}: key '{r.key('rope.scaling.type')}' = {kind!r}: plinth computes rope "
+                           f"scaling {', '.join(ROPE_SCALING_TYPES)} for '{r.arch}', not {kind!r}; refusing the file "
+                           "rather than computing without it")
+    factor = 1.0 if factor is None else factor
+    n_ctx_train = r.get("context_length", required=False, default=2048)
+    r.get("rope.scaling.finetuned", bool, required=False)  # informational only
+    alpha = r.get("rope.scaling.alpha", float, required=False, default=0.0)
+    if alpha:
+        raise HParamsError(f"{r.source}: key '{r.key('rope.scaling.alpha')}' = {alpha}: NTK-alpha rope scaling "
+                           f"is not implemented for '{r.arch}'")
+    attn = r.get("rope.scaling.attn_factor", float, required=False, default=1.0)
+    yarn = dict(
+        yarn_beta_fast=r.get("rope.scaling.yarn_beta_fast", float, required=False, default=32.0),
+        yarn_beta_slow=r.get("rope.scaling.yarn_beta_slow", float, required=False, default=1.0),
+        yarn_ext_factor=r.get("rope.scaling.yarn_ext_factor", float, required=False, default=None),
+    )
+    yarn_attn = r.get("rope.scaling.yarn_attn_factor", float, required=False, default=None)
+    log_mul = r.get("rope.scaling.yarn_log_multiplier", float, required=False, default=0.0)
+    if kind == "yarn" and factor > 1.0:
+        import math
+
+        ramp_mscale = 1.0 + 0.1 * math.log(factor)  # what plinth.ops.rope_freqs multiplies in for YaRN
+        if yarn_attn is not None:
+            attn *= yarn_attn / ramp_mscale
+        elif log_mul:
+            attn /= 1.0 + 0.1 * log_mul * math.log(factor)
+    return dict(rope_scaling=kind, rope_factor=factor, rope_attn_factor=attn,
+                rope_ctx_orig=r.get("rope.scaling.original_context_length", required=False, default=n_ctx_train),
+                **yarn)
 
 
 def read_hparams(r: KeyReader, **defaults: Any) -> dict[str, Any]:
@@ -50,7 +114,16 @@ def read_hparams(r: KeyReader, **defaults: Any) -> dict[str, Any]:
     n_embd, n_layer = r.get("embedding_length"), r.get("block_count")
     n_head = r.get_key_or_arr("attention.head_count", n_layer)
     head_dim = r.get("attention.key_length", required=False, default=n_embd // n_head[0])
+    value_dim = r.get("attention.value_length", required=False, default=head_dim)
+    if value_dim != head_dim:
+        raise HParamsError(f"{r.source}: key '{r.key('attention.value_length')}' = {value_dim} differs from the key "
+                           f"length {head_dim}; '{r.arch}' needs equal key and value head sizes")
     tokens = r.metadata.get("tokenizer.ggml.tokens")
+    n_expert = r.get("expert_count", required=False, default=0)
+    n_expert_used = r.get("expert_used_count", required=False, default=0)
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise HParamsError(f"{r.source}: key '{r.key('expert_used_count')}' = {n_expert_used}: must be 1.."
+                           f"{n_expert} (expert_count)")
     return dict(
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
         n_embd=n_embd,
@@ -64,27 +137,77 @@ def read_hparams(r: KeyReader, **defaults: Any) -> dict[str, Any]:
         norm_eps=r.get("attention.layer_norm_rms_epsilon", float, required=False,
                        default=defaults.get("norm_eps", 1e-5)),
         rope_base=r.get("rope.freq_base", float, required=False, default=defaults.get("rope_base", 10000.0)),
-        rope_scaling=r.get("rope.scaling.type", str, required=False, default="none"),
-        rope_factor=r.get("rope.scaling.factor", float, required=False, default=1.0),
-        rope_ctx_orig=r.get("rope.scaling.original_context_length", required=False, default=0),
+        n_expert=n_expert,
+        n_expert_used=n_expert_used if n_expert else 0,
+        **read_rope_scaling(r),
     )
 
 
-def block_tensors(hp: Any, il: int) -> list[TensorSpec]:
-    """One pre-norm attention + GLU-FFN block's tensors."""
+def no_experts(r: KeyReader, hp: Any) -> Any:
+    """``hp`` of an architecture whose llama.cpp graph has no MoE branch: expert keys refused by name."""
+    if hp.n_expert:
+        raise HParamsError(f"{r.source}: key '{r.key('expert_count')}' = {hp.n_expert}: '{r.arch}' has no "
+                           "mixture-of-experts FFN (a MoE Qwen is 'qwen2moe' / 'qwen3moe')")
+    return hp
+
+
+def attention_tensors(hp: Any, il: int) -> list[TensorSpec]:
+    """Q, K, V (separate) and the output projection of layer ``il``.
+
+    Q/K/V are optional here because a file may hold them fused instead (``attn_qkv``, see
+    :func:`optional_block_tensors`); the graph refuses a layer with neither or both.
+    """
     b, e = f"blk.{il}.", hp.n_embd
-    nq, nkv, ff = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim, hp.n_ff[il]
+    nq, nkv = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim
     return [
-        TensorSpec(b + "attn_norm.weight", (e,)),
-        TensorSpec(b + "attn_q.weight", (nq, e)),
-        TensorSpec(b + "attn_k.weight", (nkv, e)),
-        TensorSpec(b + "attn_v.weight", (nkv, e)),
+        TensorSpec(b + "attn_q.weight", (nq, e), required=False),
+        TensorSpec(b + "attn_k.weight", (nkv, e), required=False),
+        TensorSpec(b + "attn_v.weight", (nkv, e), required=False),
         TensorSpec(b + "attn_output.weight", (e, nq)),
-        TensorSpec(b + "ffn_norm.weight", (e,)),
+    ]
+
+
+def block_tensors(hp: Any, il: int) -> list[TensorSpec]:
+    """One pre-norm attention + GLU-FFN block's tensors (dense FFN, or routed experts when n_expert > 0)."""
+    b, e, ff = f"blk.{il}.", hp.n_embd, hp.n_ff[il]
+    out = [TensorSpec(b + "attn_norm.weight", (e,))] + attention_tensors(hp, il) + [TensorSpec(b + "ffn_norm.weight", (e,))]
+    if getattr(hp, "n_expert", 0):
+        n = hp.n_expert
+        return out + [
+            TensorSpec(b + "ffn_gate_inp.weight", (n, e)),
+            TensorSpec(b + "ffn_gate_exps.weight", (n, ff, e)),
+            TensorSpec(b + "ffn_up_exps.weight", (n, ff, e)),
+            TensorSpec(b + "ffn_down_exps.weight", (n, e, ff)),
+        ]
+    return out + [
         TensorSpec(b + "ffn_gate.weight", (ff, e)),
         TensorSpec(b + "ffn_up.weight", (ff, e)),
         TensorSpec(b + "ffn_down.weight", (e, ff)),
     ]
+
+
+def qkv_bias_tensors(hp: Any, il: int) -> list[TensorSpec]:
+    """Optional Q, K, V biases (qwen2's; a llama file may carry them too)."""
+    nq, nkv = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim
+    return [TensorSpec(f"blk.{il}.attn_{t}.bias", (n,), required=False) for t, n in (("q", nq), ("k", nkv), ("v", nkv))]
+
+
+def fused_qkv_tensors(hp: Any, il: int) -> list[TensorSpec]:
+    """The fused alternative to separate Q/K/V (llama.cpp's converter with ``--fuse-qkv``): rows Q|K|V."""
+    n = (hp.n_head[il] + 2 * hp.n_head_kv[il]) * hp.head_dim
+    return [TensorSpec(f"blk.{il}.attn_qkv.weight", (n, hp.n_embd), required=False),
+            TensorSpec(f"blk.{il}.attn_qkv.bias", (n,), required=False)]
+
+
+def linear_bias_tensors(hp: Any, il: int) -> list[TensorSpec]:
+    """llama's other optional biases: attention output and the dense FFN's three projections."""
+    b, e, ff = f"blk.{il}.", hp.n_embd, hp.n_ff[il]
+    out = [TensorSpec(b + "attn_output.bias", (e,), required=False)]
+    if not getattr(hp, "n_expert", 0):
+        out += [TensorSpec(b + "ffn_gate.bias", (ff,), required=False),
+                TensorSpec(b + "ffn_up.bias", (ff,), required=False),
+                TensorSpec(b + "ffn_down.bias", (e,), required=False)]
+    return out
 
 
 def model_tensors(hp: Any) -> list[TensorSpec]:
@@ -107,19 +230,50 @@ class LlamaGraph(BaseGraph):
         self.qkv, self.attn_out, self.gate_up, self.down = [], [], [], []
         for il in range(hp.n_layer):
             b = f"blk.{il}."
-            self.qkv.append(Linear.stack(w, [b + "attn_q.weight", b + "attn_k.weight", b + "attn_v.weight"], xp,
-                                         bias=self.qkv_bias(b)))
-            self.attn_out.append(Linear.stack(w, [b + "attn_output.weight"], xp))
-            self.gate_up.append(Linear.stack(w, [b + "ffn_gate.weight", b + "ffn_up.weight"], xp))
-            self.down.append(Linear.stack(w, [b + "ffn_down.weight"], xp))
+            self.qkv.append(self.qkv_linear(il))
+            self.attn_out.append(with_bias(Linear.stack(w, [b + "attn_output.weight"], xp), [(w.get(b + "attn_output.bias"), hp.n_embd)], xp))
+            if hp.n_expert:
+                self.gate_up.append(None)
+                self.down.append(None)
+                continue
+            ff = hp.n_ff[il]
+            self.gate_up.append(with_bias(Linear.stack(w, [b + "ffn_gate.weight", b + "ffn_up.weight"], xp),
+                                          [(w.get(b + "ffn_gate.bias"), ff), (w.get(b + "ffn_up.bias"), ff)], xp))
+            self.down.append(with_bias(Linear.stack(w, [b + "ffn_down.weight"], xp),
+                                       [(w.get(b + "ffn_down.bias"), hp.n_embd)], xp))
+
+    def qkv_linear(self, il: int) -> Linear:
+        """Q|K|V of layer ``il`` as one Linear: the separate projections stacked, or the fused ``attn_qkv``.
+
+        A file holds one layout or the other (llama.cpp's loader takes ``attn_qkv`` when present and
+        then refuses separate ones as surplus). plinth's synthetic test files hold every declared
+        tensor, so with both present the separate projections are used.
+        """
+        w, xp, b = self.w, self.xp, f"blk.{il}."
+        names = [b + f"attn_{t}.weight" for t in "qkv"]
+        have = [n for n in names if n in w]
+        fused = b + "attn_qkv.weight"
+        if fused in w and not have:
+            biases = [b + "attn_qkv.bias"] if b + "attn_qkv.bias" in w else self.qkv_bias_names(b)
+            return Linear.stack(w, [fused], xp, bias=biases)
+        if len(have) != 3:
+            missing = [n for n in names if n not in w]
+            raise UserError(f"missing tensor '{missing[0]}' (layer {il} has neither all of Q/K/V nor a fused "
+                            f"'{fused}')")
+        return Linear.stack(w, names, xp, bias=self.qkv_bias_names(b))
+
+    def qkv_bias_names(self, b: str) -> list[str]:
+        """The Q, K and V biases of block ``b`` (all three or none)."""
+        names = [b + f"attn_{t}.bias" for t in "qkv"]
+        have = [n for n in names if n in self.w]
+        if have and len(have) != 3:
+            raise UserError(f"{', '.join(have)} without the other Q/K/V biases (all three or none)")
+        return names if have else []
 
     def make_rope(self) -> Rope:
         hp = self.hp
-        return Rope(hp.n_rot, [hp.rope_base] * hp.n_layer, self.xp, mode=self.rope_mode, scaling=hp.rope_scaling,
-                    factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig)
-
-    def qkv_bias(self, b: str) -> list[str]:
-        return []
+        return Rope(hp.n_rot, [hp.rope_base] * hp.n_layer, self.xp, mode=self.rope_mode, **rope_scaling_args(hp),
+                    freq_factors=self.w.get("rope_freqs.weight"))
 
     def qk_norm(self, il: int, qk: Any) -> Any:
         return qk
@@ -127,7 +281,8 @@ class LlamaGraph(BaseGraph):
     def layer(self, il: int, x: Any, step: Step) -> Any:
         w, eps, b = self.w, self.hp.norm_eps, f"blk.{il}."
         x = x + self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], eps), step)
-        h = self.ffn(il, ops.rms_norm(x, w[b + "ffn_norm.weight"], eps))
+        h = ops.rms_norm(x, w[b + "ffn_norm.weight"], eps)
+        h = self.moe(il, h) if self.hp.n_expert else self.ffn(il, h)
         h += x
         return h
 
@@ -151,12 +306,37 @@ class LlamaGraph(BaseGraph):
         h *= gate_up[:, ff:]
         return self.down[il](h)
 
+    def moe(self, il: int, x: Any) -> Any:
+        """Mixtral-style routed FFN. x: [n, n_embd] -> [n, n_embd].
+
+        Softmax over all experts' router logits, the ``n_expert_used`` best, their weights
+        renormalised to sum to 1 (llama.cpp's llama MoE branch; transformers' Mixtral block).
+        """
+        w, b = self.w, f"blk.{il}."
+        route = ops.moe_route(ops.linear(x, w[b + "ffn_gate_inp.weight"]), self.hp.n_expert_used,
+                              score_func="softmax", norm_topk=True)
+        return ops.moe_ffn(x, route, w[b + "ffn_gate_exps.weight"], w[b + "ffn_up_exps.weight"],
+                           w[b + "ffn_down_exps.weight"], act="silu")
+
+
+def rope_scaling_args(hp: Any) -> dict[str, Any]:
+    """The :class:`~plinth.graph.Rope` keywords of ``hp``'s rope scaling."""
+    return dict(scaling=hp.rope_scaling, factor=hp.rope_factor, n_ctx_orig=hp.rope_ctx_orig,
+                beta_fast=hp.yarn_beta_fast, beta_slow=hp.yarn_beta_slow, ext_factor=hp.yarn_ext_factor,
+                attn_factor=hp.rope_attn_factor)
+
+
+def with_bias(lin: Linear, parts: list[tuple[Any, int]], xp: Any) -> Linear:
+    """``lin`` with a bias made of ``parts`` ((vector or None, size) per stacked output; None: zeros)."""
+    if all(p is None for p, _ in parts):
+        return lin
+    bias = xp.concatenate([xp.zeros(n, dtype=xp.float32) if p is None else xp.asarray(p, dtype=xp.float32)
+                           for p, n in parts])
+    return attrs.evolve(lin, bias=bias)
+
 
 class Qwen2Graph(LlamaGraph):
     rope_mode = "neox"
-
-    def qkv_bias(self, b: str) -> list[str]:
-        return [b + "attn_q.bias", b + "attn_k.bias", b + "attn_v.bias"]
 
 
 class Qwen3Graph(LlamaGraph):
@@ -172,6 +352,10 @@ class Qwen3Graph(LlamaGraph):
 
 
 class Llama(Architecture):
+    """llama: dense, or Mixtral-style MoE when ``expert_count`` > 0. Optional tensors as llama.cpp reads
+    them: ``rope_freqs.weight`` (Llama 3.1+ per-frequency divisors), Q/K/V biases or a fused
+    ``attn_qkv``, biases on the attention output and the FFN projections."""
+
     name = "llama"
     ranges = DENSE_RANGES  # every layer is attention + FFN: 0 heads or an empty FFN is refused by name
     graph = LlamaGraph
@@ -180,28 +364,56 @@ class Llama(Architecture):
         return LlamaHParams(**read_hparams(r))
 
     def tensors(self, hp: LlamaHParams) -> list[TensorSpec]:
-        return model_tensors(hp) + [s for il in range(hp.n_layer) for s in self.layer_tensors(hp, il)]
+        # the optional tensors follow all the others (the seeded test weights of the rest keep their values)
+        return (model_tensors(hp) + [s for il in range(hp.n_layer) for s in self.layer_tensors(hp, il)]
+                + self.optional_tensors(hp))
 
     def layer_tensors(self, hp: Any, il: int) -> list[TensorSpec]:
         return block_tensors(hp, il)
+
+    def synthetic_tensors(self, hp: Any) -> list[TensorSpec]:
+        """The tensors of a plain model of this architecture (what plinth.testing's synthetic files hold):
+        every required one, the separate Q/K/V, the untied head and :attr:`plain_optional`, in declaration
+        order; not the fused QKV, the rope factors or the optional biases."""
+        keep = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "output.weight") + self.plain_optional
+        return [s for s in self.tensors(hp) if s.required or s.name.endswith(keep)]
+
+    #: optional tensors a plain model of the architecture has (name endings)
+    plain_optional: tuple[str, ...] = ()
+
+    def optional_tensors(self, hp: Any) -> list[TensorSpec]:
+        return ([TensorSpec("rope_freqs.weight", (hp.n_rot // 2,), required=False)]
+                + [s for il in range(hp.n_layer)
+                   for s in qkv_bias_tensors(hp, il) + fused_qkv_tensors(hp, il) + linear_bias_tensors(hp, il)])
 
 
 class Qwen2(Llama):
     name = "qwen2"
     graph = Qwen2Graph
+    plain_optional = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
+
+    def hparams(self, r: KeyReader) -> LlamaHParams:
+        return no_experts(r, LlamaHParams(**read_hparams(r)))
 
     def layer_tensors(self, hp: Any, il: int) -> list[TensorSpec]:
-        nq, nkv = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim
-        return block_tensors(hp, il) + [TensorSpec(f"blk.{il}.attn_{t}.bias", (n,))
-                                        for t, n in (("q", nq), ("k", nkv), ("v", nkv))]
+        return block_tensors(hp, il) + qkv_bias_tensors(hp, il)
+
+    def optional_tensors(self, hp: Any) -> list[TensorSpec]:
+        return [s for il in range(hp.n_layer) for s in fused_qkv_tensors(hp, il)]
 
 
 class Qwen3(Llama):
     name = "qwen3"
     graph = Qwen3Graph
 
+    def hparams(self, r: KeyReader) -> LlamaHParams:
+        return no_experts(r, LlamaHParams(**read_hparams(r)))
+
     def layer_tensors(self, hp: Any, il: int) -> list[TensorSpec]:
         return block_tensors(hp, il) + [TensorSpec(f"blk.{il}.attn_{t}_norm.weight", (hp.head_dim,)) for t in "qk"]
+
+    def optional_tensors(self, hp: Any) -> list[TensorSpec]:
+        return [s for il in range(hp.n_layer) for s in qkv_bias_tensors(hp, il) + fused_qkv_tensors(hp, il)]
 
 
 __all__ = ["Llama", "LlamaGraph", "LlamaHParams", "Qwen2", "Qwen3"]

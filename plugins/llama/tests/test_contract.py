@@ -31,7 +31,8 @@ def build(registry, arch, seed=0, backend="numpy"):
     specs = registry.arch_tensors(arch, hp)
     be = registry.make_backend(backend)
     weights = {k: be.asarray(v) for k, v in
-               random_tensors([s for s in specs if s.name != "output.weight"], seed=seed).items()}
+               random_tensors([s for s in registry.architecture(arch).synthetic_tensors(hp)
+                               if s.name != "output.weight"], seed=seed).items()}
     graph = registry.arch_build(arch, hp, weights, be)
     return hp, graph
 

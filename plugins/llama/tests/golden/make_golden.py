@@ -71,7 +71,7 @@ def plinth_model(case: str, reg: Any = None) -> tuple[Any, dict[str, np.ndarray]
     c = CASES[case]
     reg = reg or registry()
     hp = reg.arch_hparams(c["arch"], metadata(case), f"golden-{case}.gguf")
-    specs = reg.arch_tensors(c["arch"], hp)
+    specs = reg.architecture(c["arch"]).synthetic_tensors(hp)  # the plain model, in declaration order
     if c["tied"]:
         specs = [s for s in specs if s.name != "output.weight"]
     weights = random_tensors(specs, seed=c["seed"])
