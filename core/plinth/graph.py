@@ -397,20 +397,28 @@ class Rope:
     """Rotary position embedding tables for every layer; layers with equal settings share one.
 
     ``base`` and ``scaled`` are per layer (Gemma-3's local layers use another base and no
-    scaling); ``scaling`` / ``factor`` / ``n_ctx_orig`` are the ``rope.scaling.*`` keys.
+    scaling); ``scaling`` / ``factor`` / ``n_ctx_orig`` are the ``rope.scaling.*`` keys, and
+    ``beta_fast`` / ``beta_slow`` / ``ext_factor`` / ``attn_factor`` YaRN's
+    (``rope.scaling.yarn_*``, ``rope.scaling.attn_factor``; see :func:`plinth.ops.rope_freqs`).
+    ``freq_factors`` [n_rot // 2] divides each rotary frequency on every layer (Llama 3.1+'s
+    ``rope_freqs.weight``, as llama.cpp's ``ggml_rope_ext`` applies it; None: none).
     :meth:`__call__` rotates Q and K heads (side by side in one array) at the batch positions.
     """
 
     def __init__(self, n_rot: int, base: Sequence[float], xp: Any, *, mode: str = "normal", scaling: str = "none",
-                 factor: float = 1.0, n_ctx_orig: int = 0, scaled: Sequence[bool] | None = None) -> None:
+                 factor: float = 1.0, n_ctx_orig: int = 0, scaled: Sequence[bool] | None = None,
+                 freq_factors: Any = None, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                 ext_factor: float | None = None, attn_factor: float = 1.0) -> None:
         self.mode = mode
         by_key: dict[tuple[float, str], Any] = {}
         self.tables = []
         for il, b in enumerate(base):
             s = scaling if scaled is None or scaled[il] else "none"
             if (b, s) not in by_key:
-                by_key[(b, s)] = ops.RopeCache(ops.rope_freqs(n_rot, base=b, scaling=s, factor=factor,
-                                                              n_ctx_orig=n_ctx_orig, xp=xp))
+                by_key[(b, s)] = ops.RopeCache(ops.rope_freqs(
+                    n_rot, base=b, scaling=s, factor=factor, n_ctx_orig=n_ctx_orig, beta_fast=beta_fast,
+                    beta_slow=beta_slow, ext_factor=ext_factor if s != "none" else None, attn_factor=attn_factor,
+                    freq_factors=freq_factors, xp=xp))
             self.tables.append(by_key[(b, s)])
 
     def __call__(self, il: int, x: Any, step: Step) -> Any:
