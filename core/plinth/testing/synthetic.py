@@ -80,10 +80,16 @@ def write_synthetic_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any
     """A random model of ``arch``: the plugin declares the tensors, this writes them.
 
     ``drop`` leaves tensors out (to test missing-tensor errors; optional tensors
-    such as a tied ``output.weight`` are written unless dropped).
+    such as a tied ``output.weight`` are written unless dropped). An architecture whose
+    declaration holds alternatives (fused or separate Q/K/V) or optional extras that change
+    what it computes (biases, rope factors) may define ``synthetic_tensors(hparams)``: the
+    specs of its plain model, written instead of all of ``tensor_specs``.
     """
     hparams = registry.arch_hparams(arch, metadata, str(path))
     specs = registry.arch_tensors(arch, hparams)
+    plain = getattr(registry.architecture(arch), "synthetic_tensors", None)
+    if plain is not None:  # the architecture names the tensors of its plain model (no alternative layouts)
+        specs = plain(hparams)
     tensors = random_tensors(specs, seed=seed, scale=scale)
     for name in drop:
         tensors.pop(name, None)
