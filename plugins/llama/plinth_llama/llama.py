@@ -12,6 +12,17 @@ has no ``output.weight``.
 * qwen2: as llama with NeoX RoPE and biases on Q, K and V.
 * qwen3: as llama with NeoX RoPE and a per-head RMSNorm on Q and K before RoPE.
 
+What llama.cpp's loader accepts in these files, plinth reads too:
+
+* RoPE scaling: ``rope.scaling.type`` none / linear / yarn (a factor without a type is linear;
+  the old ``rope.scale_linear`` key), any other type refused by name; Llama 3.1+ files carry
+  no type but ``rope_freqs.weight`` [n_rot/2], a divisor per rotary frequency (llama only).
+* Optional biases on Q, K, V (all four archs); on the attention output and the FFN (llama).
+* Q/K/V fused as ``attn_qkv`` (llama.cpp's converter with ``--fuse-qkv``), with its bias.
+* llama with ``expert_count`` > 0 (Mixtral): each FFN routes every token to the
+  ``expert_used_count`` experts of highest softmax probability (``ffn_gate_inp``), their weights
+  renormalised to sum to 1, each expert a SwiGLU (``ffn_{gate,up,down}_exps``).
+
 Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``); Q, K and V are one
 stacked :class:`~plinth.graph.Linear`, and so are the FFN gate and up projections.
 """
