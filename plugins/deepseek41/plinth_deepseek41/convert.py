@@ -5,7 +5,7 @@ Tensor names: the upstream (original release) names, which transformers 5.24's
 ``head.weight`` ...), with or without the ``model.`` prefix, and the release's top-level
 spellings (``embed.weight``, ``norm.weight``, ``hc_head_fn``). Experts are stacked into
 ``ffn_{gate,up,down}_exps`` ([n_expert, n_ff, E] / [n_expert, E, n_ff]); ``tid2eid`` is written as
-F32 (exact for ids < 2^24; the loader reads every tensor as float32). A release checkpoint's MTP
+I32, as llama.cpp writes it (plinth files written before hold it as F32; both load). A release checkpoint's MTP
 block ``mtp.D.*`` (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``hc_head_*`` and an ordinary
 block) becomes ``blk.{n_layer + D}.*`` with ``nextn.eh_proj = [e_proj | h_proj]`` (window attention,
 ``compress_ratios`` extended with 0); an incomplete block is dropped with a note. transformers
@@ -275,6 +275,10 @@ def convert_tensors(st: SafetensorsDir, n_layer: int) -> tuple[dict[str, np.ndar
             continue
         if rest not in _LAYER:
             raise UserError(f"{st.dir}: tensor {hf_name!r} has no GGUF name in plinth-deepseek41's mapping")
+        if rest == "ffn.gate.tid2eid":  # expert ids: I32, as llama.cpp writes them
+            ids = st.get(hf_name, None) if st.dtype(hf_name) in ("I64", "I32", "I16", "I8", "U8") else _read(st, hf_name)
+            out[f"blk.{il}.{_LAYER[rest]}"] = np.asarray(ids).astype(np.int32)
+            continue
         t = _read(st, hf_name)
         out[f"blk.{il}.{_LAYER[rest]}"] = t.astype(np.float32)
     for (il, which), by_index in sorted(experts.items()):

@@ -146,6 +146,13 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
     scaling = r.get("rope.scaling.type", str, required=False, default="none")
     factor = r.get("rope.scaling.factor", float, required=False, default=1.0) if scaling == "yarn" else 1.0
     n_head = r.get("attention.head_count")
+    # one shared K = V head: the KV head count and the value width are implied; a file saying otherwise is refused
+    n_head_kv = r.get("attention.head_count_kv", required=False, default=1)
+    head_dim_v = r.get("attention.value_length", required=False, default=head_dim)
+    if n_head_kv != 1 or head_dim_v != head_dim:
+        raise HParamsError(f"{source}: keys '{r.key('attention.head_count_kv')}' = {n_head_kv} and "
+                           f"'{r.key('attention.value_length')}' = {head_dim_v}; {r.arch} attends with one K = V "
+                           f"head of width key_length = {head_dim}")
     o_groups = r.get("attention.output_group_count")
     if n_head % o_groups:
         raise HParamsError(f"{source}: {n_head} heads cannot be split into "
@@ -204,6 +211,22 @@ def _per_layer_with_mtp(r: KeyReader, name: str, n_layer: int, n_nextn: int, def
 
 
 # ============================================================================ tensors
+
+#: GGML types of ``ffn_gate_tid2eid``: integers (llama.cpp writes I32), or F32 holding whole numbers
+TID2EID_TYPES = ("I32", "I64", "I16", "I8", "F32")
+
+
+def expert_ids(table: np.ndarray, n_expert: int, name: str) -> np.ndarray:
+    """A hash layer's token -> experts table [n_vocab, top_k] as int64; refuses ids that are not experts."""
+    ids = np.asarray(table)
+    if ids.dtype.kind == "f":
+        if not np.all(np.isfinite(ids)) or np.any(ids != np.round(ids)):
+            raise UserError(f"{name}: a float expert-id table must hold whole numbers")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= n_expert):
+        raise UserError(f"{name}: expert ids must lie in 0..{n_expert - 1}, found {int(ids.min())}..{int(ids.max())}")
+    return ids
+
 
 def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
     """GGUF tensor names and numpy-order shapes (llama.cpp's deepseek4 names)."""
@@ -274,7 +297,8 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
             TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
         ]
         if hp.is_hash(il):
-            block.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used)))
+            # llama.cpp writes the token -> experts table as I32; plinth's converter wrote F32 (exact ids) before
+            block.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used), dtypes=TID2EID_TYPES))
         else:
             block.append(TensorSpec(b + "exp_probs_b.bias", (n_exp,)))
         if hp.n_expert_shared:
@@ -584,7 +608,8 @@ class DeepSeek4Graph:
                                                weights[b + "indexer_compressor_ape.weight"],
                                                weights[b + "indexer_compressor_norm.weight"], hp.ratio(il), True)
             if hp.is_hash(il):
-                self.tid2eid[il] = xp.asarray(weights[b + "ffn_gate_tid2eid.weight"]).astype(np.int64)
+                self.tid2eid[il] = xp.asarray(expert_ids(self.backend.to_numpy(weights[b + "ffn_gate_tid2eid.weight"]),
+                                                         hp.n_expert, f"blk.{il}.ffn_gate_tid2eid.weight"))
 
     def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
         """Per compressed layer, the layer that compresses the stream it reads: V4 layers own theirs."""

@@ -293,4 +293,38 @@ def test_test_kit_architecture_contract(tmp_path):
 
     md = _metadata()
     md["deepseek4.vocab_size"] = 257
+    # the kit draws every tensor as random floats, and a hash layer's token -> experts table must hold expert ids
+    # (refused otherwise); hash routing is covered by the goldens (csa2_hash, flash) and test_speculative
+    md["deepseek4.hash_layer_count"] = 0
     check_architecture(golden.registry(), "deepseek4", md, tmp_path, max_tokens=12, atol=2e-4)
+
+
+def test_tid2eid_is_written_as_i32_and_loads_as_integers_or_from_old_f32_files(flash, tmp_path):
+    """llama.cpp writes the hash layers' token -> experts table as I32; plinth's converter now does too and the
+    loader uses it as integers. Files plinth wrote before (F32 ids) give the same logits; a table with ids that
+    are not experts (or not whole numbers) is refused by name."""
+    import plinth
+    from plinth.gguf import GGUFFile
+    from plinth.testing import write_gguf
+
+    reg = golden.registry()
+    gf = GGUFFile(flash.path)
+    name = "blk.0.ffn_gate_tid2eid.weight"
+    assert gf.tensors[name].type_name == "I32"
+    assert flash.graph.tid2eid[0].dtype == np.int64
+    toks = prompt(30)
+    want = flash.logits(toks)
+    tensors = {n: np.asarray(gf.raw(n)) for n in gf.tensors}
+    assert tensors[name].dtype == np.int32
+    md = dict(gf.metadata)
+    old = write_gguf(tmp_path / "f32.gguf", md, dict(tensors, **{name: tensors[name].astype(np.float32)}))
+    assert GGUFFile(old).tensors[name].type_name == "F32"
+    np.testing.assert_array_equal(plinth.load_model(old, registry=reg).logits(toks), want)
+    bad = tensors[name].copy()
+    bad[3, 0] = flash.hparams.n_expert
+    with pytest.raises(UserError, match=f"{name}: expert ids must lie in 0..{flash.hparams.n_expert - 1}"):
+        plinth.load_model(write_gguf(tmp_path / "bad.gguf", md, dict(tensors, **{name: bad})), registry=reg)
+    half = tensors[name].astype(np.float32)
+    half[0, 0] += 0.5
+    with pytest.raises(UserError, match="whole numbers"):
+        plinth.load_model(write_gguf(tmp_path / "half.gguf", md, dict(tensors, **{name: half})), registry=reg)
