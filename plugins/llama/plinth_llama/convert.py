@@ -20,7 +20,7 @@ opens the files:
 
 Before writing, the file's keys and tensors are checked against plinth-llama's own declaration,
 so a written file always loads. Options: ``outtype`` f32 (default), f16 or bf16 for matrices
-(norms, biases and ``rope_freqs`` stay f32).
+(norms, biases, ``rope_freqs`` and the MoE router stay f32, as in llama.cpp's files).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ class DenseConverter:
             import gguf
 
             q = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16}[outtype]
-            qtypes = {k: q for k, v in tensors.items() if v.ndim >= 2}
+            # the MoE router stays f32, as llama.cpp's converter keeps it (routing is sensitive to rounding)
+            qtypes = {k: q for k, v in tensors.items() if v.ndim >= 2 and not k.endswith("ffn_gate_inp.weight")}
         write_gguf(out_path, md, tensors, qtypes)
         return []
 

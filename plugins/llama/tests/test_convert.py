@@ -99,10 +99,13 @@ def hf_folder(case: str, folder: Path) -> dict:
 
 
 def byte_bpe(n: int) -> dict:
-    """A byte-level BPE tokenizer.json of the first ``n`` byte tokens (no merges)."""
+    """A byte-level BPE tokenizer.json of ``n`` tokens: the first ``n - 1`` byte tokens and one merge
+    (``a b`` -> ``ab``; llama.cpp refuses a BPE vocabulary without merges)."""
     from plinth.tokenizer.core import _BYTE_TO_CHAR
 
-    return {"model": {"type": "BPE", "vocab": {_BYTE_TO_CHAR[b]: b for b in range(n)}, "merges": []},
+    vocab = {_BYTE_TO_CHAR[b]: b for b in range(n - 1)}
+    vocab["ab"] = n - 1
+    return {"model": {"type": "BPE", "vocab": vocab, "merges": ["a b"]},
             "pre_tokenizer": {"type": "ByteLevel"}, "added_tokens": []}
 
 
@@ -157,14 +160,17 @@ def test_converted_keys_are_llama_cpps(case, tmp_path, registry):
             np.testing.assert_allclose(ours_t[name], a, atol=2e-6, rtol=0, err_msg=name)
 
 
-def test_f16_output(tmp_path, registry):
+@pytest.mark.parametrize("case", CASES)
+def test_f16_output_has_llama_cpps_tensor_types(case, tmp_path, registry):
+    """``outtype=f16``: every tensor has the GGML type llama.cpp's converter gave it (its fixtures are f16)."""
     import gguf
 
-    path = convert("llama3_rope", tmp_path, registry, outtype="f16")
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
-    assert types["blk.0.attn_q.weight"] == "F16" and types["rope_freqs.weight"] == "F32"
-    d = np.load(HERE / "llama3_rope.npz")
-    diff = np.max(np.abs(plinth.load_model(path, registry=registry).logits(d["prompt"].tolist()) - d["logits"]))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(convert(case, tmp_path, registry, outtype="f16")).tensors}
+    theirs = {t.name: t.tensor_type.name for t in gguf.GGUFReader(HERE / f"{case}.gguf").tensors}
+    assert {n: t for n, t in types.items() if n in theirs} == {n: t for n, t in theirs.items() if n in types}
+    d = np.load(HERE / f"{case}.npz")
+    diff = np.max(np.abs(plinth.load_model(tmp_path / f"{case}.gguf", registry=registry).logits(d["prompt"].tolist())
+                         - d["logits"]))
     assert diff <= ATOL  # the fixture's weights are float16-exact
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -127,12 +126,11 @@ def reference_logits(model: Any, ids: list[int]) -> np.ndarray:
 
 
 def convert_with_llamacpp(model_dir: Path, out: Path, flags: list[str]) -> None:
-    script = LLAMA_CPP_DIR / "convert_hf_to_gguf.py"
-    if not script.is_file():
-        raise SystemExit(f"{script} not found; set LLAMA_CPP_DIR to a llama.cpp source tree")
-    env = {**os.environ, "PYTHONPATH": str(LLAMA_CPP_DIR / "gguf-py")}
-    subprocess.run([sys.executable, str(script), str(model_dir), "--outfile", str(out), "--outtype", "f16", *flags],
-                   check=True, env=env, capture_output=True)
+    """llama.cpp's converter (``LLAMA_CPP_DIR`` when it holds one, else the sdist plinth's test kit fetches)."""
+    from plinth.testing.interop import convert_with_llama_cpp
+
+    src = LLAMA_CPP_DIR if (LLAMA_CPP_DIR / "convert_hf_to_gguf.py").is_file() else None
+    convert_with_llama_cpp(model_dir, out, src=src, outtype="f16", args=flags)
 
 
 def save_hf(case: str, folder: Path) -> Any:
@@ -143,15 +141,22 @@ def save_hf(case: str, folder: Path) -> Any:
     return model
 
 
-def make(case: str, out_dir: Path = HERE) -> dict[str, Any]:
-    """Write ``<case>.gguf`` (llama.cpp's converter) and ``<case>.npz`` (transformers' logits) to ``out_dir``."""
+def make(case: str, out_dir: Path = HERE, convert: Any = None) -> dict[str, Any]:
+    """Write ``<case>.gguf`` (llama.cpp's converter) and ``<case>.npz`` (transformers' logits) to ``out_dir``.
+
+    convert: ``(hf_dir, out, outtype=, args=)`` running llama.cpp's converter (default: see
+    :func:`convert_with_llamacpp`).
+    """
     import torch
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / case
         model = save_hf(case, folder)
-        convert_with_llamacpp(folder, out_dir / f"{case}.gguf", CASES[case][2])
+        if convert is None:
+            convert_with_llamacpp(folder, out_dir / f"{case}.gguf", CASES[case][2])
+        else:
+            convert(folder, out_dir / f"{case}.gguf", outtype="f16", args=CASES[case][2])
         config = (folder / "config.json").read_text()
     ids = prompt()
     logits = reference_logits(model, ids)
