@@ -9,9 +9,11 @@ import numpy
 
 from ._xp import F32, array_module, as_f32, compiled_ops
 
-#: up to this many query rows, attention on the host runs the compiled row kernel
-#: (:mod:`plinth.ops.compiled`: decode and verify batches, each row computed as if alone)
-KERNEL_MAX_Q = 16
+#: up to this many query rows of a sequence, attention on the host runs the compiled row kernel
+#: (:mod:`plinth.ops.compiled`: decode rows, verify batches, server steps and prompt chunks, each row
+#: computed as if alone, so its bits do not depend on the batch); more (long prompts) go through BLAS.
+#: The same bound as the products' (``plinth.quant.KERNEL_MAX_ROWS``).
+KERNEL_MAX_Q = 1024
 
 
 def attention_mask(
@@ -222,9 +224,16 @@ def attention(
     g = n_head // n_head_kv
     if scale is None:
         scale = 1.0 / float(hd) ** 0.5
-    if (xp is numpy and 0 < n_q <= KERNEL_MAX_Q and n_kv and sinks is None and not causal and sliding_window is None
-            and mask is None and compiled_ops() is not None):
-        return attention_groups(q, [(0, n_q, k, v, bias)], float(scale), soft_cap)  # the same compiled kernel
+    if xp is numpy and 0 < n_q <= KERNEL_MAX_Q and n_kv and sinks is None and compiled_ops() is not None:
+        # the same compiled kernel, the masks folded into one additive bias: a row's bits do not depend on the batch
+        if causal or sliding_window is not None or mask is not None:
+            if (causal or sliding_window is not None) and (q_pos is None or k_pos is None):
+                raise ValueError("attention: causal / sliding_window masking needs q_pos and k_pos")
+            own = attention_bias(q_pos, k_pos, causal, sliding_window, mask, xp=numpy)
+            if own is not None and bias is not None:
+                own = own + as_f32(bias, numpy)
+            bias = own if own is not None else bias
+        return attention_groups(q, [(0, n_q, k, v, bias)], float(scale), soft_cap)
 
     # [n_head_kv, g * n_q, hd] with rows ordered (group member, query)
     qg = (q * F32(scale)).reshape(n_q, n_head_kv, g, hd).transpose(1, 2, 0, 3).reshape(n_head_kv, g * n_q, hd)

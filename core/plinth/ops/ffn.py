@@ -13,15 +13,16 @@ from ..quant import WEIGHT_TYPES
 from ._xp import F32, array_module, as_f32
 from .activations import gelu, get_activation, relu2, silu
 
-# With OpenBLAS a GEMM of 2-4 rows costs 3-4x one matrix-vector product (it packs the
-# whole weight); that many GEMVs read the weight from cache after the first and cost
-# less. Speculative verify batches (a few rows) hit exactly this case, and running each
-# row as plain decoding does also gives those rows plain decoding's rounding.
-SMALL_BATCH_ROWS = 5
+def _invariant_kernels(xp: Any, m: int) -> Any:
+    """The compiled kernel module when a float32 host product of ``m`` rows goes through the
+    batch-invariant kernels (:func:`plinth.quant.kernels.matmul_f32`: each row dotted with each weight
+    row in one fixed order, so a row's bits do not depend on its batch, as for quantized weights),
+    else None (a device array, no numba, or more than ``plinth.quant.KERNEL_MAX_ROWS`` rows: BLAS)."""
+    from .. import quant
 
-
-def _rowwise(xp: Any, m: int) -> bool:
-    return 1 < m <= SMALL_BATCH_ROWS and xp.__name__ == "numpy"
+    if xp.__name__ != "numpy" or not 0 < m <= quant.F32_KERNEL_MAX_ROWS:
+        return None
+    return quant.compiled()
 
 
 def linear(x: Any, w: Any, bias: Any = None) -> Any:
@@ -65,13 +66,16 @@ def _product(x: Any, w: Any, bias: Any, transposed: bool) -> Any:
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.flags.c_contiguous:
         x2 = xp.ascontiguousarray(x2)
-    if _rowwise(xp, x2.shape[0]):
+    k = _invariant_kernels(xp, x2.shape[0])
+    if k is not None:
+        from .. import quant
+
+        quant.blas.use(1)
+        if not w.flags.c_contiguous:
+            w = xp.ascontiguousarray(w)
         y = xp.empty((x2.shape[0], n_out), dtype=F32)
-        for r in range(x2.shape[0]):
-            if transposed:
-                xp.matmul(x2[r], w, out=y[r])
-            else:
-                xp.matmul(w, x2[r], out=y[r])
+        chunk = max(1, min(64, n_out // (8 * quant.threads())))
+        (k.matmul_f32_t if transposed else k.matmul_f32)(w, x2, y, chunk)
     else:
         # w.T of a C-contiguous w is an F-contiguous view: BLAS takes it as a transposed operand
         y = x2 @ w if transposed else x2 @ w.T

@@ -4,13 +4,14 @@
 pass it to :func:`plinth.ops.linear` like a float32 ``[n_out, n_in]`` matrix and
 :func:`plinth.ops.linear` dispatches on it.
 
-- Batches of 1..``KERNEL_MAX_ROWS`` (512) rows (decode, verify, server steps, most prompts): a
+- Batches of 1..``KERNEL_MAX_ROWS`` (1024) rows (decode, verify, server steps, most prompts): a
   compiled kernel reads every block
   once for all rows. On CPUs with AVX2 the activation rows are quantized per 32 values to int8
   and meet the blocks in integer SIMD dot products (:mod:`plinth.quant.kernels_i8`, as llama.cpp
   does); elsewhere, or with ``PLINTH_INT8=0``, f32 activations multiply the dequantized values
-  (:mod:`plinth.quant.kernels`; also MXFP4, F16 and BF16 always).
-- Longer batches, and short ones on the f32 path past ``F32_KERNEL_MAX_ROWS``: tiles of output
+  (:func:`plinth.quant.kernels.matmul_deq`; also MXFP4, F16 and BF16 always). Either way a
+  row's result bits do not depend on the other rows of the batch (docs/performance.md).
+- Longer batches (long prompts): tiles of output
   rows are dequantized on the fly into a small f32 buffer and multiplied with BLAS; no f32 copy
   of the whole weight stays resident.
 - Embedding lookups: :meth:`QuantWeight.take` dequantizes only the rows asked for.
@@ -46,10 +47,11 @@ log = logging.getLogger("plinth.quant")
 #: Q4_K_M m = 512: 830 / 1130, 1024: 2173 / 2367. Below the bound a row's result does not depend
 #: on the batch it is in (docs/performance.md), so the bound is high.
 KERNEL_MAX_ROWS = 1024
-#: the same bound for the f32-activation kernels (no AVX2, PLINTH_INT8=0, MXFP4/F16/BF16), whose
-#: cost is about m times one row: they cross the tiles at 5-6 rows (a SmolLM2 Q4_1 forward, one
-#: thread: 5 rows 153 vs 207 ms, 6 rows 230 vs 202 ms)
-F32_KERNEL_MAX_ROWS = 5
+#: the same bound for the f32-activation kernel (no AVX2, PLINTH_INT8=0, MXFP4/F16/BF16:
+#: :func:`plinth.quant.kernels.matmul_deq`, each weight row dequantized once for all rows and dotted
+#: with each in one fixed order). It is the int8 bound: below it a row's bits do not depend on its
+#: batch, so a verify batch, a server step or a prompt chunk gives the bits of a lone decode.
+F32_KERNEL_MAX_ROWS = KERNEL_MAX_ROWS
 
 
 def _kernel_rows_from_env() -> int:
@@ -65,7 +67,7 @@ def _kernel_rows_from_env() -> int:
 
 
 KERNEL_MAX_ROWS = _kernel_rows_from_env()
-F32_KERNEL_MAX_ROWS = min(F32_KERNEL_MAX_ROWS, KERNEL_MAX_ROWS)
+F32_KERNEL_MAX_ROWS = KERNEL_MAX_ROWS
 #: f32 bytes of one dequantized tile in the prompt path
 TILE_BYTES = 4 << 20
 
@@ -314,13 +316,12 @@ class QuantWeight:
         if m == 0:
             return out
         if k is not None and m <= F32_KERNEL_MAX_ROWS and self.raw16 is not None:
+            # one weight row dequantized once for all m rows, each pair dotted in one fixed order: a row's
+            # bits do not depend on the batch (kernels.matmul_deq)
             blas.use(1)
             x = np.ascontiguousarray(x, dtype=np.float32)
-            if self.ggml_type in k.FAST_TYPES:
-                k.matmul_fast(self.ggml_type, self.raw, self.raw16, x, k.F16_TABLE, out)
-                return out
             chunk = max(1, min(64, self.shape[0] // (8 * threads())))
-            k.matmul_rows(self.ggml_type, self.qk, self.raw, x, k.F16_TABLE, k.FP4_VALUES, out, chunk)
+            k.matmul_deq(self.ggml_type, self.qk, self.raw, self.raw16, x, k.F16_TABLE, k.FP4_VALUES, out, chunk)
             return out
         blas.use(blas_threads())
         tile = max(64, TILE_BYTES // (4 * self.shape[1]))
