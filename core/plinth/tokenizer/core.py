@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import heapq
 import warnings
+from functools import lru_cache
 from typing import Iterable, Sequence
 
 from ..errors import UserError
+from .pretok import PRE_NAMES, REFUSED_PRE, PreTokenizer
 
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 TT_UNDEFINED = 0  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED
@@ -38,79 +40,8 @@ def _clean(text: str) -> str:
         return raw.decode("utf-8", "replace")
 
 
-# --- pre-tokenizer regex lists for byte-level BPE ---------------------------------
-# Each list is applied in order; every regex splits the pieces left by the previous
-# one, keeping both matched and unmatched spans.
-_CONTRACTIONS_CI = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2_WORDS = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
-
-_RX_LLAMA3 = [
-    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-]
-_RX_QWEN2 = [
-    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-]
-_RX_QWEN35 = [
-    _CONTRACTIONS_CI + "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
-]
-_RX_DEEPSEEK_LLM = [
-    "[\r\n]",
-    "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943]+",
-    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
-    "\\s+$",
-    "[一-龥ࠀ-一가-퟿]+",
-    "\\p{N}+",
-]
-_RX_DEEPSEEK_CODER = [
-    "[\r\n]",
-    "\\s?\\p{L}+",
-    "\\s?\\p{P}+",
-    "[一-龥ࠀ-一가-퟿]+",
-    "\\p{N}",
-]
-_RX_FALCON = [
-    "[\\p{P}\\$\\+<=>\\^~\\|`]+",
-    _GPT2_WORDS,
-    "[0-9][0-9][0-9]",
-]
-_RX_STARCODER = ["\\p{N}", _GPT2_WORDS]
-_RX_GPT2 = [_GPT2_WORDS]
-_RX_DEFAULT = [
-    "[\\p{P}\\$\\+<=>\\^~\\|]+",
-    _GPT2_WORDS,
-    "\\p{N}+",
-    "[0-9][0-9][0-9]",
-]
-
-# tokenizer.ggml.pre value -> (regex list, ignore_merges)
-_PRE = {
-    "default": (_RX_DEFAULT, False),
-    "llama3": (_RX_LLAMA3, True),
-    "llama-v3": (_RX_LLAMA3, True),
-    "llama-bpe": (_RX_LLAMA3, True),
-    "falcon3": (_RX_LLAMA3, True),
-    "dbrx": (_RX_LLAMA3, False),
-    "smaug-bpe": (_RX_LLAMA3, False),
-    "deepseek-llm": (_RX_DEEPSEEK_LLM, False),
-    "deepseek-coder": (_RX_DEEPSEEK_CODER, False),
-    "falcon": (_RX_FALCON, False),
-    "mpt": (_RX_GPT2, False),
-    "gpt-2": (_RX_GPT2, False),
-    "phi-2": (_RX_GPT2, False),
-    "gpt-neox": (_RX_GPT2, False),
-    "olmo": (_RX_GPT2, False),
-    "jais": (_RX_GPT2, False),
-    "starcoder": (_RX_STARCODER, False),
-    "refact": (_RX_STARCODER, False),
-    "command-r": (_RX_STARCODER, False),
-    "smollm": (_RX_STARCODER, False),
-    "codeshell": (_RX_STARCODER, False),
-    "qwen2": (_RX_QWEN2, False),
-    "deepseek-r1-qwen": (_RX_QWEN2, False),
-    "stablelm2": (_RX_QWEN2, False),
-    "qwen35": (_RX_QWEN35, False),
-}
-SUPPORTED_PRE = tuple(sorted(_PRE))
+# tokenizer.ggml.pre values (llama.cpp's names and their meaning) live in pretok.py.
+SUPPORTED_PRE = tuple(sorted(PRE_NAMES))
 
 # Token strings that end a generation turn, besides the declared EOS/EOT ids.
 _EOG_TEXTS = (
@@ -249,7 +180,10 @@ class Tokenizer:
                                  "(a tokenizer-less file can be loaded with plinth.load_model, not used for text)")
         if model == "gpt2":
             pre = md.get("tokenizer.ggml.pre") or "default"
-            if not isinstance(pre, str) or pre not in _PRE:
+            if isinstance(pre, str) and pre in REFUSED_PRE:
+                raise UnsupportedTokenizerError(
+                    f"{source}: key 'tokenizer.ggml.pre' = {pre!r}: unsupported: {REFUSED_PRE[pre]}")
+            if not isinstance(pre, str) or pre not in PRE_NAMES:
                 raise UnsupportedTokenizerError(
                     f"{source}: key 'tokenizer.ggml.pre' = {_describe(pre)}: unsupported for model 'gpt2'; "
                     f"supported: {', '.join(SUPPORTED_PRE)}"
@@ -348,16 +282,38 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special=skip_special)
 
 
+@lru_cache(maxsize=None)
+def _pretokenizer(pre_type: str) -> PreTokenizer:
+    return PreTokenizer(pre_type)
+
+
 class BPETokenizer(Tokenizer):
-    """Byte-level BPE: regex pre-tokenization, then merges by rank."""
+    """BPE over llama.cpp's pre-tokenizer words: regex splitting chosen by
+    ``tokenizer.ggml.pre``, then merges by rank.  Words are byte-level (GPT-2
+    byte-to-character mapping) for most values, raw UTF-8 with ``<0xXX>`` byte
+    fallback for the SPM-style ones (``gemma4``, ``sarvam-moe``...)."""
 
     model = "gpt2"
 
+    def _init_flags(self, md):
+        spec = PRE_NAMES[self.pre or "default"]
+        self.pre_spec = spec
+        self.add_bos = bool(_get(md, "tokenizer.ggml.add_bos_token", spec.add_bos)) or spec.force_bos
+        self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
+        # read as llama.cpp does; for BPE it only matters when detokenizing
+        self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", False))
+        self.clean_spaces = spec.clean_spaces
+        self.add_sep = bool(_get(md, "tokenizer.ggml.add_sep_token", spec.add_sep))
+        self.escape_whitespaces = spec.escape_whitespaces
+        self.byte_encode = spec.byte_encode
+
     def __init__(self, md: dict, source: str = "GGUF metadata"):
         super().__init__(md, source)
-        from tokenizers import Regex, Tokenizer as _HFTok, models, pre_tokenizers
+        from tokenizers import Tokenizer as _HFTok, models, pre_tokenizers
 
-        regexes, ignore_merges = _PRE[self.pre or "default"]
+        spec = self.pre_spec
+        self._pretok = _pretokenizer(spec.type)
+        self._newline_words = spec.type == "GEMMA4"  # a run of newlines that is a token stays whole
         merges = []
         vocab = dict(self.token_to_id)
         raw_merges = md.get("tokenizer.ggml.merges")
@@ -374,18 +330,24 @@ class BPETokenizer(Tokenizer):
                                           "in 'tokenizer.ggml.tokens' (a damaged vocabulary string?)")
                 merges.append((a, b))
         try:
-            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges, fuse_unk=False)
+            bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges, fuse_unk=False,
+                             byte_fallback=not self.byte_encode)
         except Exception as exc:  # the tokenizers library's own checks
             raise self._error("tokenizer.ggml.merges", f"cannot build the BPE model: {exc}") from None
         tk = _HFTok(bpe)
-        pts = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-        pts.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tk.pre_tokenizer = pre_tokenizers.Sequence(pts)
+        if self.byte_encode:  # words arrive split; this only maps bytes to characters
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._hf = tk
         self._pieces: list[bytes] = []
         for i, t in enumerate(self.tokens):
             tt = self.token_types[i]
+            if tt == TT_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">") and not self.byte_encode:
+                self._pieces.append(bytes([int(t[3:5], 16)]))
+                continue
             if tt in (TT_NORMAL, TT_BYTE) or tt not in (TT_CONTROL, TT_USER, TT_UNKNOWN, TT_UNUSED):
+                if not self.byte_encode:
+                    self._pieces.append((t.replace("\u2581", " ") if self.escape_whitespaces else t).encode("utf-8"))
+                    continue
                 try:
                     self._pieces.append(bytes(_CHAR_TO_BYTE[c] for c in t))
                     continue
@@ -393,13 +355,37 @@ class BPETokenizer(Tokenizer):
                     pass
             self._pieces.append(t.encode("utf-8"))
 
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The words llama.cpp's pre-tokenizer makes of ``text`` (before byte mapping and merges)."""
+        if self.escape_whitespaces:
+            text = text.replace(" ", "\u2581")
+        return self._pretok.split(text)
+
     def _encode_fragments(self, frags, after_bos):
-        ids: list[int] = []
-        texts = [f for f in frags if isinstance(f, str)]
-        encs = iter(self._hf.encode_batch(texts, add_special_tokens=False)) if texts else iter(())
+        # Each text fragment becomes one or more runs of words; a run is encoded by
+        # the tokenizers library (each word on its own), ids between runs are kept.
+        plan: list = []  # int ids and lists of words, in order
         for f in frags:
             if isinstance(f, int):
-                ids.append(f)
+                plan.append(f)
+                continue
+            run: list[str] = []
+            for w in self.pre_tokenize(f):
+                if self._newline_words and w.strip("\n") == "" and w in self.token_to_id:
+                    if run:
+                        plan.append(run)
+                        run = []
+                    plan.append(self.token_to_id[w])
+                else:
+                    run.append(w)
+            if run:
+                plan.append(run)
+        runs = [p for p in plan if not isinstance(p, int)]
+        encs = iter(self._hf.encode_batch(runs, is_pretokenized=True, add_special_tokens=False)) if runs else iter(())
+        ids: list[int] = []
+        for p in plan:
+            if isinstance(p, int):
+                ids.append(p)
             else:
                 ids.extend(next(encs).ids)
         return ids
