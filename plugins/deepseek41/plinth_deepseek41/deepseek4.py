@@ -131,9 +131,17 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
     csa, hca = r.get("attention.csa_ratio", required=False, default=4), r.get("attention.hca_ratio",
                                                                                required=False, default=128)
     ratios = r.get_array("attention.compress_ratios")
-    if len(ratios) not in (n_layer, n_layer + n_nextn):
+    if n_nextn and len(ratios) != n_layer + n_nextn:
+        # llama.cpp counts MTP layers in block_count, and its converter writes them to a file of their own
+        # (``--mtp``: the MTP block, the shared embedding / head and the block's hc head as output_hc_*)
+        raise HParamsError(f"{source}: llama.cpp's DeepSeek V4 MTP head file (block_count {n_layer} counts "
+                           f"{n_nextn} MTP layer(s), no trunk); plinth does not attach a separate MTP file: load the "
+                           "trunk GGUF, and for --spec mtp a file plinth converted with the MTP block")
+    if len(ratios) < n_layer:
         raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has {len(ratios)} entries, expected "
-                           f"n_layer = {n_layer}" + (f" or n_layer + nextn = {n_layer + n_nextn}" if n_nextn else ""))
+                           f"n_layer = {n_layer}")
+    # llama.cpp's converter writes the release config's list, which also covers the MTP layer it leaves out
+    ratios = ratios[:n_layer + n_nextn]
     bad = sorted({x for x in ratios if x not in (0, csa, hca)})
     if bad or csa == hca or csa < 1 or hca < 1:
         raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has ratio(s) {bad}; {r.arch} "
@@ -158,6 +166,10 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
         raise HParamsError(f"{source}: {n_head} heads cannot be split into "
                            f"'{r.key('attention.output_group_count')}' = {o_groups} groups")
     hc = r.get("hyper_connection.count")
+    n_embd_out = r.get("embedding_length_out", required=False, default=None)  # llama.cpp: the hc streams' width
+    if n_embd_out is not None and n_embd_out != hc * r.get("embedding_length"):
+        raise HParamsError(f"{source}: key '{r.key('embedding_length_out')}' = {n_embd_out}, expected "
+                           f"hyper_connection.count x embedding_length = {hc * r.get('embedding_length')}")
     tokens = metadata.get("tokenizer.ggml.tokens")
     return dict(
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
