@@ -133,3 +133,25 @@ def test_row_ops_do_not_depend_on_the_batch(op: str) -> None:
           "silu": ops.silu, "gelu": ops.gelu, "gelu_erf": ops.gelu_erf, "softmax": ops.softmax,
           "sigmoid": ops.sigmoid}[op]
     _check_rows(fn, rng.standard_normal(N_IN).astype(np.float32) * 3, rng, op)
+
+
+def test_ssm_scan_rows_are_one_token_steps() -> None:
+    """A recurrent layer's verify batch (ssm_scan over k + 1 rows) gives the bits of k + 1 one-token steps."""
+    from plinth.ops.ssm import ssm_scan, ssm_step
+
+    rng = np.random.default_rng(13)
+    t, h, p, g, n = 9, 4, 8, 2, 16
+    x = rng.standard_normal((t, h, p)).astype(np.float32)
+    dt = rng.uniform(0.01, 0.5, (t, h)).astype(np.float32)
+    A = -rng.uniform(0.5, 2.0, h).astype(np.float32)
+    B = rng.standard_normal((t, g, n)).astype(np.float32)
+    C = rng.standard_normal((t, g, n)).astype(np.float32)
+    D = rng.standard_normal(h).astype(np.float32)
+    s0 = rng.standard_normal((h, p, n)).astype(np.float32)
+    scan = ssm_scan(x, dt, A, B, C, D, state=s0)
+    state = s0
+    for i in range(t):
+        one = ssm_step(x[i:i + 1], dt[i:i + 1], A, B[i:i + 1], C[i:i + 1], D, state=state)
+        assert np.array_equal(scan.y[i], one.y[0]), f"row {i}"
+        state = one.state
+    assert np.array_equal(scan.state, state)

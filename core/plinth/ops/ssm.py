@@ -111,9 +111,16 @@ def ssm_step(x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, state: Any 
     return ScanOut(y=y[None], state=new.astype(F32, copy=False))
 
 
+#: up to this many rows :func:`ssm_scan` runs :func:`ssm_step` row by row, so a verify batch (or a server
+#: step's rows) on a recurrent target gives the bits of one-token decoding; longer scans (prompts) take
+#: the chunked SSD form, whose rounding depends on the chunking
+STEP_SCAN_MAX_ROWS = 256
+
+
 def ssm_scan(x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, state: Any = None,
              chunk: int = 64) -> ScanOut:
-    """Selective scan over T tokens, ``chunk`` rows at a time (exact, not an approximation).
+    """Selective scan over T tokens, ``chunk`` rows at a time (exact, not an approximation); up to
+    ``STEP_SCAN_MAX_ROWS`` rows, one :func:`ssm_step` a row (the same bits as decoding them one by one).
 
     x: [T, H, P];  dt: [T, H] (after softplus);  A: [H] (negative);  B, C: [T, G, N];
     D: [H] or None;  state: [H, P, N] or None (zeros);  chunk: rows per SSD chunk.
@@ -122,6 +129,13 @@ def ssm_scan(x: Any, dt: Any, A: Any, B: Any, C: Any, D: Any = None, state: Any 
     xp = array_module(x, B)
     x = as_f32(x, xp)
     t, h, p = x.shape
+    if t <= STEP_SCAN_MAX_ROWS:  # decode-sized: the rows of one-token steps, bit for bit
+        ys = []
+        for i in range(t):
+            one = ssm_step(x[i:i + 1], dt[i:i + 1], A, B[i:i + 1], C[i:i + 1], D, state=state)
+            ys.append(one.y)
+            state = one.state
+        return ScanOut(y=xp.concatenate(ys, axis=0), state=state)
     dt = as_f32(dt, xp)
     A = as_f32(A, xp)
     Bh = _heads_of_groups(as_f32(B, xp), h)  # [T, H, N]
