@@ -52,6 +52,7 @@ _LAYER = {
     "attn.attn_sink": "attn_sinks.weight", "attn.wq_a.weight": "attn_q_a.weight",
     "attn.q_norm.weight": "attn_q_a_norm.weight", "attn.wq_b.weight": "attn_q_b.weight",
     "attn.wkv.weight": "attn_kv.weight", "attn.norm.weight": "attn_kv_a_norm.weight",
+    "attn.kv_norm.weight": "attn_kv_a_norm.weight",  # the release's spelling
     "attn.wo_a.weight": "attn_output_a.weight", "attn.wo_b.weight": "attn_output_b.weight",
     "attn.compressor.wkv.weight": "attn_compressor_kv.weight",
     "attn.compressor.wgate.weight": "attn_compressor_gate.weight",

@@ -67,3 +67,26 @@ def test_llama_cpp_mtp_head_file_is_refused_by_name(reg):
     with pytest.raises(HParamsError, match=r"lc_v4-mtp.gguf: llama.cpp's DeepSeek V4 MTP head file \(block_count 4 "
                                            r"counts 1 MTP layer\(s\), no trunk\)"):
         load_model(path, registry=reg)
+
+
+def test_plinth_converts_the_same_release_checkpoint(reg, tmp_path):
+    """The release folder llama.cpp converted (FP4 experts, ``attn.kv_norm``, ``mtp.0.*``), through plinth's converter."""
+    import json
+
+    from plinth.convert import convert
+    from plinth.model import load_model
+
+    maker = load_module(HERE / "golden" / "make_llamacpp.py")
+    _, release = maker.states()
+    folder = tmp_path / "release"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(maker.release_config()))
+    maker.write_raw_safetensors(folder / "model.safetensors", release)
+    convert(folder, tmp_path / "p.gguf", registry=reg)
+    model = load_model(tmp_path / "p.gguf", registry=reg)
+    assert model.graph.n_mtp == 1
+    g = np.load(FIXTURES / "lc_v4.npz")
+    for i in range(3):
+        prompt, rows = g[f"prompt_{i}"].tolist(), g[f"rows_{i}"]
+        diff = float(np.abs(model.logits(prompt)[rows] - g[f"logits_{i}"]).max())
+        assert diff <= LOGIT_ATOL, f"prompt of {len(prompt)}: max |plinth - transformers| = {diff:.3g}"
