@@ -1,0 +1,13 @@
+"""Entry point of plinth-gemma: names and lazy import paths only."""
+
+from plinth.manifest import Manifest, ManifestPlugin
+
+plugin = ManifestPlugin(
+    Manifest(
+        name="gemma",
+        api_version="2.0",
+        architectures={"gemma4": "plinth_gemma.gemma4:Gemma4"},
+        converters={"Gemma4ForCausalLM": "plinth_gemma.convert:Gemma4Converter"},
+        description="Gemma 4 text models: gemma4",
+    )
+)
