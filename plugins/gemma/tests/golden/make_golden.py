@@ -154,6 +154,56 @@ def write_hf_folder(case: str, folder: Path) -> Path:
     return write(folder, c["config"], hf_random_state(c["config"], c["seed"]))
 
 
+def gemma_tokenizer(n_vocab: int) -> dict[str, Any]:
+    """A tiny ``tokenizer.json`` of Gemma's kind (BPE with byte fallback, "▁" for spaces): <pad> <eos> <bos>
+    <unk>, the 256 byte tokens, letters and merges up to ``n_vocab`` tokens (what llama.cpp's converter
+    takes as a Gemma 4 vocabulary). Written without the tokenizers library."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    for ch in "\u2581abcdefghijklmnopqrstuvwxyz":
+        vocab.setdefault(ch, len(vocab))
+    merges = []
+    letters = "etaoinshrdlu"
+    for a in "\u2581" + letters:
+        for b in letters:
+            if len(vocab) >= n_vocab:
+                break
+            if a + b not in vocab:
+                vocab[a + b] = len(vocab)
+                merges.append([a, b])
+    if len(vocab) != n_vocab:
+        raise ValueError(f"gemma_tokenizer: cannot make {n_vocab} tokens")
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                "special": True} for t, i in list(vocab.items())[:4]]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+            "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            "pre_tokenizer": None, "post_processor": None,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]},
+            "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": merges}}
+
+
+GEMMA_N_VOCAB = 300
+
+
+def write_gemma_folder(case: str, folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The case with a 300-token Gemma-style tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), as
+    llama.cpp's converter needs; the weights are drawn from the case's seed for that vocabulary."""
+    from plinth.testing import write_hf_folder as write
+
+    c = CASES[case]
+    cfg = dict(c["config"], vocab_size=GEMMA_N_VOCAB, vocab_size_per_layer_input=GEMMA_N_VOCAB, pad_token_id=0,
+               eos_token_id=1, bos_token_id=2)
+    write(folder, cfg, hf_random_state(cfg, c["seed"]), tokenizer=gemma_tokenizer(GEMMA_N_VOCAB))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True}))
+    return folder, cfg
+
+
 def registry() -> Any:
     from plinth.testing import make_registry
     from plinth_gemma.plugin import plugin
