@@ -19,30 +19,50 @@ def cache_dir() -> Path:
     return d
 
 
-def vocab_dir() -> Path | None:
-    """Directory holding ggml-vocab-* files, downloading once if needed; None if unavailable."""
+def _sdist() -> Path | None:
     d = cache_dir()
-    out = d / "ggml-vocab"
-    if (out / ".done").exists():
-        return out
     tar = d / SDIST_FILE
     if not tar.exists():
-        r = subprocess.run(
+        subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
              SDIST, "-d", str(d)],
             capture_output=True, text=True,
         )
         if not tar.exists():
             return None
+    return tar
+
+
+def _extract(dirname: str, wanted) -> Path | None:
+    """Files of the sdist whose member path ``wanted`` accepts, flattened into a cache folder."""
+    out = cache_dir() / dirname
+    if (out / ".done").exists():
+        return out
+    tar = _sdist()
+    if tar is None:
+        return None
     out.mkdir(exist_ok=True)
     with tarfile.open(tar) as tf:
         for m in tf:
-            name = m.name.rsplit("/", 1)[-1]
-            if "/vendor/llama.cpp/models/ggml-vocab-" in m.name and m.isfile():
-                f = tf.extractfile(m)
-                (out / name).write_bytes(f.read())
+            if m.isfile() and wanted(m.name):
+                (out / m.name.rsplit("/", 1)[-1]).write_bytes(tf.extractfile(m).read())
     (out / ".done").write_text("ok")
     return out
+
+
+def vocab_dir() -> Path | None:
+    """Directory holding ggml-vocab-* files, downloading once if needed; None if unavailable."""
+    return _extract("ggml-vocab", lambda name: "/vendor/llama.cpp/models/ggml-vocab-" in name)
+
+
+LLAMA_SRC_FILES = ("llama-vocab.cpp", "unicode.cpp", "unicode.h", "unicode-data.cpp", "unicode-data.h")
+
+
+def llama_src_dir() -> Path | None:
+    """llama.cpp's vocabulary and unicode sources from the same sdist (the pre-tokenizer
+    names, their regexes and the reference splitter); None if unavailable."""
+    return _extract("llama-src", lambda name: any(name.endswith("/vendor/llama.cpp/src/" + f)
+                                                  for f in LLAMA_SRC_FILES))
 
 
 def metadata(path) -> dict:
