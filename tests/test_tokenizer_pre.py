@@ -381,3 +381,25 @@ def test_split_matches_llama_cpp_splitter():
         for text, line in zip(texts, out):
             ref = [bytes.fromhex(w[1:]).decode("utf-8") for w in line.split(" ") if len(w) > 1]
             assert p.split(text) == ref, (pre_type, text)
+
+
+@pytest.mark.parametrize("extra,token,text,expect", [
+    # jina-v2 pre values: <mask> swallows the whitespace on its left
+    ({"tokenizer.ggml.pre": "jina-v2-de"}, "<mask>", "a \t<mask> b", ["a", "<mask>", " b"]),
+    ({"general.architecture": "jina-bert-v3"}, "<mask>", "a <mask> <mask>", ["a", "<mask>", "<mask>"]),
+    # a Phi-3 model name: special tokens swallow the whitespace on their right
+    ({"general.name": "Phi-3 mini"}, "<|user|>", "<|user|>\n hi <|user|>", ["<|user|>", "hi ", "<|user|>"]),
+    ({"general.name": "ModernBERT modern-bert"}, "[MASK]", "x [MASK] y", ["x", "[MASK]", " y"]),
+    ({}, "<mask>", "a <mask> b", ["a ", "<mask>", " b"]),
+])
+def test_special_token_strip(extra, token, text, expect):
+    md = _byte_level_md("gpt-2")
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [token]
+    md["tokenizer.ggml.token_type"] = [1] * 256 + [3]
+    md.update(extra)
+    tok = Tokenizer.from_metadata(md)
+    tid = tok.token_to_id[token]
+    assert [tok.tokens[f] if isinstance(f, int) else f for f in tok._partition(text, True)] == \
+        [token if e == token else e for e in expect]
+    assert tok.decode(tok.encode(text, add_special=False, parse_special=True)) == "".join(expect)
+    assert tid in tok.encode(text, add_special=False, parse_special=True)

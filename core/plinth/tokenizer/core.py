@@ -27,6 +27,9 @@ class UnsupportedTokenizerError(TokenizerError):
     """Raised when the GGUF metadata names a tokenizer this package cannot build."""
 
 
+_C_SPACE = " \t\n\v\f\r"  # C isspace
+
+
 def _clean(text: str) -> str:
     """Text safe to encode as UTF-8: lone surrogates (undecodable input bytes) become U+FFFD."""
     try:
@@ -145,7 +148,28 @@ class Tokenizer:
         # parse_special is set, user-defined tokens always.
         self._special_ids = [i for i, t in enumerate(self.token_types) if t in (TT_CONTROL, TT_USER, TT_UNKNOWN)]
         self._special_ids.sort(key=lambda i: -len(self.tokens[i]))
+        self._lstrip, self._rstrip = self._strip_attrs(md)
         self._eog = self._detect_eog()
+
+    def _strip_attrs(self, md: dict) -> tuple[frozenset, frozenset]:
+        """Special tokens that swallow ASCII whitespace on their left / right when matched
+        in text, as llama.cpp sets them by pre value, architecture and model name."""
+        pre = self.pre or ""
+        arch = str(md.get("general.architecture") or "")
+        name = str(md.get("general.name") or "").lower()
+
+        def ids(texts):
+            return {self.token_to_id[t] for t in texts if t in self.token_to_id}
+
+        if any(k in pre for k in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+                any(k in arch for k in ("nomic-bert-moe", "jina-bert-v3")):
+            return frozenset(ids(["<mask>"])), frozenset()
+        if "phi-3" in name or "phi3" in name:
+            right = (set(self._special_ids) | ids(["</s>"])) - ids(["<unk>", "<s>", "<|endoftext|>"])
+            return frozenset(), frozenset(right)
+        if "modern-bert" in name:
+            return frozenset(ids(["[MASK]"])), frozenset()
+        return frozenset(), frozenset()
 
     def _error(self, key: str, why: str) -> TokenizerError:
         return TokenizerError(f"{self.source}: key '{key}' {why}")
@@ -245,9 +269,14 @@ class Tokenizer:
                     out.append(f)
                     continue
                 parts = f.split(tok)
+                last = len(parts) - 1
                 for k, p in enumerate(parts):
                     if k:
                         out.append(tid)
+                        if tid in self._rstrip:
+                            p = p.lstrip(_C_SPACE)
+                    if k < last and tid in self._lstrip:
+                        p = p.rstrip(_C_SPACE)
                     if p:
                         out.append(p)
             frags = out
