@@ -15,8 +15,9 @@ opens the files:
 * Gemma 3's norm weights are stored as ``1 + w``; its sliding layers (``layer_types``) are
   written as ``attention.sliding_window_pattern`` (one bool per layer) with the window and the
   local RoPE base ``rope.freq_base_swa``;
-* the tokenizer: a byte-level BPE ``tokenizer.json`` (:func:`plinth.convert.bpe_tokenizer_metadata`)
-  and the chat template of ``tokenizer_config.json``; a SentencePiece tokenizer is refused.
+* the tokenizer: a byte-level BPE ``tokenizer.json`` (:func:`plinth.convert.bpe_tokenizer_metadata`),
+  its pre-tokenizer named as llama.cpp names it (:func:`pre_tokenizer_name`), and the chat
+  template of ``tokenizer_config.json``; a SentencePiece tokenizer is refused.
 
 Before writing, the file's keys and tensors are checked against plinth-llama's own declaration,
 so a written file always loads. Options: ``outtype`` f32 (default), f16 or bf16 for matrices
@@ -92,6 +93,46 @@ def llama3_rope_factors(rp: Mapping[str, Any], head_dim: int) -> np.ndarray:
     blended = 1.0 / ((1.0 - smooth) / factor + smooth)
     out = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, blended))
     return out.astype(np.float32)
+
+
+# tokenizer.json Split regexes of the byte-level BPE families llama.cpp names (its tokenizer.ggml.pre)
+_LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                 "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+_QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+                "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
+def pre_tokenizer_name(tok: Mapping[str, Any], source: str) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE ``tokenizer.json``'s pre-tokenizer.
+
+    GPT-2's (ByteLevel with its regex): ``gpt-2``; digits one by one, then GPT-2's: ``smollm``;
+    Llama 3's and Qwen 2's split regexes before a regex-free ByteLevel: ``llama-bpe`` (with the model's
+    ``ignore_merges``, as llama.cpp's llama-bpe) and ``qwen2`` (without).
+    Any other pre-tokenizer is refused: written under another name, text would split differently.
+    """
+    pt = tok.get("pre_tokenizer") or {}
+    steps = list(pt.get("pretokenizers") or []) if pt.get("type") == "Sequence" else [pt]
+    kinds = [s.get("type") for s in steps]
+    ignore_merges = bool((tok.get("model") or {}).get("ignore_merges", False))
+    if ignore_merges and kinds != ["Split", "ByteLevel"]:
+        kinds = ["ignore_merges"]  # no llama.cpp name below takes whole-word tokens with these splits
+
+    def byte_level(use_regex: bool) -> bool:
+        return steps[-1].get("type") == "ByteLevel" and bool(steps[-1].get("use_regex", True)) == use_regex
+
+    if kinds == ["ByteLevel"] and byte_level(True):
+        return "gpt-2"
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and byte_level(True):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"] and byte_level(False) and steps[0].get("behavior") == "Isolated":
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        # llama.cpp's llama-bpe takes a word that is a token whole (Llama 3's "ignore_merges"): only then
+        if regex == _LLAMA3_SPLIT and ignore_merges:
+            return "llama-bpe"
+        if regex == _QWEN2_SPLIT and not ignore_merges:
+            return "qwen2"
+    raise UserError(f"{source}: pre-tokenizer {json.dumps(pt)[:200]} is not one plinth names for llama.cpp "
+                    "(GPT-2, SmolLM, Llama 3, Qwen 2); convert with llama.cpp's convert_hf_to_gguf.py")
 
 
 class DenseConverter:
@@ -193,6 +234,7 @@ class DenseConverter:
                 raise UserError(f"{path}: a SentencePiece-style tokenizer (byte fallback / metaspace); plinth "
                                 "converts byte-level BPE tokenizers only, use llama.cpp's convert_hf_to_gguf.py")
         md = bpe_tokenizer_metadata(model_dir, cfg)
+        md["tokenizer.ggml.pre"] = pre_tokenizer_name(tok, str(path))
         tc = Path(model_dir) / "tokenizer_config.json"
         if tc.is_file():
             template = json.loads(tc.read_text()).get("chat_template")

@@ -201,3 +201,60 @@ def test_llama3_rope_factors_are_llama_cpps():
     ours = llama3_rope_factors(rope_parameters(config), config["head_dim"])
     assert len(set(np.round(ours, 4))) > 2  # 1, the factor and blended values: the case shows all three
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pre, expected", [
+    ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
+    ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
+                                            {"type": "ByteLevel", "use_regex": True}]}, "smollm"),
+    ({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "behavior": "Isolated", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?"
+                                                                      "\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+        {"type": "ByteLevel", "use_regex": False}]}, "qwen2"),
+])
+def test_pre_tokenizer_names(pre, expected):
+    from plinth_llama.convert import pre_tokenizer_name
+
+    assert pre_tokenizer_name({"pre_tokenizer": pre}, "t.json") == expected
+    with pytest.raises(UserError, match="pre-tokenizer"):  # whole-word tokens: none of these names
+        pre_tokenizer_name({"pre_tokenizer": pre, "model": {"ignore_merges": True}}, "t.json")
+
+
+def test_an_unknown_pre_tokenizer_is_refused():
+    from plinth_llama.convert import pre_tokenizer_name
+
+    with pytest.raises(UserError, match="pre-tokenizer"):
+        pre_tokenizer_name({"pre_tokenizer": {"type": "Whitespace"}}, "t.json")
+
+
+@pytest.mark.ref
+@pytest.mark.slow
+@pytest.mark.parametrize("vocab", ["llama-bpe", "qwen2"])
+def test_converted_tokenizer_encodes_as_transformers(vocab, tmp_path):
+    """A tokenizer.json (transformers' own, from llama.cpp's vocabulary file) converted by plinth
+    encodes llama.cpp's tokenizer test texts as transformers does."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from plinth.tokenizer import Tokenizer
+    from plinth_llama.convert import DenseConverter
+
+    models = Path("/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
+    if not (models / f"ggml-vocab-{vocab}.gguf").is_file():
+        from plinth.testing.interop import llama_cpp_sources
+
+        src = llama_cpp_sources()
+        if src is None:
+            pytest.skip("the llama.cpp vocabulary files are not available")
+        models = src / "models"
+    AutoTokenizer.from_pretrained(str(models), gguf_file=f"ggml-vocab-{vocab}.gguf").save_pretrained(tmp_path)
+    if vocab == "llama-bpe":  # Llama 3's own tokenizer.json has it; transformers' GGUF import drops it
+        j = json.loads((tmp_path / "tokenizer.json").read_text())
+        j["model"]["ignore_merges"] = True
+        (tmp_path / "tokenizer.json").write_text(json.dumps(j))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    md = DenseConverter().tokenizer(str(tmp_path), {})
+    tok = Tokenizer.from_metadata(md, "converted")
+    texts = (models / f"ggml-vocab-{vocab}.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    for text in texts:
+        assert tok.encode(text, add_special=False) == hf.encode(text, add_special_tokens=False), repr(text)
