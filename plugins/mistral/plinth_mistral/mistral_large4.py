@@ -170,6 +170,23 @@ def _check_layers(source: str, r: KeyReader, n_layer: int, rope: PerLayer, idx_t
                                f"'{r.key('attention.kv_source_layers')}' and the indexer types make it {want!r}")
 
 
+#: llama.cpp's expert gating function ids (``expert_gating_func``): this model routes by softmax
+GATING_SOFTMAX = 1
+
+
+def _check_fixed(r: KeyReader, source: str, n_head: int) -> None:
+    """Keys the converter writes for llama.cpp whose value this model fixes: MLA keeps one K/V head per
+    query head, and the router is a softmax whose top-k weights are renormalised. Another value is a
+    different model, refused by name."""
+    fixed = (("attention.head_count_kv", int, n_head, "MLA: one K/V head per query head"),
+             ("expert_gating_func", int, GATING_SOFTMAX, "the router is a softmax (llama.cpp's 1)"),
+             ("expert_weights_norm", bool, True, "the top-k routing weights are renormalised"))
+    for key, cast, want, why in fixed:
+        got = r.get(key, cast, required=False, default=want)
+        if got != want:
+            raise HParamsError(f"{source}: key '{r.key(key)}' = {got!r}: this architecture needs {want!r} ({why})")
+
+
 def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> MistralLarge4Params:
     r = KeyReader(metadata, source, arch)
     n_layer = r.get("block_count")
@@ -195,6 +212,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> 
                            f"'{r.key('attention.key_length')}' = {head_dim_k}")
     n_dense = r.get("leading_dense_block_count", required=False, default=0)
     n_expert = r.get("expert_count", required=n_dense < n_layer, default=0)
+    _check_fixed(r, source, n_head)
     tokens = metadata.get("tokenizer.ggml.tokens")
     roles = []
     for il in range(n_layer):
