@@ -87,7 +87,8 @@ _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"mixer\.experts\.(\d+)\.(up|down)_proj\.weight")
 
 
-# the MTP head's own tensors (``mtp.layers.{i}.<name>``; the rest are ordinary block tensors)
+# the MTP head's own tensors (``mtp.layers.{i}.<name>``; the rest are ordinary block tensors, all written to
+# the one folded block blk.{n_layer}, where the MoE sub-block's norm is post_attention_norm)
 _MTP_MAP = {"enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
             "eh_proj.weight": "nextn.eh_proj.weight", "final_layernorm.weight": "nextn.shared_head_norm.weight"}
 _MTP_RE = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
@@ -240,8 +241,8 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str, mtp: bool =
         f"{a}.ssm.time_step_rank": m["mamba_num_heads"],
         f"{a}.ssm.group_count": m["n_groups"],
     }
-    if n_layer > n_trunk:
-        md[f"{a}.nextn_predict_layers"] = n_layer - n_trunk
+    if n_layer > n_trunk:  # llama.cpp's layout: one folded MTP block, counted in block_count
+        md[f"{a}.nextn_predict_layers"] = 1
     if head_dim:
         md[f"{a}.attention.key_length"] = head_dim
         md[f"{a}.attention.value_length"] = head_dim
@@ -269,7 +270,26 @@ def gguf_metadata(config: Mapping[str, Any], source: str, name: str, mtp: bool =
         latent = [int(c.get("moe_latent_size") or 0) for c in moe]
         if any(latent):
             md[f"{a}.moe_latent_size"] = per_layer("moe_latent_size")
+        # llama.cpp reads these two as one value for the model: write a scalar when the MoE layers agree
+        for key, hf in (("expert_shared_feed_forward_length", "moe_shared_expert_intermediate_size"),
+                        ("moe_latent_size", "moe_latent_size")):
+            vals = {int(c.get(hf) or 0) for c in moe}
+            if f"{a}.{key}" in md and len(vals) == 1:
+                md[f"{a}.{key}"] = vals.pop()
+    if n_layer > n_trunk:
+        fold_mtp_block(md, n_trunk)
     return md
+
+
+def fold_mtp_block(md: dict[str, Any], n_trunk: int) -> None:
+    """Per-layer arrays over trunk + (attention, MoE) MTP blocks -> trunk + one block holding both (llama.cpp's
+    layout): the attention keys from the attention block, every other one from the MoE block."""
+    a = md["general.architecture"]
+    md[f"{a}.block_count"] = n_trunk + 1
+    for key, value in list(md.items()):
+        if isinstance(value, list) and len(value) == n_trunk + 2:
+            attn = key in (f"{a}.attention.head_count", f"{a}.attention.head_count_kv")
+            md[key] = value[:n_trunk] + [value[n_trunk] if attn else value[n_trunk + 1]]
 
 
 # ============================================================================ tensors
@@ -278,7 +298,7 @@ def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int,
                     n_mtp: int = 0) -> tuple[dict[str, np.ndarray], list[str]]:
     """GGUF-named float32 tensors, and notes about what was left out.
 
-    n_mtp: MTP blocks to export (``mtp.layers.{i}.*`` -> ``blk.{n_layer + i}.*``); 0 drops ``mtp.*``
+    n_mtp: 1 folds the MTP head (``mtp.layers.{0,1}.*``) into ``blk.{n_layer}.*``; 0 drops ``mtp.*``
     with a note.
     """
     out: dict[str, np.ndarray] = {}
@@ -295,12 +315,16 @@ def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int,
             continue
         if mtp is not None:
             i, rest = int(mtp.group(1)), mtp.group(2)
-            if i >= n_mtp:
-                raise UserError(f"{st.dir}: tensor {hf_name!r} belongs to MTP block {i}, but the config has {n_mtp}")
+            if i >= 2:
+                raise UserError(f"{st.dir}: tensor {hf_name!r} belongs to MTP block {i}; a Nemotron-H MTP head has "
+                                "two (attention, MoE)")
             if rest in _MTP_MAP:
-                out[f"blk.{n_layer + i}.{_MTP_MAP[rest]}"] = st.get(hf_name)
+                out[f"blk.{n_layer}.{_MTP_MAP[rest]}"] = st.get(hf_name)
                 continue
-            m = _LAYER_RE.fullmatch(f"layers.{n_layer + i}.{rest}")
+            if i == 1 and rest == "norm.weight":
+                out[f"blk.{n_layer}.post_attention_norm.weight"] = st.get(hf_name)
+                continue
+            m = _LAYER_RE.fullmatch(f"layers.{n_layer}.{rest}")
         else:
             m = _LAYER_RE.fullmatch(name)
         if m is None:
@@ -339,6 +363,23 @@ def convert_tensors(st: SafetensorsDir, n_layer: int, n_groups: int,
 
 
 # ============================================================================ converter
+
+def tokenizer_metadata(model_dir: str, cfg: Mapping[str, Any], n_vocab: int) -> tuple[dict[str, Any], str]:
+    """``tokenizer.ggml.*`` from the folder's byte-level BPE ``tokenizer.json``, the token list padded to
+    ``n_vocab`` with unused ``[PAD{i}]`` entries (as llama.cpp's converter pads it: its loader sizes
+    token_embd by the token count); without a tokenizer.json, none and a note."""
+    from plinth.convert import bpe_tokenizer_metadata
+
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return {}, "no tokenizer.json: the GGUF has no tokenizer (llama.cpp and plinth generate need one)"
+    md = bpe_tokenizer_metadata(model_dir, cfg)
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    if n_vocab > len(tokens):
+        types += [5] * (n_vocab - len(tokens))  # UNUSED
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"] = tokens, types
+    return md, ""
+
 
 class NemotronHConverter:
     """``NemotronHForCausalLM`` folder -> ``nemotron_h`` / ``nemotron_h_moe`` GGUF."""
@@ -401,6 +442,9 @@ class NemotronHConverter:
             qtypes = {k: q for k, v in tensors.items() if v.ndim >= 2 and not k.endswith(keep_f32)}
         if (cfg.get("num_nextn_predict_layers") or cfg.get("mtp_block_configs")) and not has_mtp and not notes:
             notes.append("the config declares MTP layers, but no mtp.* tensors were found; none exported")
+        tok_md, tok_note = tokenizer_metadata(model_dir, cfg, int(md.get(f"{arch}.vocab_size", 0)))
+        md.update(tok_md)
+        notes += [tok_note] if tok_note else []
         write_gguf(out_path, md, tensors, qtypes)
         for note in notes:
             print(f"plinth-nemotron: {note}", file=sys.stderr)

@@ -84,21 +84,25 @@ def spec_model(tmp_path_factory, reg):
 
 def test_converted_head_layout(files, model):
     md = GGUFFile(files["puzzle"]).metadata
-    assert md["nemotron_h_moe.block_count"] == 8 and md["nemotron_h_moe.nextn_predict_layers"] == 2
-    assert list(md["nemotron_h_moe.expert_used_count"]) == [0, 2, 0, 4, 0, 1, 0, 3]
+    # llama.cpp's layout: one folded block (attention + MoE sub-blocks), counted in block_count
+    assert md["nemotron_h_moe.block_count"] == 7 and md["nemotron_h_moe.nextn_predict_layers"] == 1
+    assert list(md["nemotron_h_moe.expert_used_count"]) == [0, 2, 0, 4, 0, 1, 3]
     assert list(md["nemotron_h_moe.attention.head_count_kv"])[6] == 2
     hp = model.hparams
-    assert (hp.n_layer, hp.pattern, hp.mtp_pattern, hp.n_nextn) == (6, "ME*EME", "*E", 2)
-    assert hp.n_expert_used(7) == 3 and hp.n_ff_exp(7) == 32 and hp.kind(6) == "attention"
-    with pytest.raises(IndexError, match="n_layer = 6 \\+ 2 MTP blocks"):
-        hp.kind(8)
+    assert (hp.n_layer, hp.pattern, hp.mtp_pattern, hp.n_nextn, hp.mtp_folded) == (6, "ME*EME", "*E", 1, True)
+    assert hp.n_expert_used(6) == 3 and hp.n_ff_exp(6) == 32 and hp.n_head_kv[6] == 2
+    assert [k for _, k, _ in hp.mtp_sublayers()] == ["attention", "moe"]
+    with pytest.raises(IndexError, match="n_layer = 6 \\+ 1 MTP blocks"):
+        hp.kind(7)
     assert len(model.graph.cache_layout()) == 6  # the trunk's cache only
     names = set(GGUFFile(files["puzzle"]).tensors)
     assert {"blk.6.nextn.eh_proj.weight", "blk.6.nextn.enorm.weight", "blk.6.nextn.hnorm.weight",
-            "blk.7.nextn.shared_head_norm.weight", "blk.7.ffn_up_exps.weight", "blk.6.attn_q.weight"} <= names
+            "blk.6.nextn.shared_head_norm.weight", "blk.6.ffn_up_exps.weight", "blk.6.attn_q.weight",
+            "blk.6.attn_norm.weight", "blk.6.post_attention_norm.weight"} <= names
+    assert not any(n.startswith("blk.7.") for n in names)
     assert model.target_view().draft_heads == ["mtp"]
     h = GGUFFile(files["h"]).metadata
-    assert h["nemotron_h_moe.block_count"] == 7 and h["nemotron_h_moe.nextn_predict_layers"] == 2
+    assert h["nemotron_h_moe.block_count"] == 6 and h["nemotron_h_moe.nextn_predict_layers"] == 1
 
 
 def test_trunk_is_unchanged_by_the_head(files, model, reg):
@@ -193,7 +197,7 @@ def test_conversion_choices(files, reg, capsys):
     assert "nemotron_h_moe.nextn_predict_layers" not in GGUFFile(tmp / "cli-no.gguf").metadata
     assert main(["--plugins", "nemotron", "convert", str(files["folder"]), "-o", str(tmp / "cli.gguf"),
                  "--mtp"]) == 0
-    assert GGUFFile(tmp / "cli.gguf").metadata["nemotron_h_moe.nextn_predict_layers"] == 2
+    assert GGUFFile(tmp / "cli.gguf").metadata["nemotron_h_moe.nextn_predict_layers"] == 1
     plain = golden.write_hf_folder("moe", tmp / "moe-hf")
     with pytest.raises(UserError, match="mtp=yes, but the checkpoint has no MTP head"):
         convert(plain, tmp / "x.gguf", reg, mtp="yes")
