@@ -44,12 +44,13 @@ def test_llama_cpp_converter_now_gives_files_plinth_runs_as_transformers(case, t
     assert diff <= ATOL, f"{case}: max |plinth - transformers| = {diff:.3g}"
 
 
-def plinth_converted(case, tmp_path, registry, outtype="f32"):
-    """(plinth's GGUF of the case's save_pretrained folder, prompt, transformers' logits)."""
+def plinth_converted(case, tmp_path, registry, outtype="f32", spec=None):
+    """(plinth's GGUF of the case's save_pretrained folder, prompt, transformers' logits); spec: a model
+    that is not one of the fixtures' cases (see make_fixtures.hf_model)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     folder = tmp_path / case
-    model = fixtures.save_hf(case, folder)
+    model = fixtures.save_hf(case, folder, spec)
     (folder / "tokenizer.model").unlink()  # plinth converts byte-level BPE tokenizers
     (folder / "tokenizer.json").write_text(json.dumps(byte_bpe(fixtures.N_VOCAB)))
     out = tmp_path / f"{case}.gguf"
@@ -61,6 +62,27 @@ def plinth_converted(case, tmp_path, registry, outtype="f32"):
 @pytest.mark.parametrize("case", CASES)
 def test_plinth_converter_on_save_pretrained_folders(case, tmp_path, registry):
     path, ids, ref = plinth_converted(case, tmp_path, registry)
+    diff = float(np.max(np.abs(plinth.load_model(path, registry=registry).logits(ids) - ref)))
+    assert diff <= ATOL, f"{case}: max |plinth - transformers| = {diff:.3g}"
+
+
+# models only the live tests make: rope parameters llama.cpp's files carry as keys
+LIVE = {
+    "qwen2_yarn_params": ("Qwen2ForCausalLM", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "attention_factor": 0.8, "beta_fast": 16.0, "beta_slow": 2.0})),
+    "llama_yarn": ("LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32})),
+    "llama_untied_linear": ("LlamaForCausalLM", dict(rope_parameters={
+        "rope_type": "linear", "rope_theta": 50000.0, "factor": 2.0})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LIVE))
+def test_plinth_converter_rope_parameters(case, tmp_path, registry):
+    """YaRN's attention_factor / beta_fast / beta_slow (keys rope.scaling.yarn_*), YaRN and linear on
+    llama: plinth's file in plinth gives transformers' logits."""
+    path, ids, ref = plinth_converted(case, tmp_path, registry, spec=LIVE[case])
     diff = float(np.max(np.abs(plinth.load_model(path, registry=registry).logits(ids) - ref)))
     assert diff <= ATOL, f"{case}: max |plinth - transformers| = {diff:.3g}"
 

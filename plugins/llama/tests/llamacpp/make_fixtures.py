@@ -94,12 +94,15 @@ def train_tokenizer(folder: Path) -> None:
     (folder / "tokenizer.model").write_bytes(buf.getvalue())
 
 
-def hf_model(case: str) -> Any:
-    """The case's transformers model, every parameter redrawn and float16-exact."""
+def hf_model(case: str, spec: tuple[str, dict[str, Any]] | None = None) -> Any:
+    """The case's transformers model, every parameter redrawn and float16-exact.
+
+    spec: (transformers class, config overrides) of a model that is not one of CASES.
+    """
     import torch
     import transformers
 
-    cls_name, over, _, _ = CASES[case]
+    cls_name, over = spec if spec is not None else CASES[case][:2]
     cfg_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config").replace("Gemma3Config",
                                                                                         "Gemma3TextConfig"))
     cfg = cfg_cls(**{**COMMON, **over})
@@ -133,9 +136,9 @@ def convert_with_llamacpp(model_dir: Path, out: Path, flags: list[str]) -> None:
     convert_with_llama_cpp(model_dir, out, src=src, outtype="f16", args=flags)
 
 
-def save_hf(case: str, folder: Path) -> Any:
-    """The case's model and tokenizer saved in ``folder``; returns the model."""
-    model = hf_model(case)
+def save_hf(case: str, folder: Path, spec: tuple[str, dict[str, Any]] | None = None) -> Any:
+    """The case's model and tokenizer saved in ``folder``; returns the model (spec: see :func:`hf_model`)."""
+    model = hf_model(case, spec)
     model.save_pretrained(folder)
     train_tokenizer(folder)
     return model
