@@ -447,39 +447,25 @@ def dequantize_fast_serial(t: int, raw: np.ndarray, raw16: np.ndarray, rows: np.
 # Batch-invariant products on f32 activations: every (activation row, weight row) pair runs the same
 # float steps whatever else is in the batch (docs/performance.md, "Batch invariance"). The weight row
 # is dequantized once (the same bits for every row it meets) into a per-thread buffer, then each
-# activation row is dotted with it by :func:`dot_lanes` in one fixed order.
-
-#: running sums of :func:`dot_lanes`
-DOT_LANES = 32
+# activation row is dotted with it by :func:`dot_row`.
 
 
-@njit(cache=True, nogil=True)
-def dot_lanes(w: np.ndarray, x: np.ndarray, acc: np.ndarray) -> np.float32:
-    """w . x (float32 [n] each) in one fixed order: value j into running sum j % 32 (mul then add,
-    no fused multiply-add, no reassociation), then a fixed tree over the 32 sums. ``acc``: float32 [32]
-    scratch. The same bits for the same inputs, wherever it is called from."""
-    for lane in range(DOT_LANES):
-        acc[lane] = np.float32(0.0)
-    n = x.shape[0]
-    n32 = n - n % DOT_LANES
-    for j in range(0, n32, DOT_LANES):
-        for lane in range(DOT_LANES):
-            acc[lane] += w[j + lane] * x[j + lane]
-    for j in range(n32, n):
-        acc[j - n32] += w[j] * x[j]
-    width = DOT_LANES // 2
-    while width:
-        for lane in range(width):
-            acc[lane] += acc[lane + width]
-        width //= 2
-    return acc[0]
+@njit(cache=True, fastmath=True, nogil=True)
+def dot_row(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """w . x (float32 [n] each): one compiled loop (vectorised: its partial sums and their final
+    reduction are fixed by the code and n alone, never by the data's place in a batch), so the same
+    bits for the same inputs wherever and however often it is called."""
+    s = np.float32(0.0)
+    for j in range(x.shape[0]):
+        s += w[j] * x[j]
+    return s
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def matmul_deq(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarray, f16: np.ndarray,
                fp4: np.ndarray, out: np.ndarray, chunk: int) -> None:
     """out[r, o] = x[r] . W[o] for a quantized W of any kept type (f32 activations), each weight row
-    dequantized once for all m rows and each pair dotted by :func:`dot_lanes`: row r's result does not
+    dequantized once for all m rows and each pair dotted by :func:`dot_row`: row r's result does not
     depend on m or on the other rows.  x float32 [m, n_in] C-order;  out float32 [m, n_out]; output rows
     split over threads in runs of ``chunk``."""
     n_out = raw.shape[0]
@@ -491,28 +477,26 @@ def matmul_deq(t: int, qk: int, raw: np.ndarray, raw16: np.ndarray, x: np.ndarra
             fast = True
     for ci in prange(n_chunks):
         w = np.empty(n_in, dtype=np.float32)
-        acc = np.empty(DOT_LANES, dtype=np.float32)
         for o in range(ci * chunk, min(n_out, (ci + 1) * chunk)):
             if fast:
                 _deq_row(t, raw[o], raw16[o], f16, w)
             else:
                 _deq_generic_row(t, qk, raw[o], raw16[o], f16, fp4, w)
             for r in range(m):
-                out[r, o] = dot_lanes(w, x[r], acc)
+                out[r, o] = dot_row(w, x[r])
 
 
 @njit(cache=True, parallel=True, nogil=True)
 def matmul_f32(w: np.ndarray, x: np.ndarray, out: np.ndarray, chunk: int) -> None:
-    """out[r, o] = x[r] . w[o] for a float32 w [n_out, n_in] (C-order) by :func:`dot_lanes`: row r's
+    """out[r, o] = x[r] . w[o] for a float32 w [n_out, n_in] (C-order) by :func:`dot_row`: row r's
     result does not depend on the other rows.  x float32 [m, n_in] C-order; out float32 [m, n_out]."""
     n_out = w.shape[0]
     m = x.shape[0]
     n_chunks = (n_out + chunk - 1) // chunk
     for ci in prange(n_chunks):
-        acc = np.empty(DOT_LANES, dtype=np.float32)
         for o in range(ci * chunk, min(n_out, (ci + 1) * chunk)):
             for r in range(m):
-                out[r, o] = dot_lanes(w[o], x[r], acc)
+                out[r, o] = dot_row(w[o], x[r])
 
 
 @njit(cache=True, parallel=True, nogil=True)
