@@ -130,3 +130,17 @@ def test_gemma3_sliding_window_pattern_as_llama_cpp_reads_it(tmp_path):
         assert [w > 0 for w in model.hparams.sliding_window] == [True, False]
         diff = float(np.max(np.abs(model.logits(ids) - ref)))
         assert diff <= ATOL, f"pattern {value!r}: max |plinth - transformers| = {diff:.3g}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "gemma3_pattern"])
+def test_llamacpp_files_on_the_strict_device_stand_in(case):
+    """Device discipline of the new paths (rope factors, biases, fused QKV, experts): the strict backend
+    gives transformers' logits, and a decode step reads back only the sampled token."""
+    from plinth.testing import decode_step_transfers, make_registry
+    from plinth_llama.plugin import plugin
+
+    ids, ref, _ = reference(case)
+    model = plinth.load_model(HERE / f"{case}.gguf", backend="strict", registry=make_registry(plugin))
+    diff = float(np.max(np.abs(model.logits(ids) - ref)))
+    assert diff <= ATOL, f"{case} (strict): max |plinth - transformers| = {diff:.3g}"
+    assert decode_step_transfers(model, ids[:6], n_steps=3) == [1, 1, 1]
