@@ -381,7 +381,8 @@ class Gemma3Converter(DenseConverter):
             period = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
             types = ["full_attention" if (il + 1) % period == 0 else "sliding_attention" for il in range(n_layer)]
         if len(types) != n_layer or not set(types) <= {"sliding_attention", "full_attention"}:
-            raise UserError(f"{source}: layer_types {types!r}; expected {n_layer} of sliding_attention / full_attention")
+            raise UserError(f"{source}: layer_types {types!r}; expected {n_layer} of sliding_attention / "
+                            "full_attention")
         sliding = [t == "sliding_attention" for t in types]
         if any(sliding):
             md["gemma3.attention.sliding_window"] = int(cfg["sliding_window"])

@@ -29,6 +29,7 @@ stacked :class:`~plinth.graph.Linear`, and so are the FFN gate and up projection
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import attrs
@@ -108,8 +109,6 @@ def read_rope_scaling(r: KeyReader) -> dict[str, Any]:
     yarn_attn = r.get("rope.scaling.yarn_attn_factor", float, required=False, default=None)
     log_mul = r.get("rope.scaling.yarn_log_multiplier", float, required=False, default=0.0)
     if kind == "yarn" and factor > 1.0:
-        import math
-
         ramp_mscale = 1.0 + 0.1 * math.log(factor)  # what plinth.ops.rope_freqs multiplies in for YaRN
         if yarn_attn is not None:
             attn *= yarn_attn / ramp_mscale
@@ -181,7 +180,8 @@ def attention_tensors(hp: Any, il: int) -> list[TensorSpec]:
 def block_tensors(hp: Any, il: int) -> list[TensorSpec]:
     """One pre-norm attention + GLU-FFN block's tensors (dense FFN, or routed experts when n_expert > 0)."""
     b, e, ff = f"blk.{il}.", hp.n_embd, hp.n_ff[il]
-    out = [TensorSpec(b + "attn_norm.weight", (e,))] + attention_tensors(hp, il) + [TensorSpec(b + "ffn_norm.weight", (e,))]
+    out = ([TensorSpec(b + "attn_norm.weight", (e,))] + attention_tensors(hp, il)
+           + [TensorSpec(b + "ffn_norm.weight", (e,))])
     if getattr(hp, "n_expert", 0):
         n = hp.n_expert
         return out + [
@@ -242,7 +242,8 @@ class LlamaGraph(BaseGraph):
         for il in range(hp.n_layer):
             b = f"blk.{il}."
             self.qkv.append(self.qkv_linear(il))
-            self.attn_out.append(with_bias(Linear.stack(w, [b + "attn_output.weight"], xp), [(w.get(b + "attn_output.bias"), hp.n_embd)], xp))
+            self.attn_out.append(with_bias(Linear.stack(w, [b + "attn_output.weight"], xp),
+                                           [(w.get(b + "attn_output.bias"), hp.n_embd)], xp))
             if hp.n_expert:
                 self.gate_up.append(None)
                 self.down.append(None)

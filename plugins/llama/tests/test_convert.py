@@ -59,7 +59,8 @@ def hf_folder(case: str, folder: Path) -> dict:
     arch = str(fields["general.architecture"].contents())
     n_head, n_kv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     norm = (lambda a: a - np.float32(1.0)) if arch == "gemma3" else (lambda a: a)
-    sd = {"model.embed_tokens.weight": w.pop("token_embd.weight"), "model.norm.weight": norm(w.pop("output_norm.weight"))}
+    sd = {"model.embed_tokens.weight": w.pop("token_embd.weight"),
+          "model.norm.weight": norm(w.pop("output_norm.weight"))}
     if "output.weight" in w:
         sd["lm_head.weight"] = w.pop("output.weight")
     w.pop("rope_freqs.weight", None)  # the config's llama3 rope parameters hold it
@@ -154,7 +155,8 @@ def test_converted_keys_are_llama_cpps(case, tmp_path, registry):
         assert list(mine[key].types) == list(field.types), f"{key}: GGUF type {mine[key].types} vs {field.types}"
     ours_t, _ = gguf_tensors(tmp_path / f"{case}.gguf")
     fused = {n for n in theirs_t if "attn_qkv" in n}
-    assert set(ours_t) == (set(theirs_t) - fused) | ({n.replace("attn_qkv", f"attn_{p}") for n in fused for p in "qkv"})
+    split = {n.replace("attn_qkv", f"attn_{p}") for n in fused for p in "qkv"}
+    assert set(ours_t) == (set(theirs_t) - fused) | split
     for name, a in theirs_t.items():
         if name in ours_t:
             np.testing.assert_allclose(ours_t[name], a, atol=2e-6, rtol=0, err_msg=name)
@@ -165,7 +167,8 @@ def test_f16_output_has_llama_cpps_tensor_types(case, tmp_path, registry):
     """``outtype=f16``: every tensor has the GGML type llama.cpp's converter gave it (its fixtures are f16)."""
     import gguf
 
-    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(convert(case, tmp_path, registry, outtype="f16")).tensors}
+    path = convert(case, tmp_path, registry, outtype="f16")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     theirs = {t.name: t.tensor_type.name for t in gguf.GGUFReader(HERE / f"{case}.gguf").tensors}
     assert {n: t for n, t in types.items() if n in theirs} == {n: t for n, t in theirs.items() if n in types}
     d = np.load(HERE / f"{case}.npz")
@@ -203,13 +206,16 @@ def test_llama3_rope_factors_are_llama_cpps():
     np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
 @pytest.mark.parametrize("pre, expected", [
     ({"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}, "gpt-2"),
     ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
                                             {"type": "ByteLevel", "use_regex": True}]}, "smollm"),
     ({"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "behavior": "Isolated", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?"
-                                                                      "\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+        {"type": "Split", "behavior": "Isolated", "pattern": {"Regex": QWEN2_SPLIT}},
         {"type": "ByteLevel", "use_regex": False}]}, "qwen2"),
 ])
 def test_pre_tokenizer_names(pre, expected):

@@ -125,7 +125,8 @@ def test_gemma3_sliding_window_pattern_as_llama_cpp_reads_it(tmp_path):
     wrong = float(np.max(np.abs(plinth.load_model(src).logits(ids) - ref)))
     assert wrong > 0.1
     for value in ([True, False], 2):
-        path = with_metadata(src, tmp_path / f"pattern-{value}.gguf", {"gemma3.attention.sliding_window_pattern": value})
+        path = with_metadata(src, tmp_path / f"pattern-{value}.gguf",
+                             {"gemma3.attention.sliding_window_pattern": value})
         model = plinth.load_model(path)
         assert [w > 0 for w in model.hparams.sliding_window] == [True, False]
         diff = float(np.max(np.abs(model.logits(ids) - ref)))
