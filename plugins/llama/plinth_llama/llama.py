@@ -9,7 +9,7 @@ llama, per block::
 then ``logits = lm_head(rms_norm(x))``; the head is tied to ``token_embd`` when the file
 has no ``output.weight``.
 
-* qwen2: as llama with NeoX RoPE and biases on Q, K and V.
+* qwen2: as llama with NeoX RoPE and biases on Q, K and V (and optionally on the LM head).
 * qwen3: as llama with NeoX RoPE and a per-head RMSNorm on Q and K before RoPE.
 
 What llama.cpp's loader accepts in these files, plinth reads too:
@@ -350,6 +350,13 @@ def with_bias(lin: Linear, parts: list[tuple[Any, int]], xp: Any) -> Linear:
 class Qwen2Graph(LlamaGraph):
     rope_mode = "neox"
 
+    def __init__(self, hp: Any, weights: Mapping[str, Any], backend: Any, **kw: Any) -> None:
+        super().__init__(hp, weights, backend, **kw)
+        if "output.bias" in self.w:  # an LM head bias (llama.cpp's qwen2 reads one when present)
+            head = self.head
+            bias = self.xp.asarray(self.w["output.bias"], dtype=self.xp.float32)
+            self.head = attrs.evolve(head, linear=attrs.evolve(head.linear, bias=bias))
+
 
 class Qwen3Graph(LlamaGraph):
     rope_mode = "neox"
@@ -411,7 +418,8 @@ class Qwen2(Llama):
         return block_tensors(hp, il) + qkv_bias_tensors(hp, il)
 
     def optional_tensors(self, hp: Any) -> list[TensorSpec]:
-        return [s for il in range(hp.n_layer) for s in fused_qkv_tensors(hp, il)]
+        return ([TensorSpec("output.bias", (hp.n_vocab,), required=False)]
+                + [s for il in range(hp.n_layer) for s in fused_qkv_tensors(hp, il)])
 
 
 class Qwen3(Llama):

@@ -113,3 +113,24 @@ def test_gemma3_sliding_window_pattern(registry, pattern, expected):
 def test_gemma3_sliding_window_pattern_of_the_wrong_length_is_refused(registry):
     with pytest.raises(UserError, match="sliding_window_pattern"):
         hparams(registry, "gemma3", attention__sliding_window=5, attention__sliding_window_pattern=[True, False, True])
+
+
+def test_qwen2_lm_head_bias(registry):
+    """``output.bias`` (llama.cpp's qwen2 reads it when present) is added to every logit row."""
+    import numpy as np
+
+    from plinth.context import Batch, KVCache
+    from plinth.testing import random_tensors
+
+    hp = hparams(registry, "qwen2")
+    arch = registry.architecture("qwen2")
+    weights = random_tensors(arch.synthetic_tensors(hp), seed=5)
+    be = registry.make_backend("numpy")
+    ids = [3, 9, 27, 4]
+
+    def logits(w):
+        graph = registry.arch_build("qwen2", hp, dict(w), be)
+        return graph.forward(Batch.from_tokens(ids, output="all"), KVCache(hp.n_layer)).logits
+
+    bias = np.linspace(-1, 1, hp.n_vocab, dtype=np.float32)
+    np.testing.assert_allclose(logits({**weights, "output.bias": bias}), logits(weights) + bias, atol=1e-5, rtol=0)
