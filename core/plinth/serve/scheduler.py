@@ -3,8 +3,9 @@
 Each step builds one :class:`~plinth.context.Batch` holding, for every active request,
 
 * a chunk of its prompt while it is prefilling (the chunks of all prefilling requests
-  share a per-step token budget, ``prefill_chunk``; a prompt that fits the budget is never
-  split, it waits a step instead), or
+  share a per-step token budget, ``prefill_chunk``, lowered where needed so that a step never
+  passes the kernels' row bound ``plinth.quant.KERNEL_MAX_ROWS``; a prompt that fits the budget
+  is never split, it waits a step instead), or
 * one row — its last decided token — while it decodes, or ``[last, d_1..d_k]`` when a
   drafter proposed ``d_1..d_k`` for it (speculative decoding, verified in the same forward),
 
@@ -41,6 +42,7 @@ import attrs
 import numpy as np
 
 from ..context import Batch
+from ..errors import UserError
 from ..generate import _stop_prefix_len
 from ..sampling import Sampler, SamplerConfig
 from ..speculative.base import Draft, TargetOutput, check_compatible
@@ -193,6 +195,14 @@ class Scheduler:
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
         self.prefill_chunk = int(prefill_chunk)
+        from .. import quant
+
+        most = self.max_batch * (1 + (self.spec.n_max if self.drafters else 0))
+        if 0 < quant.KERNEL_MAX_ROWS < most + 1:
+            raise UserError(f"a step of {self.max_batch} sequences (max_batch) with drafts of up to "
+                            f"{self.spec.n_max} tokens holds up to {most} rows, and a row keeps a lone run's "
+                            f"bits only in steps of at most {quant.KERNEL_MAX_ROWS} rows: lower --max-batch or "
+                            "--spec-n-max")
         self.metrics = Metrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._active: list[Request] = []
@@ -387,17 +397,19 @@ class Scheduler:
         parts: list[Batch] = []
         plan: list[tuple[Request, str, int, Any]] = []  # (request, kind, first row, detail)
         row = 0
-        budget = self.prefill_chunk
+        budget = self._prefill_budget()
         for req in list(self._active):
             if req.prefilling and self._reuse_prompt(req) and req.done:  # (a hit decodes in this step)
                 continue
             if req.prefilling:
                 left = len(req.prompt_ids) - req.n_prefilled
                 # a prompt that fits the budget waits for a step with room for all of it rather than
-                # being split: a lone run prefills it in one piece, and the same piece gives the same
-                # attention arithmetic (the int8 kernels turn last-bit differences into other tokens
-                # at near-ties). Prompts behind it wait too (first come, first prefilled); the first
-                # prefilling request of a step always goes, in chunks if it is longer than the budget
+                # being split, as a lone run prefills it in one piece. (On the host kernels a split would
+                # give the same bits, each row's result not depending on the rows beside it, up to
+                # plinth.quant.KERNEL_MAX_ROWS prompt tokens; a recurrent layer's long scan and a device
+                # backend are not row-invariant.) Prompts behind it wait too (first come, first
+                # prefilled); the first prefilling request of a step always goes, in chunks if it is
+                # longer than the budget
                 if budget > 0 and left > budget and budget < self.prefill_chunk and left <= self.prefill_chunk:
                     budget = 0
                 if budget <= 0:
@@ -453,6 +465,19 @@ class Scheduler:
         now = time.perf_counter()
         self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
         self._note_cache()
+
+    def _prefill_budget(self) -> int:
+        """Prompt rows this step may take: ``prefill_chunk``, less where the decode and verify rows leave
+        fewer under the kernels' row bound (``plinth.quant.KERNEL_MAX_ROWS``): past it a product goes
+        through dequantized tiles, and a row's bits would depend on the step (docs/performance.md)."""
+        from .. import quant
+
+        cap = quant.KERNEL_MAX_ROWS
+        if cap <= 0:
+            return self.prefill_chunk
+        decoding = sum(1 + (self.spec.n_max if self.drafters and r.speculative else 0)
+                       for r in self._active if not r.prefilling)
+        return min(self.prefill_chunk, cap - decoding)
 
     def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int,
               where: dict[int, int]) -> None:
