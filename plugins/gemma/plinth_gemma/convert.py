@@ -1,4 +1,5 @@
-"""``Gemma4ForCausalLM`` folder (config.json + safetensors + tokenizer.json) -> ``gemma4`` GGUF.
+"""``Gemma4ForCausalLM`` folder (config.json + safetensors + tokenizer.json) -> ``gemma4`` GGUF; of a
+``Gemma4ForConditionalGeneration`` folder (the released checkpoints), its text model.
 
 The keys and tensor names are those llama.cpp's own converter writes for Gemma 4, so the file opens
 in llama.cpp too (the plugin README lists them). Config features the architecture does not compute
@@ -81,10 +82,16 @@ class Gemma4Converter:
         cfg = read_config(model_dir)
         source = str(Path(model_dir) / "config.json")
         notes: list[str] = []
+        st = SafetensorsDir(model_dir)
+        stored = {n: n for n in st.names()}  # the text model's HF name -> the name in the folder
+        if "text_config" in cfg:  # Gemma4ForConditionalGeneration: its text model, the towers left out
+            cfg, stored, towers = text_part(cfg, stored)
+            if towers:
+                notes.append(f"{towers} vision / audio tensors left out (plinth's gemma4 is the text model; "
+                             "llama.cpp writes them to a separate mmproj file)")
         md, layout = gguf_metadata(cfg, source)
         md.update(tokenizer_metadata(model_dir, cfg, layout["n_vocab"]))
-        st = SafetensorsDir(model_dir)
-        names = map_names(st.names(), NAMES, str(model_dir))
+        names = map_names(list(stored), NAMES, str(model_dir))
         tensors: dict[str, np.ndarray] = {}
         shared_kv = set(range(layout["n_layer"] - layout["n_shared"], layout["n_layer"]))
         dropped = []
@@ -93,7 +100,7 @@ class Gemma4Converter:
             if m and int(m.group(1)) in shared_kv:  # K/V of a KV-shared layer: never read (transformers ignores them)
                 dropped.append(hf)
                 continue
-            tensors[gg] = st.get(hf)
+            tensors[gg] = st.get(stored[hf])
         if dropped:
             notes.append(f"{len(dropped)} K/V tensors of KV-shared layers left out (unused by the model)")
         if cfg.get("tie_word_embeddings", True) and tensors.pop("output.weight", None) is not None:
@@ -112,6 +119,33 @@ class Gemma4Converter:
         return notes
 
 
+class Gemma4MultimodalConverter(Gemma4Converter):
+    """``Gemma4ForConditionalGeneration`` (the released Gemma 4 checkpoints): its text model."""
+
+    hf_arch = "Gemma4ForConditionalGeneration"
+
+
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def text_part(cfg: Mapping[str, Any], stored: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], int]:
+    """A multimodal Gemma 4 folder's text model: its config (``text_config``, the head tied as the outer
+    config says), its tensors under the text model's names, and how many tower tensors are left out."""
+    text = dict(cfg["text_config"] or {})
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    out: dict[str, str] = {}
+    towers = 0
+    for name in stored:
+        if name.startswith("model.language_model."):
+            out["model." + name[len("model.language_model."):]] = name
+        elif name.startswith(TOWERS):
+            towers += 1
+        else:
+            out[name] = name
+    return text, out, towers
+
+
 def _refuse(source: str, key: str, value: Any, why: str) -> UserError:
     return UserError(f"{source}: {key} = {value!r}: {why}; plinth's gemma4 does not compute it, so the model is "
                      "not converted")
@@ -120,9 +154,6 @@ def _refuse(source: str, key: str, value: Any, why: str) -> UserError:
 def gguf_metadata(cfg: Mapping[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``gemma4.*`` keys of a Gemma 4 text config (as llama.cpp's converter writes them), and the layout
     facts the tensor step needs (n_layer, n_shared, n_vocab, rope_freqs)."""
-    if "text_config" in cfg:
-        raise UserError(f"{source}: a multimodal Gemma 4 config (text_config); convert a Gemma4ForCausalLM "
-                        "(text-only) checkpoint")
     try:
         n_layer = int(cfg["num_hidden_layers"])
         n_embd = int(cfg["hidden_size"])
@@ -292,4 +323,4 @@ def gemma_vocab(tok: Mapping[str, Any], model_dir: Path, cfg: Mapping[str, Any],
     return md
 
 
-__all__ = ["Gemma4Converter", "gguf_metadata", "tokenizer_metadata"]
+__all__ = ["Gemma4Converter", "Gemma4MultimodalConverter", "gguf_metadata", "tokenizer_metadata"]

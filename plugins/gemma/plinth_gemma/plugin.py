@@ -7,7 +7,10 @@ plugin = ManifestPlugin(
         name="gemma",
         api_version="2.0",
         architectures={"gemma4": "plinth_gemma.gemma4:Gemma4"},
-        converters={"Gemma4ForCausalLM": "plinth_gemma.convert:Gemma4Converter"},
+        converters={
+            "Gemma4ForCausalLM": "plinth_gemma.convert:Gemma4Converter",
+            "Gemma4ForConditionalGeneration": "plinth_gemma.convert:Gemma4MultimodalConverter",
+        },
         description="Gemma 4 text models: gemma4",
     )
 )

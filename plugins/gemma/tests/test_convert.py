@@ -103,9 +103,32 @@ def test_unsupported_config_is_refused_by_name(registry, tmp_path, over, name):
         convert(_folder(tmp_path, **over), tmp_path / "m.gguf", registry=registry)
 
 
-def test_multimodal_config_is_refused(registry, tmp_path):
-    folder = _folder(tmp_path)
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({"architectures": ["Gemma4ForCausalLM"], "text_config": cfg}))
-    with pytest.raises(UserError, match="text_config"):
-        convert(folder, tmp_path / "m.gguf", registry=registry)
+def test_multimodal_checkpoint_converts_its_text_model(registry, tmp_path, capsys):
+    """A Gemma4ForConditionalGeneration folder (the released layout): the text model under
+    ``model.language_model.``, the towers left out with a note; the same file as the text-only folder."""
+    from plinth.model import load_model
+
+    c = golden.CASES["shared"]
+    state = golden.hf_random_state(c["config"], c["seed"])
+    text = write_hf_folder(tmp_path / "text", c["config"], state)
+    mm_state = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+                for k, v in state.items()}
+    mm_state["model.vision_tower.encoder.layers.0.mlp.up_proj.linear.weight"] = np.ones((8, 8), np.float32)
+    mm_state["model.embed_vision.embedding_projection.weight"] = np.ones((64, 8), np.float32)
+    cfg = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+           "text_config": {k: v for k, v in c["config"].items() if k != "architectures"},
+           "vision_config": {"hidden_size": 8}, "audio_config": None, "tie_word_embeddings": True}
+    mm = write_hf_folder(tmp_path / "mm", cfg, mm_state)
+    convert(text, tmp_path / "text.gguf", registry=registry)
+    convert(mm, tmp_path / "mm.gguf", registry=registry)
+    assert "2 vision / audio tensors left out" in capsys.readouterr().err
+    (md_a, t_a), (md_b, t_b) = read(tmp_path / "text.gguf"), read(tmp_path / "mm.gguf")
+    assert t_a == t_b
+
+    def plain(v):
+        return v.tolist() if hasattr(v, "tolist") else v
+
+    assert {k: plain(v) for k, v in md_a.items()} == {k: plain(v) for k, v in md_b.items()}
+    ids = golden.prompts("shared")[1]
+    np.testing.assert_array_equal(load_model(tmp_path / "mm.gguf", registry=registry).logits(ids),
+                                  load_model(tmp_path / "text.gguf", registry=registry).logits(ids))

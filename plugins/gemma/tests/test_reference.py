@@ -146,3 +146,34 @@ def test_save_pretrained_checkpoint_converts(tmp_path):
     got = load_model(tmp_path / "m.gguf", registry=reg).logits(ids)
     diff = float(np.max(np.abs(got - ref)))
     assert diff <= LOGIT_ATOL, f"save_pretrained checkpoint: max |plinth - transformers| = {diff:.3g}"
+
+
+@pytest.mark.ref
+def test_save_pretrained_multimodal_checkpoint_converts_its_text_model(tmp_path):
+    """Gemma4ForConditionalGeneration (the released layout) saved by transformers: its text model converts."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from plinth.convert import convert
+    from plinth.model import load_model
+    from plinth.testing.hf import byte_bpe_tokenizer
+
+    text = {k: v for k, v in golden.CASES["shared"]["config"].items() if k not in ("architectures", "model_type")}
+    text["pad_token_id"] = 0  # the multimodal forward masks media tokens with it
+    torch.manual_seed(1)
+    cfg = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**text), vision_config=None,
+                                    audio_config=None)
+    model = transformers.Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(byte_bpe_tokenizer()))
+    reg = golden.registry()
+    convert(folder, tmp_path / "m.gguf", registry=reg)
+    ids = golden.prompts("shared")[2][:48]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].numpy()
+    got = load_model(tmp_path / "m.gguf", registry=reg).logits(ids)
+    diff = float(np.max(np.abs(got - ref)))
+    assert diff <= LOGIT_ATOL, f"multimodal save_pretrained checkpoint: max |plinth - transformers| = {diff:.3g}"
