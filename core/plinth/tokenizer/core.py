@@ -311,6 +311,9 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special=skip_special)
 
 
+_NO_TOKEN_TEXT = "\x00plinth:no-token\x00"
+
+
 @lru_cache(maxsize=None)
 def _pretokenizer(pre_type: str) -> PreTokenizer:
     return PreTokenizer(pre_type)
@@ -358,9 +361,14 @@ class BPETokenizer(Tokenizer):
                         raise self._error("tokenizer.ggml.merges", f"entry {i} ({m!r}) uses {part!r}, which is not "
                                           "in 'tokenizer.ggml.tokens' (a damaged vocabulary string?)")
                 merges.append((a, b))
+        # A character with no token (and, raw-UTF-8, no <0xXX> tokens for its bytes) stays a
+        # symbol that no merge crosses and is dropped at the end, as in llama.cpp: it becomes
+        # this stand-in id, which _encode_fragments removes.
+        self._no_token = len(self.tokens)
+        vocab[_NO_TOKEN_TEXT] = self._no_token
         try:
             bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=spec.ignore_merges, fuse_unk=False,
-                             byte_fallback=not self.byte_encode)
+                             byte_fallback=not self.byte_encode, unk_token=_NO_TOKEN_TEXT)
         except Exception as exc:  # the tokenizers library's own checks
             raise self._error("tokenizer.ggml.merges", f"cannot build the BPE model: {exc}") from None
         tk = _HFTok(bpe)
@@ -417,6 +425,8 @@ class BPETokenizer(Tokenizer):
                 ids.append(p)
             else:
                 ids.extend(next(encs).ids)
+        if self._no_token in ids:
+            ids = [i for i in ids if i != self._no_token]
         return ids
 
     def token_to_piece(self, tid: int, special: bool = True) -> bytes:
