@@ -1,4 +1,4 @@
-"""GGUF-metadata tokenizers: byte-level BPE (``gpt2``) and SentencePiece-style (``llama``)."""
+"""GGUF-metadata tokenizers: BPE (``gpt2``) and SentencePiece-style (``llama``)."""
 from __future__ import annotations
 
 import heapq
@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import Iterable, Sequence
 
 from ..errors import UserError
-from .pretok import PRE_NAMES, REFUSED_PRE, PreTokenizer
+from .pretok import PRE_NAMES, PreTokenizer
 
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 TT_UNDEFINED = 0  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED
@@ -204,9 +204,6 @@ class Tokenizer:
                                  "(a tokenizer-less file can be loaded with plinth.load_model, not used for text)")
         if model == "gpt2":
             pre = md.get("tokenizer.ggml.pre") or "default"
-            if isinstance(pre, str) and pre in REFUSED_PRE:
-                raise UnsupportedTokenizerError(
-                    f"{source}: key 'tokenizer.ggml.pre' = {pre!r}: unsupported: {REFUSED_PRE[pre]}")
             if not isinstance(pre, str) or pre not in PRE_NAMES:
                 raise UnsupportedTokenizerError(
                     f"{source}: key 'tokenizer.ggml.pre' = {_describe(pre)}: unsupported for model 'gpt2'; "
@@ -334,6 +331,8 @@ class BPETokenizer(Tokenizer):
         self.add_eos = bool(_get(md, "tokenizer.ggml.add_eos_token", False))
         # read as llama.cpp does; for BPE it only matters when detokenizing
         self.add_space_prefix = bool(_get(md, "tokenizer.ggml.add_space_prefix", False))
+        # llama.cpp's detokenizer clean-up flag (" ," -> ","...); decode here returns the
+        # pieces as they are, like llama.cpp's token_to_piece
         self.clean_spaces = spec.clean_spaces
         self.add_sep = bool(_get(md, "tokenizer.ggml.add_sep_token", spec.add_sep))
         self.escape_whitespaces = spec.escape_whitespaces

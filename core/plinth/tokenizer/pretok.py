@@ -384,10 +384,6 @@ PRE_NAMES: dict[str, PreSpec] = {
     **_names("gpt-neox", "GPT2"),
 }
 
-# Values refused by name: value -> why (one line).
-REFUSED_PRE: dict[str, str] = {}
-
-
 # --- the splitter ------------------------------------------------------------------------------
 _KIMI_PATTERN = re.compile(
     "[" + _HAN + _HAN_OTHER + "]+"
