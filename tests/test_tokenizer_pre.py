@@ -51,9 +51,18 @@ TRICKY = [
 
 def test_supported_pre_covers_llama_cpp_names():
     assert len(LLAMA_CPP_PRE_NAMES) == len(set(LLAMA_CPP_PRE_NAMES)) == 91
-    missing = sorted(set(LLAMA_CPP_PRE_NAMES) - set(SUPPORTED_PRE))
-    assert not missing, f"llama.cpp pre values plinth does not support: {missing}"
+    missing = sorted(set(LLAMA_CPP_PRE_NAMES) - set(SUPPORTED_PRE) - set(pretok.REFUSED_PRE))
+    assert not missing, f"llama.cpp pre values plinth neither supports nor refuses by name: {missing}"
+    assert set(pretok.REFUSED_PRE) == {"whitespace"}
     assert set(SUPPORTED_PRE) - set(LLAMA_CPP_PRE_NAMES) == {"gpt-neox"}  # kept for files plinth loaded before
+
+
+@pytest.mark.parametrize("pre", sorted(pretok.REFUSED_PRE))
+def test_refused_pre_value_says_why(pre):
+    md = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": ["a"]}
+    with pytest.raises(UnsupportedTokenizerError, match=f"'{pre}': unsupported for model 'gpt2': .*not implement") as e:
+        Tokenizer.from_metadata(md)
+    assert "\n" not in str(e.value)
 
 
 def test_every_pre_type_compiles_without_warnings():
@@ -126,6 +135,9 @@ def _tok(pre: str) -> BPETokenizer:
 
 @pytest.mark.parametrize("pre,text,words", EXPECTED, ids=[e[0] for e in EXPECTED])
 def test_split_expected(pre, text, words):
+    if pre in pretok.REFUSED_PRE:  # the split is still llama.cpp's
+        assert pretok.PreTokenizer(pretok.PRE_NAMES[pre].type).split(text) == words
+        return
     assert _tok(pre).pre_tokenize(text) == words
 
 
@@ -176,8 +188,18 @@ def test_raw_utf8_pre_values():
     sp, nl3 = tok.token_to_id["▁"], tok.token_to_id["\n\n\n"]
     assert ids == [0x61, sp, 0x62, nl3, 0x63]  # bytes through <0xXX>, the newline run whole
     assert tok.decode(ids) == "a b\n\n\nc"
-    ws = _tok("whitespace")  # no U+2581: spaces are bytes too
-    assert ws.encode(" a", add_special=False) == [0x20, 0x61]
+    assert tok.encode("a\U0010ffff", add_special=False) == [0x61, 0xF4, 0x8F, 0xBF, 0xBF]
+
+
+def test_character_without_token_blocks_merges():
+    """As llama.cpp: a character the vocabulary lacks stays between its neighbours (no
+    merge across it) and yields no id."""
+    toks = [_BYTE_TO_CHAR[b] for b in range(256) if b != ord("x")] + ["ab"]
+    tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                                   "tokenizer.ggml.tokens": toks, "tokenizer.ggml.merges": ["a b"]})
+    a, b, ab = (tok.token_to_id[t] for t in ("a", "b", "ab"))
+    assert tok.encode("ab", add_special=False) == [ab]
+    assert tok.encode("axb", add_special=False) == [a, b]
 
 
 @pytest.mark.parametrize("pre,default,with_false", [

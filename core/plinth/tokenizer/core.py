@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import Iterable, Sequence
 
 from ..errors import UserError
-from .pretok import PRE_NAMES, PreTokenizer
+from .pretok import PRE_NAMES, REFUSED_PRE, PreTokenizer
 
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 TT_UNDEFINED = 0  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED
@@ -44,7 +44,7 @@ def _clean(text: str) -> str:
 
 
 # tokenizer.ggml.pre values (llama.cpp's names and their meaning) live in pretok.py.
-SUPPORTED_PRE = tuple(sorted(PRE_NAMES))
+SUPPORTED_PRE = tuple(sorted(set(PRE_NAMES) - set(REFUSED_PRE)))
 
 # Token strings that end a generation turn, besides the declared EOS/EOT ids.
 _EOG_TEXTS = (
@@ -204,7 +204,10 @@ class Tokenizer:
                                  "(a tokenizer-less file can be loaded with plinth.load_model, not used for text)")
         if model == "gpt2":
             pre = md.get("tokenizer.ggml.pre") or "default"
-            if not isinstance(pre, str) or pre not in PRE_NAMES:
+            if isinstance(pre, str) and pre in REFUSED_PRE:
+                raise UnsupportedTokenizerError(
+                    f"{source}: key 'tokenizer.ggml.pre' = {pre!r}: unsupported for model 'gpt2': {REFUSED_PRE[pre]}")
+            if not isinstance(pre, str) or pre not in SUPPORTED_PRE:
                 raise UnsupportedTokenizerError(
                     f"{source}: key 'tokenizer.ggml.pre' = {_describe(pre)}: unsupported for model 'gpt2'; "
                     f"supported: {', '.join(SUPPORTED_PRE)}"

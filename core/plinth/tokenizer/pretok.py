@@ -383,6 +383,13 @@ PRE_NAMES: dict[str, PreSpec] = {
     # not a llama.cpp name; files plinth loaded before (GPT-NeoX's pre-tokenizer is GPT-2's)
     **_names("gpt-neox", "GPT2"),
 }
+# Values llama.cpp knows but plinth refuses for model 'gpt2': value -> why (one line).
+REFUSED_PRE: dict[str, str] = {
+    "whitespace": "it belongs to tokenizer model 'whitespace' (llama.cpp's whitespace-dropping word "
+                  "session), which plinth does not implement; under model 'gpt2' llama.cpp itself aborts "
+                  "on consecutive spaces",
+}
+
 
 # --- the splitter ------------------------------------------------------------------------------
 _KIMI_PATTERN = re.compile(
