@@ -115,7 +115,9 @@ class Gemma4Graph(BaseGraph):
         super().__init__(hp, weights, backend, softcap=hp.final_softcap)
         w, xp, n = self.w, self.xp, hp.n_layer
         self.rope_swa = Rope(hp.n_rot_swa, [hp.rope_base_swa] * n, xp, mode="neox")
-        self.rope_full = Rope(hp.n_rot, [hp.rope_base] * n, xp, mode="neox", freq_factors=w.get("rope_freqs.weight"))
+        factors = w.get("rope_freqs.weight")  # [head_dim / 2]; a narrower rotation reads its first n_rot / 2
+        factors = None if factors is None else xp.asarray(factors, dtype=xp.float32)[:hp.n_rot // 2]
+        self.rope_full = Rope(hp.n_rot, [hp.rope_base] * n, xp, mode="neox", freq_factors=factors)
         self.qkv, self.o, self.gate_up, self.down, self.ple_gate, self.ple_proj = ([] for _ in range(6))
         self.out_scale: list[Any] = []
         self.experts: list[Any] = []

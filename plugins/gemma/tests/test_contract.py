@@ -149,3 +149,22 @@ def test_separate_gate_and_up_experts_equal_fused(registry, tmp_path):
         tensors[f"blk.{il}.ffn_up_exps.weight"] = np.ascontiguousarray(gu[:, 24:])
     split = load_model(write_gguf(tmp_path / "b.gguf", md, tensors), registry=registry).logits([5, 6, 7, 8])
     np.testing.assert_allclose(split, fused, atol=1e-6, rtol=0)
+
+
+def test_embedding_row_takes_token_0s_per_layer_embedding(registry, tmp_path):
+    """An embedding row (no token id) is scaled like a token row and takes token 0's per-layer embedding,
+    as llama.cpp does for image rows: the embedding of token 0 as a row equals token 0."""
+    from plinth.context import Batch
+    from plinth.model import load_model
+
+    model = load_model(write_synthetic_gguf(tmp_path / "m.gguf", "gemma4", metadata("all"), registry),
+                       registry=registry)
+    table = np.asarray(model.weights["token_embd.weight"])
+    rows = Batch.concat([Batch.from_tokens([5, 0], output="all"),
+                         Batch.from_embeddings(table[[0, 5]], start=2, output="all")])
+    tokens = Batch.from_tokens([5, 0, 0, 0], output="all")
+    got = model.graph.forward(rows, model.new_context().cache).logits
+    ref = model.graph.forward(tokens, model.new_context().cache).logits
+    np.testing.assert_allclose(got[:3], ref[:3], atol=1e-5, rtol=0)
+    assert not np.allclose(got[3], model.graph.forward(Batch.from_tokens([5, 0, 0, 5], output="all"),
+                                                       model.new_context().cache).logits[3], atol=1e-3)
