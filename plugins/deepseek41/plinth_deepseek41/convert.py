@@ -220,7 +220,8 @@ def gguf_metadata(cfg: Mapping[str, Any], source: str, name: str) -> dict[str, A
         md[f"{a}.attention.csa_ratio"] = csa
     if hca != 128:
         md[f"{a}.attention.hca_ratio"] = hca
-    if "csa" in kinds:
+    md[f"{a}.embedding_length_out"] = int(cfg["hidden_size"]) * int(cfg.get("hc_mult", 4))  # llama.cpp writes it
+    if "csa" in kinds or "index_n_heads" in cfg:  # llama.cpp's loader requires the indexer keys on every file
         md.update({f"{a}.attention.indexer.head_count": int(cfg["index_n_heads"]),
                    f"{a}.attention.indexer.key_length": int(cfg["index_head_dim"]),
                    f"{a}.attention.indexer.top_k": int(cfg["index_topk"])})
@@ -307,20 +308,55 @@ def convert_tensors(st: SafetensorsDir, n_layer: int) -> tuple[dict[str, np.ndar
     return out, n_mtp, notes
 
 
+def tokenizer_metadata(model_dir: str, cfg: Mapping[str, Any], n_vocab: int) -> tuple[dict[str, Any], str]:
+    """``tokenizer.ggml.*`` from the folder's byte-level BPE ``tokenizer.json``, the token list padded to
+    ``n_vocab`` with unused ``[PAD{i}]`` entries as llama.cpp's converter pads it (its loader sizes
+    token_embd by the token count); without a tokenizer.json, none and a note."""
+    from plinth.convert import bpe_tokenizer_metadata
+
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return {}, "no tokenizer.json: the GGUF has no tokenizer (llama.cpp and plinth generate need one)"
+    md = bpe_tokenizer_metadata(model_dir, cfg)
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    if n_vocab > len(tokens):
+        types += [5] * (n_vocab - len(tokens))  # UNUSED
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"] = tokens, types
+    return md, ""
+
+
 class DeepseekV4Converter:
     """``DeepseekV4ForCausalLM`` folder -> ``deepseek4`` GGUF."""
 
     hf_arch = "DeepseekV4ForCausalLM"
 
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
-        """Write ``out_path`` (float32 tensors); returns (and prints to stderr) notes on what was left out."""
-        if options:
-            raise UserError(f"plinth-deepseek41 converter takes no options; got {dict(options)}")
+        """Write ``out_path`` (float32 tensors); returns (and prints to stderr) notes on what was left out.
+
+        options: ``mtp`` = auto (default: the checkpoint's MTP block inline, plinth's layout, when it has
+        one) or no (dropped: a file llama.cpp opens; llama.cpp keeps V4's MTP head in a file of its own)."""
+        mtp = str((options or {}).get("mtp", "auto")).lower()
+        if set(options or {}) - {"mtp"} or mtp not in ("auto", "yes", "no"):
+            raise UserError(f"plinth-deepseek41 converter options: mtp in auto, yes, no; got {dict(options)}")
         source = str(Path(model_dir) / "config.json")
         cfg = read_config(model_dir)
         md = gguf_metadata(cfg, source, str(cfg.get("_name_or_path") or Path(model_dir).name))
         n_layer = md[f"{ARCH}.block_count"]
         tensors, n_mtp, notes = convert_tensors(SafetensorsDir(model_dir), n_layer)
+        if n_mtp and mtp == "no":
+            dropped = [k for k in tensors if k.startswith("blk.") and int(k.split(".")[1]) >= n_layer]
+            for k in dropped:
+                del tensors[k]
+            notes.append(f"dropped the MTP block ({len(dropped)} tensors, mtp=no)")
+            n_mtp = 0
+        elif mtp == "yes" and not n_mtp:
+            raise UserError(f"{model_dir}: mtp=yes, but the checkpoint has no complete MTP block (mtp.0.*)")
+        elif n_mtp:
+            notes.append("the MTP block is written inline (plinth's layout, for --spec mtp); llama.cpp does not "
+                         "open such a file (it keeps V4's MTP head in a file of its own): convert with mtp=no for it")
+        tok_md, tok_note = tokenizer_metadata(model_dir, cfg, md[f"{ARCH}.vocab_size"])
+        md.update(tok_md)
+        notes += [tok_note] if tok_note else []
         if n_mtp:
             md[f"{ARCH}.nextn_predict_layers"] = n_mtp
             md[f"{ARCH}.attention.compress_ratios"] = md[f"{ARCH}.attention.compress_ratios"] + [0] * n_mtp

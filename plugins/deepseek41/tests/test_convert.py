@@ -100,7 +100,8 @@ def test_incomplete_mtp_block_is_dropped_with_a_note(tmp_path):
     state["mtp.0.e_proj.weight"] = np.zeros((64, 64), np.float32)
     golden.write_safetensors(folder / "model.safetensors", state)
     notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {})
-    assert notes == ["dropped 1 tensor(s) of incomplete MTP block(s) (no mtp.D.e_proj/h_proj pair)"]
+    assert notes[0] == "dropped 1 tensor(s) of incomplete MTP block(s) (no mtp.D.e_proj/h_proj pair)"
+    assert notes[1:] == ["no tokenizer.json: the GGUF has no tokenizer (llama.cpp and plinth generate need one)"]
 
 
 def test_release_mtp_block_is_exported(tmp_path):
@@ -125,7 +126,14 @@ def test_release_mtp_block_is_exported(tmp_path):
                   "mtp.0.hc_head_base": np.zeros(hc, np.float32), "mtp.0.hc_head_scale": np.ones(1, np.float32)})
     folder = golden.write_hf_folder("hca_only", tmp_path / "hf")
     golden.write_safetensors(folder / "model.safetensors", state)
-    assert conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {}) == []
+    notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {})
+    assert notes[0].startswith("the MTP block is written inline (plinth's layout, for --spec mtp); llama.cpp does "
+                               "not open such a file") and len(notes) == 2  # and: no tokenizer.json
+    assert conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "no.gguf"), {"mtp": "no"})[0] == \
+        "dropped the MTP block (31 tensors, mtp=no)"
+    from plinth.gguf import GGUFFile
+
+    assert GGUFFile(tmp_path / "no.gguf").metadata["deepseek4.nextn_predict_layers"] == 0
     reg = golden.registry()
     model = plinth.load_model(tmp_path / "m.gguf", registry=reg)
     assert model.hparams.n_nextn == 1 and model.graph.n_mtp == 1

@@ -32,6 +32,9 @@ def with_mtp(path: Path, out: Path, seed: int = 9) -> Path:
     gf = GGUFFile(path)
     md = dict(gf.metadata)
     md["deepseek4.nextn_predict_layers"] = 1
+    # as plinth's converter writes it: the ratios cover the MTP layer (a list of block_count entries with
+    # nextn_predict_layers set is llama.cpp's separate MTP head file)
+    md["deepseek4.attention.compress_ratios"] = [int(r) for r in md["deepseek4.attention.compress_ratios"]] + [0]
     hp = load_hparams(md, str(out))
     mtp_specs = [s for s in tensor_specs(hp) if s.name.startswith(f"blk.{hp.n_layer}.")]
     extra = random_tensors(mtp_specs, seed=seed, scale=0.3)

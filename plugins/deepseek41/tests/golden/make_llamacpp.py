@@ -56,15 +56,22 @@ CONFIG: dict[str, Any] = dict(
                      "beta_fast": 32.0, "beta_slow": 1.0},
 )
 RATIO = {S: 0, C: 4, H: 128}
+# llama.cpp's deepseek4 graph builds for the released head sizes only (head 512, rope 64, indexer 128, window
+# 128; the tiny sizes above load there but fail an assertion when the graph is built), so the interop tests,
+# which commit nothing, run the same model at those sizes
+INTEROP_CONFIG = dict(CONFIG, head_dim=512, partial_rotary_factor=0.125, index_head_dim=128, sliding_window=128)
+# prompts of that model without a tie at the indexer's top-k boundary (where the answer would hang on
+# tie-breaking: plinth and llama.cpp break ties alike, transformers otherwise)
+INTEROP_PROMPT_SEED = 917
 
 
-def release_config() -> dict[str, Any]:
+def release_config(config: dict[str, Any] = CONFIG) -> dict[str, Any]:
     """The same model in the release config.json's spelling (what llama.cpp's converter reads)."""
-    c = {k: v for k, v in CONFIG.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types",
+    c = {k: v for k, v in config.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types",
                                                        "rope_parameters", "partial_rotary_factor")}
-    c.update(compress_ratios=[RATIO[t] for t in CONFIG["layer_types"]] + [0], num_hash_layers=1,
-             qk_rope_head_dim=16, norm_topk_prob=True, num_nextn_predict_layers=1,
-             rope_scaling=dict(CONFIG["rope_parameters"], type="yarn"))
+    c.update(compress_ratios=[RATIO[t] for t in config["layer_types"]] + [0], num_hash_layers=1,
+             qk_rope_head_dim=int(config["head_dim"] * config["partial_rotary_factor"]), norm_topk_prob=True,
+             num_nextn_predict_layers=1, rope_scaling=dict(config["rope_parameters"], type="yarn"))
     return c
 
 
@@ -74,8 +81,8 @@ def golden_module() -> Any:
     return load_module(HERE / "make_golden.py")
 
 
-def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(PROMPT_SEED)
+def prompts(seed: int = PROMPT_SEED) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
     return [rng.integers(0, 300, n).tolist() for n in PROMPT_LENGTHS]
 
 
@@ -107,10 +114,10 @@ def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, .
     path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
-def states() -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...], bytes]]]:
+def states(config: dict[str, Any] = CONFIG) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...], bytes]]]:
     """(transformers-named float state, release-named raw state with FP4 experts and the MTP block)."""
     g = golden_module()
-    sd = g.hf_random_state(CONFIG, SEED)
+    sd = g.hf_random_state(config, SEED)
     release: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
 
     def put(name: str, a: np.ndarray) -> None:
@@ -142,9 +149,9 @@ def states() -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...
         else:
             put(rel, sd[name])
     # the MTP block: an ordinary window layer drawn apart (mtp.0.*), plus its fusion, norm and hc head
-    mtp_cfg = dict(CONFIG, num_hidden_layers=1, layer_types=[S], mlp_layer_types=["moe"])
+    mtp_cfg = dict(config, num_hidden_layers=1, layer_types=[S], mlp_layer_types=["moe"])
     rng = np.random.default_rng(MTP_SEED)
-    e, hc = CONFIG["hidden_size"], CONFIG["hc_mult"]
+    e, hc = config["hidden_size"], config["hc_mult"]
     for name, a in g.hf_random_state(mtp_cfg, MTP_SEED).items():
         if not name.startswith("model.layers.0."):
             continue
@@ -165,18 +172,17 @@ def states() -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...
     return sd, release
 
 
-def write_folders(tmp: Path) -> tuple[Path, Path]:
-    from transformers import PreTrainedTokenizerFast  # noqa: F401  (the tokenizer writer needs it)
-
+def write_folders(tmp: Path, config: dict[str, Any] = CONFIG) -> tuple[Path, Path]:
+    """(transformers folder, release folder with the tokenizer) of ``config``'s model."""
     nem = load_tokenizer_writer()
-    sd, release = states()
+    sd, release = states(config)
     hf = tmp / "transformers"
     hf.mkdir(parents=True)
-    (hf / "config.json").write_text(json.dumps(CONFIG, indent=1))
+    (hf / "config.json").write_text(json.dumps(config, indent=1))
     golden_module().write_safetensors(hf / "model.safetensors", sd)
     rel = tmp / "release"
     rel.mkdir(parents=True)
-    (rel / "config.json").write_text(json.dumps(release_config(), indent=1))
+    (rel / "config.json").write_text(json.dumps(release_config(config), indent=1))
     write_raw_safetensors(rel / "model.safetensors", release)
     nem.write_tokenizer(rel)
     return hf, rel
