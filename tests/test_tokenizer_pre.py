@@ -425,3 +425,12 @@ def test_special_token_strip(extra, token, text, expect):
         [token if e == token else e for e in expect]
     assert tok.decode(tok.encode(text, add_special=False, parse_special=True)) == "".join(expect)
     assert tid in tok.encode(text, add_special=False, parse_special=True)
+
+
+@pytest.mark.parametrize("pre,text", [("kimi-k2", "[EOT]"), ("kimi-k2", "[EOS]"), ("minimax-m2", "[e~[")])
+def test_end_of_generation_tokens_of_new_values(pre, text):
+    md = _byte_level_md(pre)
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + [text]
+    md["tokenizer.ggml.token_type"] = [1] * 256 + [3]
+    tok = Tokenizer.from_metadata(md)
+    assert tok.is_eog(tok.token_to_id[text])

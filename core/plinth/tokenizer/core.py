@@ -51,6 +51,7 @@ _EOG_TEXTS = (
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|return|>", "<|call|>", "<|end_of_text|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>",
     "<|eom_id|>", "<end_of_utterance>",
+    "[EOT]", "[EOS]", "[e~[",  # Kimi-K2, MiniMax-M2 (llama.cpp's list)
 )
 
 
@@ -242,7 +243,7 @@ class Tokenizer:
             if i is not None and self.token_types[i] in (TT_CONTROL, TT_USER, TT_UNKNOWN):
                 s.add(i)
         if self.eot_id is None:
-            for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"):
+            for t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "[EOT]"):
                 i = self.token_to_id.get(t)
                 if i is not None:
                     self.eot_id = i
