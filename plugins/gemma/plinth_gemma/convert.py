@@ -10,7 +10,6 @@ RoPE scaling factors, a per-layer vocabulary different from the main one, ...).
 from __future__ import annotations
 
 import json
-import math
 import re
 import sys
 from pathlib import Path

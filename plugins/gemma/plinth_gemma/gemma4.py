@@ -48,7 +48,7 @@ import numpy as np
 from plinth import ops
 from plinth.errors import UserError
 from plinth.graph import (KV, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, SharedKV, Step,
-                          TensorSpec, attend)
+                          TensorSpec, attend, embed_rows)
 from plinth.hparams import DENSE_RANGES
 
 
@@ -165,8 +165,6 @@ class Gemma4Graph(BaseGraph):
 
     def embed(self, batch: Any) -> Any:
         """Input rows [n, n_embd]: token (or embedding) rows times sqrt(n_embd)."""
-        from plinth.graph import embed_rows
-
         return embed_rows(self.embed_table, batch, self.xp, scale=math.sqrt(self.hp.n_embd))
 
     def per_layer_inputs(self, batch: Any) -> Any:

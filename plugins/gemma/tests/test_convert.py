@@ -3,7 +3,6 @@ what is left out with a note, and config features refused by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
