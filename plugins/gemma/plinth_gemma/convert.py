@@ -307,8 +307,11 @@ def gemma_vocab(tok: Mapping[str, Any], model_dir: Path, cfg: Mapping[str, Any],
     tc_path = model_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
     ids = {t: i for i, t in by_id.items()}
-    for key, gg in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-        value = cfg.get(f"{key}_token_id")
+    template = chat_template(model_dir, tc)
+    if template is not None:
+        md["tokenizer.chat_template"] = template
+    for key, gg in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"), ("mask", "mask")):
+        value = cfg.get(f"{key}_token_id") if key != "mask" else None
         if isinstance(value, list):
             value = value[0] if value else None
         if value is None:
@@ -320,6 +323,19 @@ def gemma_vocab(tok: Mapping[str, Any], model_dir: Path, cfg: Mapping[str, Any],
         if value is not None:
             md[f"tokenizer.ggml.{gg}_token_id"] = int(value)
     return md
+
+
+def chat_template(model_dir: Path, tc: Mapping[str, Any]) -> str | None:
+    """The folder's chat template, looked up as llama.cpp's converter does: ``tokenizer_config.json``'s
+    ``chat_template``, else ``chat_template.jinja``, else ``chat_template.json``."""
+    template: Any = tc.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    elif template is None and (model_dir / "chat_template.json").is_file():
+        template = json.loads((model_dir / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 __all__ = ["Gemma4Converter", "Gemma4MultimodalConverter", "gguf_metadata", "tokenizer_metadata"]

@@ -3,6 +3,7 @@ what is left out with a note, and config features refused by name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -131,3 +132,14 @@ def test_multimodal_checkpoint_converts_its_text_model(registry, tmp_path, capsy
     ids = golden.prompts("shared")[1]
     np.testing.assert_array_equal(load_model(tmp_path / "mm.gguf", registry=registry).logits(ids),
                                   load_model(tmp_path / "text.gguf", registry=registry).logits(ids))
+
+
+def test_chat_template_and_mask_token_are_written(registry, tmp_path):
+    folder, _ = golden.write_gemma_folder("dense", tmp_path / "hf")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<unk>"}))
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    convert(folder, tmp_path / "m.gguf", registry=registry)
+    md, _ = read(tmp_path / "m.gguf")
+    assert md["tokenizer.chat_template"].startswith("{{ bos_token }}")
+    assert md["tokenizer.ggml.mask_token_id"] == 3

@@ -134,3 +134,29 @@ def test_plinth_written_files_run_in_llama_cpp(case, tmp_path, registry, llama_c
     ref = reference_logits(folder, ids)
     agree = float(np.mean(got.argmax(-1) == ref.argmax(-1)))
     assert agree >= PEER_ARGMAX, f"{case}: llama.cpp's argmax is transformers' at {agree:.0%} of the positions"
+
+
+def test_real_26b_a4b_metadata_is_read_in_full():
+    """llama.cpp's ``ggml-vocab-gemma-4.gguf`` carries the real gemma-4-26B-A4B metadata: every ``gemma4.*``
+    key is read, and the hparams are the model card's (30 layers, 5:1 sliding, 512/256 head sizes, 2 KV
+    heads on full layers, 128 experts of 704, top 8)."""
+    from plinth.gguf.reader import GGUFFile
+    from plinth.tensors import KeyUse
+    from plinth.testing.interop import llama_cpp_sources
+    from plinth_gemma.gemma4 import Gemma4
+
+    src = llama_cpp_sources()
+    if src is None or not (src / "models" / "ggml-vocab-gemma-4.gguf").is_file():
+        pytest.skip("llama.cpp's ggml-vocab-gemma-4.gguf is not available")
+    f = GGUFFile(src / "models" / "ggml-vocab-gemma-4.gguf")
+    try:
+        md = KeyUse(dict(f.metadata))
+    finally:
+        f.close()
+    hp = Gemma4().load_hparams(md, "ggml-vocab-gemma-4.gguf")
+    assert md.unread("gemma4.") == []
+    assert (hp.n_layer, hp.n_embd, hp.head_dim, hp.head_dim_swa, hp.sliding_window) == (30, 2816, 512, 256, 1024)
+    assert [il for il in range(30) if not hp.swa[il]] == [5, 11, 17, 23, 29]
+    assert [hp.n_head_kv[il] for il in (0, 5)] == [8, 2]
+    assert (hp.n_expert, hp.n_expert_used, hp.n_ff_exp[0], hp.final_softcap) == (128, 8, 704, 30.0)
+    assert all(hp.owns_kv(il) for il in range(30)) and hp.n_embd_per_layer == 0
