@@ -98,6 +98,9 @@ class DeepSeek4Params:
     swiglu_clamp_shexp: PerLayer
     n_hash_layers: int
     n_nextn: int
+    # llama.cpp's separate MTP head file (convert --mtp): the MTP block(s), the shared embedding / head / final
+    # norm and the block's own hc head as output_hc_*; no trunk. It serves as the ``mtp`` drafter's head
+    mtp_only: bool = False
 
     def kind(self, il: int) -> str:
         """The attention of layer ``il``: "window", "csa" or "hca" (MTP layers follow the main ones)."""
@@ -122,6 +125,15 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
     ``deepseek41``, which inherits every V4 key)."""
     n_layer = r.get("block_count")
     n_nextn = r.get("nextn_predict_layers", required=False, default=0)
+    ratios = r.get_array("attention.compress_ratios")
+    # plinth's combined file: block_count is the trunk, the ratios cover trunk + MTP. llama.cpp counts the MTP
+    # layers in block_count and writes them to a head-only file of their own (its ratios: the release list)
+    mtp_only = bool(n_nextn) and len(ratios) != n_layer + n_nextn
+    if mtp_only:
+        if n_nextn >= n_layer:
+            raise HParamsError(f"{source}: '{r.key('nextn_predict_layers')}' = {n_nextn} must be below "
+                               f"'{r.key('block_count')}' = {n_layer}, which counts the MTP layers")
+        n_layer -= n_nextn
     head_dim = r.get("attention.key_length")
     gating = r.get("expert_gating_func", required=False, default=GATING_SQRT_SOFTPLUS)
     if gating != GATING_SQRT_SOFTPLUS:
@@ -130,14 +142,7 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
                            "DeepSeek V4 model or was converted wrongly")
     csa, hca = r.get("attention.csa_ratio", required=False, default=4), r.get("attention.hca_ratio",
                                                                                required=False, default=128)
-    ratios = r.get_array("attention.compress_ratios")
-    if n_nextn and len(ratios) != n_layer + n_nextn:
-        # llama.cpp counts MTP layers in block_count, and its converter writes them to a file of their own
-        # (``--mtp``: the MTP block, the shared embedding / head and the block's hc head as output_hc_*)
-        raise HParamsError(f"{source}: llama.cpp's DeepSeek V4 MTP head file (block_count {n_layer} counts "
-                           f"{n_nextn} MTP layer(s), no trunk); plinth does not attach a separate MTP file: load the "
-                           "trunk GGUF, and for --spec mtp a file plinth converted with the MTP block")
-    if len(ratios) < n_layer:
+    if len(ratios) < n_layer + n_nextn * mtp_only:
         raise HParamsError(f"{source}: key '{r.key('attention.compress_ratios')}' has {len(ratios)} entries, expected "
                            f"n_layer = {n_layer}")
     # llama.cpp's converter writes the release config's list, which also covers the MTP layer it leaves out
@@ -210,6 +215,7 @@ def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> di
         swiglu_clamp_shexp=clamp_sh,
         n_hash_layers=r.get("hash_layer_count", required=False, default=0),
         n_nextn=n_nextn,
+        mtp_only=mtp_only,
     )
 
 
@@ -254,9 +260,16 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
     ]
     for il in range(hp.n_layer + hp.n_nextn):
         mtp = il >= hp.n_layer  # an MTP block: optional (a file may drop it; the mtp drafter then refuses)
+        if hp.mtp_only and not mtp:
+            continue  # llama.cpp's head-only file: no trunk
         b = f"blk.{il}."
         hd_all = hp.n_head * d
-        if mtp:
+        if mtp and hp.mtp_only:  # required here; the block's hc head is the file's output_hc_*
+            specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e)),
+                      TensorSpec(b + "nextn.enorm.weight", (e,)),
+                      TensorSpec(b + "nextn.hnorm.weight", (e,)),
+                      TensorSpec(b + "nextn.shared_head_norm.weight", (e,))]
+        elif mtp:
             specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e), required=False),
                       TensorSpec(b + "nextn.enorm.weight", (e,), required=False),
                       TensorSpec(b + "nextn.hnorm.weight", (e,), required=False),
@@ -318,7 +331,7 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
             block += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
                       TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
                       TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
-        specs += [attrs.evolve(t, required=False) for t in block] if mtp else block
+        specs += [attrs.evolve(t, required=False) for t in block] if mtp and not hp.mtp_only else block
     return specs
 
 
@@ -605,7 +618,7 @@ class DeepSeek4Graph:
         # the layer whose compressed stream each compressed layer attends to (itself in V4; deepseek41
         # lets a layer without a compressor read an earlier one's, see ``stream_sources``)
         self.stream_source: dict[int, int] = self.stream_sources(hp, weights)
-        for il in range(hp.n_layer + self.n_mtp):
+        for il in range(hp.n_layer * hp.mtp_only, hp.n_layer + self.n_mtp):
             b, kind = f"blk.{il}.", hp.kind(il)
             if kind != WINDOW and self.stream_source[il] == il:
                 kv = weights[b + "attn_compressor_kv.weight"]
@@ -767,6 +780,9 @@ class DeepSeek4Graph:
         Feature taps are the hc streams flattened, [n, hc·E] (their hc-mean, which DFlash-style taps
         use, is ``reshape(n, hc, E).mean(1)``); tap n_layer is what the MTP blocks read."""
         hp, w, xp = self.hp, self.w, self.xp
+        if hp.mtp_only:
+            raise UserError(f"{ARCH}: this is llama.cpp's MTP head file (no trunk): run the trunk GGUF as the model "
+                            "and pass this file to the mtp drafter (--spec mtp --draft FILE)")
         if batch.is_embd is not None and bool(np.any(batch.is_embd)):
             raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
         if pooling != "none":
@@ -833,7 +849,8 @@ class DeepSeek4Graph:
             cache.rollback_pending()
             raise
         cache.commit()
-        h = ops.rms_norm(self.hc_head(X, b + "hc_head_"), w[b + "shared_head_norm.weight"], hp.norm_eps)
+        hc_prefix = "output_hc_" if hp.mtp_only else b + "hc_head_"  # llama.cpp's head file: the block's at the root
+        h = ops.rms_norm(self.hc_head(X, hc_prefix), w[b + "shared_head_norm.weight"], hp.norm_eps)
         return MtpOutput(logits=ops.linear(h, self.output_weight), hidden=X.reshape(n, hc * e))
 
 

@@ -15,17 +15,44 @@ from typing import Any, Mapping, Sequence
 
 from plinth.context import Batch
 from plinth.errors import UserError
+from plinth.speculative.base import BaseDrafter
 from plinth.speculative.draft_head import HeadDrafter
 
 
 class MtpDrafter(HeadDrafter):
     name = "mtp"
 
-    def __init__(self, target: Any, n_draft: int = 4, depth: int = 0) -> None:
-        super().__init__(target, n_draft)
+    def __init__(self, target: Any, n_draft: int = 4, depth: int = 0, head_model: Any = None) -> None:
+        """head_model: llama.cpp's separate MTP head file of this target, loaded (``--draft FILE``); default:
+        the MTP block inside the target's own file."""
+        if head_model is None:
+            super().__init__(target, n_draft)
+        else:
+            self._attach(target, head_model, n_draft)
         if self.head.n_blocks <= depth:
             raise UserError(f"drafter 'mtp': MTP block {depth} asked for, the file has {self.head.n_blocks}")
         self.depth = depth
+
+    def _attach(self, target: Any, head_model: Any, n_draft: int) -> None:
+        """Drive the head of llama.cpp's head-only MTP file with the target's streams (its n_layer tap)."""
+        import numpy as np
+
+        hp, thp = head_model.hparams, target.hparams
+        if not getattr(hp, "mtp_only", False):
+            raise UserError(f"drafter 'mtp': {head_model.path} is not an MTP head file (llama.cpp's convert --mtp)")
+        same = ("n_embd", "n_vocab", "hc", "n_layer", "n_head", "head_dim", "n_expert")
+        bad = [f"{k} {getattr(hp, k)} != {getattr(thp, k, None)}" for k in same if getattr(hp, k) != getattr(thp, k, None)]
+        shared = [n for n in ("token_embd.weight", "output.weight", "output_norm.weight")
+                  if not np.array_equal(head_model.graph.backend.to_numpy(head_model.weights[n]),
+                                        target.graph.backend.to_numpy(target.weights[n]))]
+        if bad or shared:
+            raise UserError(f"drafter 'mtp': {head_model.path} is not {target.path}'s MTP head ("
+                            + ", ".join(bad + [f"{n} differs" for n in shared]) + ")")
+        BaseDrafter.__init__(self)
+        self.head = head_model.target_view().draft_head("mtp")
+        self.n_draft = n_draft
+        self.tap = self.head.taps[0]
+        self._rows, self._cache, self._done = {}, {}, {}
 
     def missing_head(self, target: Any, view: Any) -> str:
         return (f"drafter 'mtp': {target.path} ({target.arch}) ships no MTP block (draft heads: "
@@ -37,7 +64,13 @@ class MtpDrafter(HeadDrafter):
 
 
 def make_mtp_drafter(target: Any, options: Mapping[str, Any]) -> MtpDrafter:
-    return MtpDrafter(target, n_draft=int(options.get("n_max", 4)), depth=int(options.get("mtp_depth", 0)))
+    head = None
+    if options.get("draft"):  # llama.cpp's separate MTP head file (--draft FILE)
+        from plinth.model import load_model
+
+        head = load_model(options["draft"])
+    return MtpDrafter(target, n_draft=int(options.get("n_max", 4)), depth=int(options.get("mtp_depth", 0)),
+                      head_model=head)
 
 
 __all__ = ["MtpDrafter", "make_mtp_drafter"]
