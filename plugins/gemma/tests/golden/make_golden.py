@@ -200,7 +200,9 @@ def write_gemma_folder(case: str, folder: Path) -> tuple[Path, dict[str, Any]]:
     write(folder, cfg, hf_random_state(cfg, c["seed"]), tokenizer=gemma_tokenizer(GEMMA_N_VOCAB))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True}))
+        "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<unk>", "add_bos_token": True,
+        "chat_template": "{{ bos_token }}{% for m in messages %}<|turn>{{ m['role'] }}\n{{ m['content'] }}<turn|>\n"
+                         "{% endfor %}"}))
     return folder, cfg
 
 
