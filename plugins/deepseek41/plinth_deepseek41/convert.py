@@ -325,6 +325,26 @@ def tokenizer_metadata(model_dir: str, cfg: Mapping[str, Any], n_vocab: int) -> 
     return md, ""
 
 
+def write_mtp_head_file(path: str, md: Mapping[str, Any], trunk: Mapping[str, np.ndarray],
+                        head: Mapping[str, np.ndarray], n_layer: int, n_mtp: int, source: str) -> None:
+    """llama.cpp's ``--mtp`` head file: block_count counting the MTP block, the block, the shared embedding /
+    head / final norm, and the block's own hc head as the root ``output_hc_*``."""
+    if n_mtp != 1:
+        raise UserError(f"{source}: {n_mtp} MTP blocks; llama.cpp's head file holds one hc head (use mtp=inline)")
+    out = {k: trunk[k] for k in ("token_embd.weight", "output.weight", "output_norm.weight")}
+    prefix = f"blk.{n_layer}.nextn.hc_head_"
+    for k, v in head.items():
+        out["output_hc_" + k[len(prefix):] if k.startswith(prefix) else k] = v
+    hmd = dict(md)
+    hmd[f"{ARCH}.block_count"] = n_layer + 1
+    hmd[f"{ARCH}.nextn_predict_layers"] = 1
+    hmd[f"{ARCH}.attention.compress_ratios"] = list(md[f"{ARCH}.attention.compress_ratios"]) + [0]
+    hp = load_hparams(hmd, path)
+    specs = tensor_specs(hp)
+    check_tensors(specs, {k: (v.shape, "I32" if v.dtype.kind in "iu" else "F32") for k, v in out.items()}, path)
+    write_gguf(path, hmd, out)
+
+
 class DeepseekV4Converter:
     """``DeepseekV4ForCausalLM`` folder -> ``deepseek4`` GGUF."""
 
@@ -333,27 +353,31 @@ class DeepseekV4Converter:
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
         """Write ``out_path`` (float32 tensors); returns (and prints to stderr) notes on what was left out.
 
-        options: ``mtp`` = auto (default: the checkpoint's MTP block inline, plinth's layout, when it has
-        one) or no (dropped: a file llama.cpp opens; llama.cpp keeps V4's MTP head in a file of its own)."""
-        mtp = str((options or {}).get("mtp", "auto")).lower()
-        if set(options or {}) - {"mtp"} or mtp not in ("auto", "yes", "no"):
-            raise UserError(f"plinth-deepseek41 converter options: mtp in auto, yes, no; got {dict(options)}")
+        options: ``mtp`` = separate (default: a checkpoint's MTP block goes to a head-only file beside
+        ``out_path``, ``<out>.mtp.gguf`` or ``mtp_out=PATH``, in llama.cpp's ``--mtp`` layout; the trunk
+        file is then one llama.cpp opens), inline (plinth's combined layout, which llama.cpp does not
+        open), or no (dropped)."""
+        options = dict(options or {})
+        mtp = str(options.get("mtp", "separate")).lower()
+        if set(options) - {"mtp", "mtp_out"} or mtp not in ("separate", "inline", "no"):
+            raise UserError(f"plinth-deepseek41 converter options: mtp in separate, inline, no (mtp_out=PATH); "
+                            f"got {options}")
         source = str(Path(model_dir) / "config.json")
         cfg = read_config(model_dir)
         md = gguf_metadata(cfg, source, str(cfg.get("_name_or_path") or Path(model_dir).name))
         n_layer = md[f"{ARCH}.block_count"]
         tensors, n_mtp, notes = convert_tensors(SafetensorsDir(model_dir), n_layer)
-        if n_mtp and mtp == "no":
-            dropped = [k for k in tensors if k.startswith("blk.") and int(k.split(".")[1]) >= n_layer]
-            for k in dropped:
-                del tensors[k]
-            notes.append(f"dropped the MTP block ({len(dropped)} tensors, mtp=no)")
-            n_mtp = 0
-        elif mtp == "yes" and not n_mtp:
-            raise UserError(f"{model_dir}: mtp=yes, but the checkpoint has no complete MTP block (mtp.0.*)")
+        head: dict[str, np.ndarray] = {}
+        if n_mtp and mtp in ("no", "separate"):
+            moved = [k for k in tensors if k.startswith("blk.") and int(k.split(".")[1]) >= n_layer]
+            head = {k: tensors.pop(k) for k in moved}
+            if mtp == "no":
+                notes.append(f"dropped the MTP block ({len(moved)} tensors, mtp=no)")
+                head = {}
+            n_mtp, n_head_blocks = 0, n_mtp
         elif n_mtp:
             notes.append("the MTP block is written inline (plinth's layout, for --spec mtp); llama.cpp does not "
-                         "open such a file (it keeps V4's MTP head in a file of its own): convert with mtp=no for it")
+                         "open such a file (it keeps V4's MTP head in a file of its own: mtp=separate)")
         tok_md, tok_note = tokenizer_metadata(model_dir, cfg, md[f"{ARCH}.vocab_size"])
         md.update(tok_md)
         notes += [tok_note] if tok_note else []
@@ -368,6 +392,11 @@ class DeepseekV4Converter:
             raise UserError(f"{model_dir}: tensor(s) {extra} do not belong to this deepseek4 layer layout "
                             f"(compress_ratios {list(hp.compress_ratios)}, hash layers {hp.n_hash_layers})")
         write_gguf(out_path, md, tensors)
+        if head:
+            head_path = options.get("mtp_out") or str(Path(out_path).with_suffix("")) + ".mtp.gguf"
+            write_mtp_head_file(head_path, md, tensors, head, n_layer, n_head_blocks, source)
+            notes.append(f"the MTP head is in {head_path} (llama.cpp's --mtp layout; plinth: --spec mtp --draft "
+                         f"{head_path})")
         for note in notes:
             print(f"plinth-deepseek41: {note}", file=sys.stderr)
         return notes

@@ -126,7 +126,7 @@ def test_release_mtp_block_is_exported(tmp_path):
                   "mtp.0.hc_head_base": np.zeros(hc, np.float32), "mtp.0.hc_head_scale": np.ones(1, np.float32)})
     folder = golden.write_hf_folder("hca_only", tmp_path / "hf")
     golden.write_safetensors(folder / "model.safetensors", state)
-    notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {})
+    notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {"mtp": "inline"})
     assert notes[0].startswith("the MTP block is written inline (plinth's layout, for --spec mtp); llama.cpp does "
                                "not open such a file") and len(notes) == 2  # and: no tokenizer.json
     assert conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "no.gguf"), {"mtp": "no"})[0] == \
@@ -151,3 +151,37 @@ def test_unknown_tensor_is_refused(tmp_path):
     golden.write_safetensors(folder / "model.safetensors", state)
     with pytest.raises(UserError, match="'model.layers.0.attn.mystery.weight' has no GGUF name"):
         conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "m.gguf"), {})
+
+
+def test_release_mtp_block_goes_to_a_separate_head_file_by_default(tmp_path):
+    """Default mtp=separate: the trunk file has no MTP block (llama.cpp opens it) and the head goes to
+    ``<out>.mtp.gguf`` in llama.cpp's --mtp layout (the same keys and tensor names as llama.cpp's own head file);
+    the mtp drafter takes it with the trunk and gives the inline layout's head logits."""
+    import plinth
+    from plinth.context import Batch
+    from plinth.gguf import GGUFFile
+    from plinth_deepseek41.mtp import MtpDrafter
+
+    folder = tmp_path / "hf"
+    test_release_mtp_block_is_exported(tmp_path)  # writes the folder and the inline file (m.gguf)
+    notes = conv.DeepseekV4Converter().convert(str(folder), str(tmp_path / "t.gguf"), {})
+    assert f"the MTP head is in {tmp_path / 't.mtp.gguf'} (llama.cpp's --mtp layout; plinth: --spec mtp --draft " \
+           f"{tmp_path / 't.mtp.gguf'})" in notes
+    trunk_md, head_gf = GGUFFile(tmp_path / "t.gguf").metadata, GGUFFile(tmp_path / "t.mtp.gguf")
+    assert trunk_md["deepseek4.nextn_predict_layers"] == 0 and trunk_md["deepseek4.block_count"] == 3
+    assert head_gf.metadata["deepseek4.block_count"] == 4 and head_gf.metadata["deepseek4.nextn_predict_layers"] == 1
+    lc = GGUFFile(Path(__file__).resolve().parent / "golden" / "llamacpp" / "lc_v4-mtp.gguf")
+    lc_names = {n.replace("blk.3.", "blk.N.") for n in lc.tensors}
+    ours = {n.replace("blk.3.", "blk.N.") for n in head_gf.tensors}
+    assert ours == lc_names  # llama.cpp's head file layout (both: window-attention MTP block, routed MoE)
+    reg = golden.registry()
+    trunk = plinth.load_model(tmp_path / "t.gguf", registry=reg)
+    head_model = plinth.load_model(tmp_path / "t.mtp.gguf", registry=reg)
+    ref = plinth.load_model(tmp_path / "m.gguf", registry=reg)
+    drafter = MtpDrafter(trunk, head_model=head_model)
+    prompt = golden.prompts("hca_only")[1]
+    outs = []
+    for m, head in ((trunk, drafter.head), (ref, ref.target_view().draft_head("mtp"))):
+        h = m.new_context(taps=head.taps).forward(Batch.from_tokens(prompt[:-1], output="all")).features[head.taps[0]]
+        outs.append(np.asarray(head.run(Batch.from_tokens(prompt[1:], output="all"), h, head.new_cache()).logits))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0)

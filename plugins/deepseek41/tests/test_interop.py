@@ -5,7 +5,7 @@ The model of ``golden/make_llamacpp.py`` at the released head sizes (``INTEROP_C
 deepseek4 graph does not build for the tiny ones), one release checkpoint (FP4 experts, a hash layer,
 CSA 4 + HCA 128 + window, YaRN, an MTP block, a tokenizer):
 
-* plinth's converter (``mtp=no``: llama.cpp keeps V4's MTP head in a file of its own) -> llama.cpp
+* plinth's converter (default: the MTP head in a file of its own, as llama.cpp writes it) -> llama.cpp
   (``llama_cpp.Llama``, F32 K/V): logits within 1e-3 of transformers';
 * llama.cpp's converter -> plinth: logits within 1e-4 of transformers'.
 """
@@ -49,7 +49,8 @@ def test_plinth_written_file_runs_in_llama_cpp(model_folders, tmp_path):
 
     release, ref = model_folders
     out = tmp_path / "plinth.gguf"
-    convert(release, out, registry=golden.registry(), options={"mtp": "no"})
+    convert(release, out, registry=golden.registry())  # default: the MTP head to plinth.mtp.gguf, as llama.cpp does
+    assert (tmp_path / "plinth.mtp.gguf").is_file()
     gf = GGUFFile(out)
     assert gf.tensors["blk.0.ffn_gate_tid2eid.weight"].type_name == "I32"
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 304
