@@ -8,8 +8,10 @@ spellings (``embed.weight``, ``norm.weight``, ``hc_head_fn``). Experts are stack
 I32, as llama.cpp writes it (plinth files written before hold it as F32; both load). A release checkpoint's MTP
 block ``mtp.D.*`` (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``, ``hc_head_*`` and an ordinary
 block) becomes ``blk.{n_layer + D}.*`` with ``nextn.eh_proj = [e_proj | h_proj]`` (window attention,
-``compress_ratios`` extended with 0); an incomplete block is dropped with a note. transformers
-5.24's ``save_pretrained`` writes no MTP tensors (it builds no MTP module).
+``compress_ratios`` extended with 0), written by default to a head-only file in llama.cpp's ``--mtp``
+layout (:func:`write_mtp_head_file`; option ``mtp=inline`` keeps it in the one file, ``mtp=no``
+drops it); an incomplete block is dropped with a note. transformers 5.24's ``save_pretrained``
+writes no MTP tensors (it builds no MTP module). The folder's byte-level BPE tokenizer is written too.
 
 Quantised release weights are dequantized to float32 on the way: FP8 e4m3 matrices with a
 ``<name>.scale`` (or ``weight_scale_inv``) per 128×128 block, and FP4 (e2m1, two per int8 byte,
