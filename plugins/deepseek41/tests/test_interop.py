@@ -31,7 +31,10 @@ PROMPTS = maker.prompts(maker.INTEROP_PROMPT_SEED)
 @pytest.fixture(scope="module")
 def model_folders(tmp_path_factory):
     pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
+    if not (maker.LLAMA_CPP_DIR / "convert_hf_to_gguf.py").is_file():
+        pytest.skip(f"no llama.cpp sources at {maker.LLAMA_CPP_DIR} (set LLAMA_CPP_DIR or PLINTH_LLAMA_CPP_SRC)")
     import torch
 
     tmp = tmp_path_factory.mktemp("ds4-interop")

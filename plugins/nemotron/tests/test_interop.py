@@ -37,6 +37,7 @@ def reg():
 def test_plinth_written_file_runs_in_llama_cpp(case, reg, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
     from plinth.convert import convert
     from plinth.gguf import GGUFFile
 
@@ -60,6 +61,7 @@ def test_plinth_written_file_runs_in_llama_cpp(case, reg, tmp_path):
 @pytest.mark.parametrize("case", sorted(maker.CASES))
 def test_llama_cpp_converter_output_runs_in_plinth(case, reg, tmp_path):
     pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     pytest.importorskip("tokenizers")
     if not (maker.LLAMA_CPP_DIR / "convert_hf_to_gguf.py").is_file():
         pytest.skip(f"no llama.cpp converter at {maker.LLAMA_CPP_DIR} (set LLAMA_CPP_DIR)")

@@ -36,7 +36,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "llamacpp"
-LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR") or os.environ.get("PLINTH_LLAMA_CPP_SRC")
+                     or "/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
 PROMPT_LENGTHS = (1, 7, 140)  # 140: one complete HCA block of 128
 SEED, PROMPT_SEED, MTP_SEED = 901, 911, 921
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"

@@ -4,7 +4,8 @@ Run by hand (needs torch, transformers and the llama-cpp-python sdist's converte
 
     python plugins/nemotron/tests/golden/make_llamacpp.py [case ...]
 
-Environment: ``LLAMA_CPP_DIR`` (default ``/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp``).
+Environment: ``LLAMA_CPP_DIR`` or ``PLINTH_LLAMA_CPP_SRC`` (an unpacked ``vendor/llama.cpp``; default
+``/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp``).
 
 Each case is a tiny Hugging Face NemotronH folder (weights drawn with numpy by
 ``make_golden.hf_random_state``: every norm, bias, A_log and D redrawn, nothing left at
@@ -34,7 +35,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "llamacpp"
-LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP_DIR = Path(os.environ.get("LLAMA_CPP_DIR") or os.environ.get("PLINTH_LLAMA_CPP_SRC")
+                     or "/tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp")
 PROMPT_LENGTHS = (1, 7, 40)
 
 _COMMON: dict[str, Any] = dict(
