@@ -25,6 +25,11 @@ KEY_CONV_KERNEL = "conv_kernel_size"
 KEY_CONV_GROUP = "conv_group_size"
 KEY_SEL_RANK = "selector_rank"
 KEY_SEL_TOP_K = "selector_top_k"
+# optional transforms llama.cpp's dflash.cpp applies (issue 40)
+KEY_EMBD_SCALE = "embedding_scale"  # f32: the block's token embeddings times it (0 / absent: none)
+KEY_ATTN_SCALE = "attention.scale"  # f32: the score scale (0 / absent: 1 / sqrt(head_dim))
+KEY_VALUE_SCALE = "attention.value_scale"  # f32: the attention output (after attn_output) times it
+KEY_HIDDEN_ACT = "hidden_activation"  # str: "silu" (default), "gelu" / "gelu_pytorch_tanh" (tanh GELU)
 
 # LiLiCorr head geometry (plinth names, [inferred])
 LILI_PREFIX = "lilicorr."
@@ -50,6 +55,12 @@ T_MARKOV_W1 = "markov_w1.weight"  # DSpark marker (not served by this plugin)
 T_SEL_HIDDEN = "selector_hidden.weight"
 T_SEL_PRED = "selector_predecessor.weight"
 T_SEL_SUCC = "selector_successor.weight"
+T_ROPE_FREQS = "rope_freqs.weight"  # [n_rot / 2] per-pair frequency divisors (optional)
+#: optional per-layer tensors (``blk.N.`` + name): RMSNorm weights after the attention and the FFN (before
+#: their residual adds), and a one-element multiplier of the layer's output
+T_POST_ATTN_NORM = "post_attention_norm.weight"
+T_POST_FFN_NORM = "post_ffw_norm.weight"
+T_LAYER_OUT_SCALE = "layer_output_scale.weight"
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")

@@ -77,6 +77,10 @@ class DFlashHParams:
     selector_rank: int = 0
     selector_top_k: int = 0
     lilicorr: LiLiCorrHParams | None = None
+    embedding_scale: float = 0.0  # 0 = none
+    attn_scale: float = 0.0  # 0 = 1 / sqrt(head_dim)
+    value_scale: float = 0.0  # 0 = none
+    hidden_act: str = "silu"  # "silu" or "gelu" (tanh approximation, as ggml's GELU)
 
     @property
     def n_taps(self) -> int:
@@ -115,6 +119,27 @@ def _bool_array(md: Mapping[str, Any], key: str, n_layer: int, source: str) -> t
     if arr.shape != (n_layer,):
         raise HParamsError(f"{source}: '{key}' has {arr.size} entries, expected n_layer = {n_layer}")
     return tuple(bool(v) for v in arr)
+
+
+def _finite(r: KeyReader, key: str, source: str) -> float:
+    """An optional float key of llama.cpp's dflash graph (0 when absent: the transform is off); a
+    non-finite value is refused by name."""
+    value = r.get(key, float, required=False, default=0.0)
+    if not np.isfinite(value):
+        raise HParamsError(f"{source}: '{r.key(key)}' = {value}: must be a finite number (0 = off)")
+    return float(value)
+
+
+#: ``hidden_activation`` values llama.cpp's dflash graph accepts -> the FFN activation
+HIDDEN_ACTS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu"}
+
+
+def _hidden_act(r: KeyReader, source: str) -> str:
+    name = r.get(C.KEY_HIDDEN_ACT, str, required=False, default="silu")
+    if name not in HIDDEN_ACTS:
+        raise HParamsError(f"{source}: '{r.key(C.KEY_HIDDEN_ACT)}' = {name!r}: a DFlash draft's FFN takes "
+                           f"{', '.join(repr(k) for k in HIDDEN_ACTS)} (llama.cpp refuses others too)")
+    return HIDDEN_ACTS[name]
 
 
 def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> DFlashHParams:
@@ -172,6 +197,10 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
         softcap=r.get(C.KEY_SOFTCAP, float, required=False, default=0.0),
         tied=bool(md.get(r.key(C.KEY_TIED), False)),
         n_vocab=r.get("vocab_size", required=False, default=None),
+        embedding_scale=_finite(r, C.KEY_EMBD_SCALE, source),
+        attn_scale=_finite(r, C.KEY_ATTN_SCALE, source),
+        value_scale=_finite(r, C.KEY_VALUE_SCALE, source),
+        hidden_act=_hidden_act(r, source),
     )
     if n_head % n_head_kv:
         raise HParamsError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
@@ -255,6 +284,16 @@ def lilicorr_specs(hp: DFlashHParams) -> list[TensorSpec]:
     return specs
 
 
+def _undeclared(specs: list[TensorSpec], names: Any, claimed: tuple[str, ...]) -> list[str]:
+    """Tensors of the file that no spec (nor a spec's ``.scale`` companion) declares and no plugin claims."""
+    declared = set(claimed)
+    for spec in specs:
+        declared.add(spec.name)
+        if spec.scale:
+            declared.add(scale_name(spec.name))
+    return sorted(n for n in names if n not in declared and n != C.T_D2T)
+
+
 def _merge_specs(base: list[TensorSpec], extra: list[TensorSpec]) -> list[TensorSpec]:
     """``extra`` replaces base specs of the same name (e.g. a reduced-vocabulary ``output.weight``)."""
     names = {s.name for s in extra}
@@ -273,10 +312,14 @@ def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
         TensorSpec(C.T_OUTPUT_NORM, (e,)),
         TensorSpec(C.T_TOKEN_EMBD, (v, e), required=False),
         TensorSpec(C.T_OUTPUT, (v, e), required=False, scale=True),
+        TensorSpec(C.T_ROPE_FREQS, (hp.n_rot // 2,), required=False),
     ]
     for il in range(hp.n_layer):
         b = f"blk.{il}."
         specs += [
+            TensorSpec(b + C.T_POST_ATTN_NORM, (e,), required=False),
+            TensorSpec(b + C.T_POST_FFN_NORM, (e,), required=False),
+            TensorSpec(b + C.T_LAYER_OUT_SCALE, (1,), required=False),
             TensorSpec(b + "attn_norm.weight", (e,)),
             TensorSpec(b + "attn_q.weight", (nq, e), scale=True),
             TensorSpec(b + "attn_k.weight", (nkv, e), scale=True),
@@ -362,11 +405,24 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
         arr = raw if info.type_name == "F32" else quants.dequantize(raw, info.ggml_type, info.shape)
         return np.asarray(arr, dtype=np.float32)
 
+    unread = _undeclared(specs, gf.tensors.keys(), claimed)
+    if unread:
+        raise DFlashFormatError(f"{path}: {len(unread)} tensor(s) that no part of a {hp.kind} draft reads: "
+                                f"{', '.join(repr(n) for n in unread[:8])}{' ...' if len(unread) > 8 else ''}; "
+                                "computing without them would draft from another model than the file's, so the "
+                                "file is refused")
+
     weights: dict[str, Any] = {}
     fc_in = None
     for spec in found:
         if spec.name == C.T_FC_INPUT_SCALE:
+            # NVFP4's activation global scale of fc: llama.cpp's dflash graph multiplies fc's product by
+            # 'fc.scale' only; an activation scale only matters where activations are quantised to FP4, so a
+            # float product has no use for it. Checked, never multiplied in (README, "Tensors").
             fc_in = float(f32(spec.name).reshape(-1)[0])
+            if not (np.isfinite(fc_in) and fc_in > 0):
+                raise DFlashFormatError(f"{path}: '{C.T_FC_INPUT_SCALE}' = {fc_in}: an activation scale must be "
+                                        "finite and > 0")
             continue
         arr = f32(spec.name)
         sname = scale_name(spec.name)
@@ -374,6 +430,8 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
             s = f32(sname).reshape(-1)
             if s.size != 1:
                 raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' has {s.size} elements, expected 1")
+            if not np.isfinite(s[0]) or s[0] == 0:
+                raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' = {s[0]}: must be finite and non-zero")
             arr = arr * s[0]
         weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=arr.dtype if arr.dtype == np.int64
                                                                   else np.float32))

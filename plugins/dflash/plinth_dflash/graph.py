@@ -26,6 +26,7 @@ import numpy as np
 from plinth import ops
 from plinth.context import KVCache
 
+from . import constants as C
 from .format import DFlashHParams
 
 F32 = np.float32
@@ -75,8 +76,9 @@ class DraftGraph:
         self.xp = xp
         self.embed_table = embed_table
         self.head = head
-        self.rope = ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base, xp=xp))
-        self.scale = 1.0 / float(hp.head_dim) ** 0.5
+        factors = weights.get(C.T_ROPE_FREQS)  # llama.cpp's rope_freqs: per-pair divisors of the frequency
+        self.rope = ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base, xp=xp, freq_factors=factors))
+        self.scale = float(hp.attn_scale) if hp.attn_scale else 1.0 / float(hp.head_dim) ** 0.5
 
     def new_cache(self) -> KVCache:
         return KVCache(self.hp.n_layer, self.xp)
@@ -131,7 +133,8 @@ class DraftGraph:
 
     def _ffn(self, il: int, x: Any) -> Any:
         w, b = self.w, f"blk.{il}."
-        return ops.glu_ffn(x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"], act="silu")
+        return ops.glu_ffn(x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"],
+                           act=self.hp.hidden_act)
 
     def layer(self, il: int, h: Any, cache: KVCache, seq: int, positions: np.ndarray) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
@@ -141,8 +144,12 @@ class DraftGraph:
             dy = ops.linear(u, w[b + "attn_conv_proj.weight"])
             u = block_conv(u, dy, w[b + "attn_conv_base"], 0, n, hp.conv_group)
         a = self._attention(il, u, cache, seq, positions)
+        if hp.value_scale:  # (llama.cpp: after the output projection, before the conv and the post-norm)
+            a = a * F32(hp.value_scale)
         if hp.has_conv:
             a = block_conv(a, dy, w[b + "attn_conv_base"], 1, n, hp.conv_group)
+        if b + C.T_POST_ATTN_NORM in w:
+            a = ops.rms_norm(a, w[b + C.T_POST_ATTN_NORM], hp.norm_eps)
         h = h + a
         v = ops.rms_norm(h, w[b + "ffn_norm.weight"], hp.norm_eps)
         if hp.has_conv:
@@ -151,7 +158,12 @@ class DraftGraph:
         m = self._ffn(il, v)
         if hp.has_conv:
             m = block_conv(m, dy, w[b + "ffn_conv_base"], 1, n, hp.conv_group)
-        return h + m
+        if b + C.T_POST_FFN_NORM in w:
+            m = ops.rms_norm(m, w[b + C.T_POST_FFN_NORM], hp.norm_eps)
+        out = m + h
+        if b + C.T_LAYER_OUT_SCALE in w:
+            out = out * w[b + C.T_LAYER_OUT_SCALE].reshape(1)
+        return out
 
     def forward_block(self, cache: KVCache, seq: int, tokens: Any, positions: Any) -> Any:
         """Final-normed hidden states [b, E] of the block ``tokens`` at ``positions`` (one sequence).
@@ -162,6 +174,8 @@ class DraftGraph:
         positions = np.asarray(positions, dtype=np.int64)
         h = self.embed_table[xp.asarray(np.asarray(tokens, dtype=np.int64))]
         h = ops.as_f32(h, xp)
+        if self.hp.embedding_scale:
+            h = h * F32(self.hp.embedding_scale)
         try:
             for il in range(self.hp.n_layer):
                 h = self.layer(il, h, cache, seq, positions)
