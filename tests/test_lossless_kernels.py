@@ -155,3 +155,22 @@ def test_ssm_scan_rows_are_one_token_steps() -> None:
         assert np.array_equal(scan.y[i], one.y[0]), f"row {i}"
         state = one.state
     assert np.array_equal(scan.state, state)
+
+
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 1, 256), (6, 2, 32)])  # SmolLM2, Gemma-3, the plain loop
+def test_verify_row_attention_over_every_key_count(shape) -> None:
+    """Row 0 of a verify batch of 1 + k rows at position p sees the keys 0..p as its decode step does,
+    for every p < 80 and k in 1, 2, 3, 8, 16: the keys of the later rows (masked for it) must not
+    change where the vector kernel's key blocks end for it."""
+    n_head, n_head_kv, hd = shape
+    rng = np.random.default_rng(14)
+    for n in range(1, 80):
+        for k in (1, 2, 3, 8, 16):
+            q = rng.standard_normal((1 + k, n_head, hd)).astype(np.float32)
+            keys = rng.standard_normal((n + k, n_head_kv, hd)).astype(np.float32)
+            vals = rng.standard_normal((n + k, n_head_kv, hd)).astype(np.float32)
+            alone = ops.attention(q[:1], keys[:n], vals[:n], q_pos=np.array([n - 1]), k_pos=np.arange(n),
+                                  scale=hd ** -0.5)
+            batch = ops.attention(q, keys, vals, q_pos=np.arange(n - 1, n + k), k_pos=np.arange(n + k),
+                                  scale=hd ** -0.5)
+            assert np.array_equal(batch[0].view(np.uint32), alone[0].view(np.uint32)), f"{shape}: p={n - 1}, k={k}"

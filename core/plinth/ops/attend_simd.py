@@ -13,8 +13,11 @@ row). The query heads of the call read each block of keys and values in turn, fr
 Every key's score goes through the same operations wherever it falls (the last, partial block of
 keys is copied into a zero-padded scratch block first, so it takes the same path), the denominator
 is a lane-wise sum plus a fixed tree, and keys whose weight is exactly 0 (masked, -inf) are skipped
-in the value sum: a row's result does not depend on how many keys past its own are in the call,
-nor on the other rows, so a verify row gives the bits its decode step would.
+in the value sum. Measured, though: a row's result can change in the last bit with the number of
+masked keys after its own (where its key blocks end), so the caller
+(:func:`plinth.ops.compiled._vector_task`) drops a row's trailing masked keys before the call; with
+that, a row's result does not depend on the other rows, and a verify row gives the bits its decode
+step would (``tests/test_lossless_kernels.py``).
 
 ``exp`` (arguments <= 0 here: scores minus their maximum): ``x = n ln2 + r`` with n rounded to
 nearest, |r| <= ln2 / 2, ``2^n`` built in the exponent bits and ``e^r`` a degree-7 Taylor

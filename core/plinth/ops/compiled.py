@@ -108,6 +108,10 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
     g, r = _selected(table, j)
     n = table[g, 2]
     b_at = table[g, 5] + (r - table[g, 0]) * n * 4 if table[g, 5] != 0 else 0
+    if b_at != 0:  # the row's trailing masked keys (a verify batch's later rows) are left out: the vector
+        bias = carray(f32_at(b_at), (n,))  # kernel's sums depend on where its key blocks end, so a row
+        while n > 1 and bias[n - 1] == -np.inf:  # must see the key count it sees alone
+            n -= 1
     scratch = np.empty(n_scratch, np.float32)
     attend_rows(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * hd * 4, table[g, 4] + hk * hd_v * 4,
                 n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at, scratch.ctypes.data,
