@@ -67,6 +67,8 @@ def test_mtp_drafter_is_lossless_on_deepseek41(tmp_path):
     md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"][:256]
     del md["tokenizer.ggml.eos_token_id"]
     md["deepseek41.nextn_predict_layers"] = 1
+    # plinth's combined layout: the ratios cover the MTP layer (block_count stays the trunk)
+    md["deepseek41.attention.compress_ratios"] = [int(r) for r in md["deepseek41.attention.compress_ratios"]] + [0]
     hp = load_hparams(md, "mtp.gguf")
     extra = random_tensors([s for s in tensor_specs(hp) if s.name.startswith(f"blk.{hp.n_layer}.")], seed=9,
                            scale=0.3)
