@@ -16,11 +16,10 @@ from plinth.tokenizer import IncrementalDecoder, Tokenizer, UnsupportedTokenizer
 
 CLAIMED = [
     "gpt-2", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "falcon", "mpt",
-    "starcoder", "command-r", "refact", "llama-spm", "phi-3",
+    "starcoder", "command-r", "refact", "llama-spm", "phi-3", "gemma-4",
 ]
 UNCLAIMED = {
     "bert-bge": "WordPiece (bert) is not implemented",
-    "gemma-4": "tokenizer model 'gemma4' (SPM-style BPE) is not implemented",
     "nomic-bert-moe": "Unigram (t5) is not implemented",
 }
 # vocab files the sdist ships without test vectors
@@ -77,6 +76,14 @@ def test_gemma4_pre_on_gemma4_vocab():
     assert tok.add_bos
     for t in TEXTS:
         assert tok.decode(tok.encode(t, add_special=False)) == t
+
+
+def test_gemma4_model_adds_bos():
+    """The file as llama.cpp's converter writes it (tokenizer model 'gemma4', no pre value; its vectors
+    are in CLAIMED): read as byte-pair merges with the gemma4 pre-tokenizer, BOS added."""
+    tok = _tok("gemma-4")
+    assert fx.metadata(_dir() / "ggml-vocab-gemma-4.gguf")["tokenizer.ggml.model"] == "gemma4"
+    assert tok.add_bos and tok.encode("Hi")[0] == tok.bos_id
 
 
 @pytest.mark.parametrize("name", sorted(UNCLAIMED))

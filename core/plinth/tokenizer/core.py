@@ -12,7 +12,7 @@ from .pretok import PRE_NAMES, REFUSED_PRE, PreTokenizer
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 TT_UNDEFINED = 0  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED
 
-SUPPORTED_MODELS = ("gpt2", "llama")
+SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
 
 class TokenizerError(UserError, ValueError):
@@ -216,6 +216,8 @@ class Tokenizer:
             return BPETokenizer(md, source)
         if model == "llama":
             return SPMTokenizer(md, source)
+        if model == "gemma4":  # llama.cpp reads it as byte-pair merges with the gemma4 pre-tokenizer, always
+            return BPETokenizer({**md, "tokenizer.ggml.pre": "gemma4"}, source)
         raise UnsupportedTokenizerError(
             f"{source}: key 'tokenizer.ggml.model' = {_describe(model)}: unsupported; "
             f"supported: {', '.join(SUPPORTED_MODELS)}"
