@@ -71,11 +71,12 @@ def write_model(path: Path, **changes: Any) -> Path:
 
     from plinth.plugins import discover
     from plinth.testing import random_tensors, write_gguf
+    from plinth.testing.synthetic import synthetic_specs
 
     md = base_metadata()
     registry = discover(plugins="llama")
     hp = registry.arch_hparams("llama", md, str(path))
-    tensors = random_tensors(registry.arch_tensors("llama", hp), seed=0)
+    tensors = random_tensors(synthetic_specs(registry, "llama", hp), seed=0)
     qtypes = {name: gguf.GGMLQuantizationType.Q8_0 for name in tensors
               if name.endswith(("attn_q.weight", "ffn_up.weight"))}
     md = base_metadata(**changes)

@@ -13,6 +13,7 @@ from plinth.cli import main
 from plinth.graph import Architecture, BaseGraph, KeyReader, TensorSpec
 from plinth.tensors import KeyUse, UnusedError
 from plinth.testing import byte_vocab, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from plinth.testing.synthetic import synthetic_specs
 
 gguf = pytest.importorskip("gguf")
 
@@ -28,8 +29,7 @@ def _with_extras(path, registry, *, tensors=(), keys=()):
     md = tiny_metadata("llama", n_vocab=257) | byte_vocab()
     md.update(dict(keys))
     hp = registry.arch_hparams("llama", md, str(path))
-    specs = registry.arch_tensors("llama", hp)
-    ts = random_tensors(specs, seed=3)
+    ts = random_tensors(synthetic_specs(registry, "llama", hp), seed=3)
     for name, shape in tensors:
         ts[name] = np.full(shape, 0.5, dtype=np.float32)
     return write_gguf(path, md, ts)

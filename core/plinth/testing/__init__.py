@@ -26,7 +26,8 @@ from .roundtrips import SpecTransfers, decode_step_transfers, speculative_step_t
 from .arch import check_architecture
 from .hf import byte_bpe_tokenizer, write_hf_folder, write_safetensors
 from .strict import StrictBackend, count_transfers, to_host
-from .synthetic import byte_vocab, quantized_rows, random_tensors, tiny_metadata, write_gguf, write_synthetic_gguf
+from .synthetic import (byte_vocab, quantized_rows, random_tensors, synthetic_specs, tiny_metadata, write_gguf,
+                        write_synthetic_gguf)
 
 #: backends every contract test runs on: the CPU backend and the strict device stand-in
 CONTRACT_BACKENDS = ("numpy", "strict")
@@ -66,6 +67,7 @@ __all__ = [
     "tiny_metadata",
     "to_host",
     "write_gguf",
+    "synthetic_specs",
     "write_synthetic_gguf",
 ]
 

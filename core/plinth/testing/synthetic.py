@@ -86,14 +86,19 @@ def write_synthetic_gguf(path: str | Path, arch: str, metadata: Mapping[str, Any
     specs of its plain model, written instead of all of ``tensor_specs``.
     """
     hparams = registry.arch_hparams(arch, metadata, str(path))
-    specs = registry.arch_tensors(arch, hparams)
-    plain = getattr(registry.architecture(arch), "synthetic_tensors", None)
-    if plain is not None:  # the architecture names the tensors of its plain model (no alternative layouts)
-        specs = plain(hparams)
-    tensors = random_tensors(specs, seed=seed, scale=scale)
+    tensors = random_tensors(synthetic_specs(registry, arch, hparams), seed=seed, scale=scale)
     for name in drop:
         tensors.pop(name, None)
     return write_gguf(path, metadata, tensors, qtypes)
+
+
+def synthetic_specs(registry: Any, arch: str, hparams: Any) -> list[Any]:
+    """The tensor specs of ``arch``'s plain model: its ``synthetic_tensors(hparams)`` where it defines
+    one (no alternative layouts, no optional extras), else every declared spec."""
+    plain = getattr(registry.architecture(arch), "synthetic_tensors", None)
+    if plain is not None:
+        return list(plain(hparams))
+    return list(registry.arch_tensors(arch, hparams))
 
 
 def quantized_rows(type_name: str, n_out: int, n_in: int, seed: int = 0) -> np.ndarray:
