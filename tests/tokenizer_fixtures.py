@@ -1,36 +1,10 @@
 """Fetch and cache the GGUF vocab test vectors shipped in the llama-cpp-python sdist."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
-SDIST = "llama-cpp-python==0.3.36"
-SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PLINTH_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "plinth"
-    d = base / "test-data"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _sdist() -> Path | None:
-    d = cache_dir()
-    tar = d / SDIST_FILE
-    if not tar.exists():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-             SDIST, "-d", str(d)],
-            capture_output=True, text=True,
-        )
-        if not tar.exists():
-            return None
-    return tar
+from plinth.testing.interop import cache_dir, sdist_tarball as _sdist
 
 
 def _extract(dirname: str, wanted) -> Path | None:

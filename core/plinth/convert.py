@@ -276,3 +276,19 @@ def bpe_tokenizer_metadata(model_dir: str | Path, config: Mapping[str, Any]) -> 
         if config.get(f"{key}_token_id") is not None:
             md[f"tokenizer.ggml.{key}_token_id"] = int(config[f"{key}_token_id"])
     return md
+
+
+def padded_tokenizer_metadata(model_dir: str | Path, config: Mapping[str, Any], n_vocab: int
+                              ) -> tuple[dict[str, Any], str]:
+    """``tokenizer.ggml.*`` from the folder's byte-level BPE ``tokenizer.json`` (:func:`bpe_tokenizer_metadata`),
+    the token list padded to ``n_vocab`` with unused ``[PAD{i}]`` entries as llama.cpp's converter pads it
+    (its loader sizes token_embd by the token count). Without a tokenizer.json: no keys, and a note saying so."""
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return {}, "no tokenizer.json: the GGUF has no tokenizer (llama.cpp and plinth generate need one)"
+    md = bpe_tokenizer_metadata(model_dir, config)
+    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
+    if n_vocab > len(tokens):
+        types += [5] * (n_vocab - len(tokens))  # UNUSED
+        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
+    md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"] = tokens, types
+    return md, ""

@@ -37,6 +37,16 @@ def cache_dir() -> Path:
     return d
 
 
+def sdist_tarball() -> Path | None:
+    """The llama-cpp-python sdist in the test-data cache, downloaded by pip once; None when it cannot be had."""
+    d = cache_dir()
+    tar = d / SDIST_FILE
+    if not tar.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", SDIST,
+                        "-d", str(d)], capture_output=True, text=True)
+    return tar if tar.exists() else None
+
+
 def llama_cpp_sources() -> Path | None:
     """The unpacked ``vendor/llama.cpp`` folder (converter, gguf-py), fetching the sdist once; None
     when it cannot be had (no network and no cached copy)."""
@@ -46,16 +56,12 @@ def llama_cpp_sources() -> Path | None:
         if not (path / "convert_hf_to_gguf.py").is_file():
             raise FileNotFoundError(f"PLINTH_LLAMA_CPP_SRC={given}: no convert_hf_to_gguf.py there")
         return path
-    d = cache_dir()
-    out = d / "llama.cpp-0.3.36"
+    out = cache_dir() / "llama.cpp-0.3.36"
     if (out / ".done").exists():
         return out
-    tar = d / SDIST_FILE
-    if not tar.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", SDIST,
-                        "-d", str(d)], capture_output=True, text=True)
-        if not tar.exists():
-            return None
+    tar = sdist_tarball()
+    if tar is None:
+        return None
     marker = "/vendor/llama.cpp/"
     with tarfile.open(tar) as tf:
         for m in tf:

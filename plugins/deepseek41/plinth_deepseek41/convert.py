@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import SafetensorsDir, read_config, write_gguf
+from plinth.convert import SafetensorsDir, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
 from plinth.tensors import check_tensors, unused_tensors
 
@@ -310,21 +310,8 @@ def convert_tensors(st: SafetensorsDir, n_layer: int) -> tuple[dict[str, np.ndar
     return out, n_mtp, notes
 
 
-def tokenizer_metadata(model_dir: str, cfg: Mapping[str, Any], n_vocab: int) -> tuple[dict[str, Any], str]:
-    """``tokenizer.ggml.*`` from the folder's byte-level BPE ``tokenizer.json``, the token list padded to
-    ``n_vocab`` with unused ``[PAD{i}]`` entries as llama.cpp's converter pads it (its loader sizes
-    token_embd by the token count); without a tokenizer.json, none and a note."""
-    from plinth.convert import bpe_tokenizer_metadata
-
-    if not (Path(model_dir) / "tokenizer.json").is_file():
-        return {}, "no tokenizer.json: the GGUF has no tokenizer (llama.cpp and plinth generate need one)"
-    md = bpe_tokenizer_metadata(model_dir, cfg)
-    tokens, types = list(md["tokenizer.ggml.tokens"]), list(md["tokenizer.ggml.token_type"])
-    if n_vocab > len(tokens):
-        types += [5] * (n_vocab - len(tokens))  # UNUSED
-        tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
-    md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"] = tokens, types
-    return md, ""
+#: the folder's tokenizer padded to the vocabulary size as llama.cpp pads it
+tokenizer_metadata = padded_tokenizer_metadata
 
 
 def write_mtp_head_file(path: str, md: Mapping[str, Any], trunk: Mapping[str, np.ndarray],
