@@ -239,3 +239,24 @@ def test_sixteen_concurrent_requests_equal_lone_runs(model_name, tmp_path):
         if served_text != want:
             bad.append(f"request {i} ({'chat' if chat else 'raw'}): lone {want!r} vs served {served_text!r}")
     assert not bad, "\n".join(bad)
+
+
+def test_chunked_prefill_gives_the_one_piece_prefill_bits(model):
+    """The server prefills a prompt longer than its budget in chunks: up to 1024 prompt tokens the chunks
+    give the bits of one forward over the whole prompt (every row computed as if alone)."""
+    import numpy as np
+
+    from plinth.context import Batch
+
+    ids = prompt_ids(model, "\n".join(RAW * 3), False)[:300]
+    whole = model.new_context()
+    want = np.asarray(whole.forward(Batch.from_tokens(ids, start=0, seq=0, output="last")).logits[-1])
+    chunked = model.new_context()
+    for s in range(0, len(ids), 64):
+        out = chunked.forward(Batch.from_tokens(ids[s:s + 64], start=s, seq=0, output="last"))
+    got = np.asarray(out.logits[-1])
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    nxt = int(np.argmax(want))  # and the next step, on each cache
+    a = np.asarray(whole.forward(Batch.from_tokens([nxt], start=len(ids), seq=0, output="last")).logits[-1])
+    b = np.asarray(chunked.forward(Batch.from_tokens([nxt], start=len(ids), seq=0, output="last")).logits[-1])
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
