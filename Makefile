@@ -13,7 +13,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-interop test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
+.PHONY: install demo test test-ref test-interop test-lossless test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ test-ref-mlx-dspark: install
 test-interop: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
 	$(BIN)/python -m pytest -q -m interop
+
+# the full differential run of issue 33 (every drafter x n_max on every prompt, both real models, ~35 min)
+test-lossless: install
+	$(BIN)/python -m pytest -q -m slow tests/test_lossless_real.py
 
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
