@@ -126,17 +126,13 @@ def check_unused(tensors: Sequence[str], keys: Sequence[str], source: str, arch:
     """Refuse a file with tensors or ``{arch}.*`` keys that no part of its architecture reads (one line
     naming them). A llama.cpp file may carry a feature plinth lacks (a rope table, a bias, an expert
     layout); loading it without that feature would give fluent, wrong text."""
-    if not tensors and not keys:
-        return
     what = []
-    if tensors:
-        shown = ", ".join(tensors[:MAX_LISTED]) + (f" and {len(tensors) - MAX_LISTED} more"
-                                                   if len(tensors) > MAX_LISTED else "")
-        what.append(f"{len(tensors)} tensor(s) ({shown})")
-    if keys:
-        shown = ", ".join(keys[:MAX_LISTED]) + (f" and {len(keys) - MAX_LISTED} more" if len(keys) > MAX_LISTED
-                                                else "")
-        what.append(f"{len(keys)} key(s) ({shown})")
+    for names, noun in ((tensors, "tensor(s)"), (keys, "key(s)")):
+        if names:
+            more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+            what.append(f"{len(names)} {noun} ({', '.join(names[:MAX_LISTED])}{more})")
+    if not what:
+        return
     raise UnusedError(f"{source}: the {arch} architecture (plugin {plugin}) does not read {' and '.join(what)} "
                       f"of this file, so it would compute without them and answer wrongly; load with "
                       f"--allow-unused (PLINTH_ALLOW_UNUSED=1, load_model(..., allow_unused=True)) to run anyway")
