@@ -68,4 +68,4 @@ LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn
 SCALED = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_conv_proj",
           "ffn_conv_proj")
 
-KINDS = ("dflash", "dflash2", "lilicorr")
+VARIANTS = ("dflash", "dflash2", "lilicorr")

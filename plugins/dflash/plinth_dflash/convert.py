@@ -125,7 +125,7 @@ def _refuse(model_dir: Any, why: str) -> UserError:
     return UserError(f"{model_dir}: cannot convert this draft: {why}")
 
 
-def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, kind: str) -> dict[str, Any]:
+def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, variant: str) -> dict[str, Any]:
     """config.json -> dflash GGUF metadata (no tokenizer); refuses what it does not understand."""
     d = dict(cfg.get("dflash_config") or {})
     unknown = sorted(k for k in d if k not in KNOWN_DFLASH_KEYS and k not in LILI_KEYS)
@@ -205,7 +205,7 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, kind: str) -> dic
             md[f"{A}.{C.KEY_CAUSAL_LAYERS}"] = [bool(s) for s in swa]
     if causal_flag is not None:
         md[f"{A}.{C.KEY_CAUSAL}"] = bool(causal_flag)
-    if kind == "dflash2":
+    if variant == "dflash2":
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if key not in d and key not in cfg:
                 raise _refuse(model_dir, f"a DFlash2 draft needs dflash_config.{key}")
@@ -216,7 +216,7 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, kind: str) -> dic
     cap = d.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
     if cap is not None and float(cap) > 0:
         md[f"{A}.{C.KEY_SOFTCAP}"] = float(cap)
-    if kind == "lilicorr":
+    if variant == "lilicorr":
         missing = [k for k in LILI_KEYS if k not in d]
         if missing:
             raise _refuse(model_dir, f"a LiLiCorr draft needs dflash_config {missing} (no defaults)")
@@ -298,7 +298,7 @@ def _truthy(v: Any) -> bool:
 
 class DFlashConverter:
     hf_arch = "DFlashDraftModel"
-    kind = "dflash"
+    variant = "dflash"
 
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> None:
         cfg = read_config(model_dir)
@@ -310,7 +310,7 @@ class DFlashConverter:
                     cfg["transformer_layer_config"]["vocab_size"]):
                 raise _refuse(model_dir, "a reduced draft vocabulary (d2t) is not supported")
             cfg = flatten_speculators_config(cfg, model_dir)
-        md = config_to_metadata(cfg, model_dir, self.kind)
+        md = config_to_metadata(cfg, model_dir, self.variant)
         st = SafetensorsDir(model_dir)
         tensors: dict[str, np.ndarray] = {}
         drop_embd = _truthy(options.get("drop_embeddings", "0"))
@@ -327,7 +327,7 @@ class DFlashConverter:
             if gname == C.T_TOKEN_EMBD and drop_embd:
                 continue
             tensors[gname] = st.get(name)
-        if self.kind == "dflash" and any(n.startswith(("selector_", "lilicorr.")) or "_conv_" in n for n in tensors):
+        if self.variant == "dflash" and any(n.startswith(("selector_", "lilicorr.")) or "_conv_" in n for n in tensors):
             raise _refuse(model_dir, "DFlashDraftModel config with DFlash2/LiLiCorr tensors")
         own_embd, own_head = C.T_TOKEN_EMBD in tensors, C.T_OUTPUT in tensors
         if bool(cfg.get("tie_word_embeddings")) and own_embd and not own_head:
@@ -375,9 +375,9 @@ class DFlashConverter:
 
 class DFlash2Converter(DFlashConverter):
     hf_arch = "DFlash2DraftModel"
-    kind = "dflash2"
+    variant = "dflash2"
 
 
 class LiLiCorrConverter(DFlashConverter):
     hf_arch = "LiLiCorrDraftModel"
-    kind = "lilicorr"
+    variant = "lilicorr"

@@ -56,7 +56,7 @@ class DFlashDrafter(BaseDrafter):
         a reduced vocabulary passes its own size and maps ids itself)."""
         hp = draft.hparams
         self.hp = hp
-        self.name = hp.kind
+        self.name = hp.variant
         self.draft_file = draft
         self.target = target
         self.xp = target.backend.xp
@@ -150,7 +150,7 @@ class DFlashDrafter(BaseDrafter):
         self.stats["injected_rows"] += int(positions.size)
         if out.kind == "verify":
             self._verify_start[out.seq] = int(positions.min())
-        if self.hp.kind == "lilicorr":
+        if self.hp.variant == "lilicorr":
             self._anchor[out.seq] = (positions, g)
 
     def accept(self, seq: int, n_accepted: int) -> None:
@@ -178,9 +178,9 @@ class DFlashDrafter(BaseDrafter):
     def choose(self, seq: int, anchor: int, pos: int, hidden: Any) -> tuple[list[int], list[float]]:
         """Pick the draft from the block's hidden rows [b, E] (row 0 is the anchor)."""
         hp, xp = self.hp, self.xp
-        if hp.kind == "dflash":
+        if hp.variant == "dflash":
             return argmax_walk(self.graph.logits(hidden[1:]), self.p_min)
-        if hp.kind == "dflash2":
+        if hp.variant == "dflash2":
             rows = self.graph.logits(hidden[1:])  # row 0 (the anchor) is no prediction slot: no LM head for it
             logits = xp.concatenate([xp.zeros((1, rows.shape[1]), dtype=rows.dtype), rows])
             lat = dflash2_lattice(hidden, logits, [anchor], self.graph.w, hp.selector_top_k,
@@ -214,16 +214,16 @@ def _open(target: Any, options: Mapping[str, Any], want: str | None) -> DFlashDr
         raise UserError(f"the draft runs on the target's backend ({target.backend.name}); backend {be!r} "
                         "was asked for")
     draft = load_draft(path, target.backend)
-    if want is not None and draft.hparams.kind != want:
-        raise DFlashFormatError(f"{path} is a {draft.hparams.kind} draft, not {want} (use --spec "
-                                f"{draft.hparams.kind}, or --spec dflash to auto-detect)")
+    if want is not None and draft.hparams.variant != want:
+        raise DFlashFormatError(f"{path} is a {draft.hparams.variant} draft, not {want} (use --spec "
+                                f"{draft.hparams.variant}, or --spec dflash to auto-detect)")
     drafter = DFlashDrafter(target, draft, n_min=int(options.get("n_min") or 0),
                             p_min=float(options.get("p_min") or 0.0), n_max=options.get("n_max"))
     return drafter
 
 
 def make_dflash(target: Any, options: Mapping[str, Any]) -> DFlashDrafter:
-    """``--spec dflash``: any dflash GGUF; the kind (DFlash, DFlash2, LiLiCorr) is read from its tensors."""
+    """``--spec dflash``: any dflash GGUF; the variant (DFlash, DFlash2, LiLiCorr) is read from its tensors."""
     return _open(target, options, None)
 
 

@@ -7,7 +7,7 @@ weights dequantized to float32 on the backend with every ``<name>.scale`` multip
 into its tensor, so the injection path and the drafting path see the same scaled
 weights).
 
-The draft kind comes from the tensors, as llama.cpp's auto-detection does:
+The draft variant comes from the tensors, as llama.cpp's auto-detection does:
 ``markov_w1.weight`` is a DSpark draft (refused here: it is plinth-dspark's),
 ``selector_hidden.weight`` is DFlash2, ``lilicorr.*`` tensors are LiLiCorr, anything
 else is DFlash.
@@ -52,7 +52,7 @@ class LiLiCorrHParams:
 class DFlashHParams:
     """Everything the draft graph and the drafter read from a dflash GGUF."""
 
-    kind: str  # "dflash", "dflash2" or "lilicorr"
+    variant: str  # "dflash", "dflash2" or "lilicorr"
     n_embd: int
     n_layer: int
     n_head: int
@@ -95,7 +95,7 @@ class DFlashHParams:
         return self.block_size - 1
 
 
-def detect_kind(tensor_names: Any) -> str:
+def detect_variant(tensor_names: Any) -> str:
     names = set(tensor_names)
     if C.T_MARKOV_W1 in names:
         raise DFlashFormatError("this dflash GGUF holds 'markov_w1.weight': it is a DSpark draft, which "
@@ -146,7 +146,7 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
     arch = md.get("general.architecture")
     if arch != C.ARCH:
         raise DFlashFormatError(f"{source}: general.architecture is {arch!r}, a DFlash draft has 'dflash'")
-    kind = detect_kind(tensor_names)
+    variant = detect_variant(tensor_names)
     r = KeyReader(md, source, C.ARCH)
     n_embd = r.get("embedding_length")
     n_layer = r.get("block_count")
@@ -187,7 +187,7 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
     else:
         causal = (causal_all,) * n_layer
     kw: dict[str, Any] = dict(
-        kind=kind, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        variant=variant, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         n_ff=r.get("feed_forward_length"), norm_eps=r.get(C.KEY_EPS, float),
         rope_base=r.get("rope.freq_base", float, required=False, default=10000.0),
         n_rot=r.get("rope.dimension_count", required=False, default=head_dim),
@@ -205,7 +205,7 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
     if n_head % n_head_kv:
         raise HParamsError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
     conv_keys = (C.KEY_CONV_KERNEL, C.KEY_CONV_GROUP, C.KEY_SEL_RANK, C.KEY_SEL_TOP_K)
-    if kind == "dflash2":
+    if variant == "dflash2":
         vals = {}
         for k in conv_keys:
             if not r.has(k):
@@ -224,13 +224,13 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
                                f"selector_top_k K = {top_k}: the lattice row (K ids + K*K scores) must fit E")
         kw.update(conv_kernel=vals[C.KEY_CONV_KERNEL], conv_group=gs, selector_rank=vals[C.KEY_SEL_RANK],
                   selector_top_k=top_k)
-    elif kind == "lilicorr" and r.has(C.KEY_CONV_KERNEL):
+    elif variant == "lilicorr" and r.has(C.KEY_CONV_KERNEL):
         # LiLiCorr may keep the DFlash2 grouped convolution in its backbone
         kw.update(conv_kernel=r.get(C.KEY_CONV_KERNEL), conv_group=r.get(C.KEY_CONV_GROUP))
         if kw["conv_kernel"] <= 0 or kw["conv_group"] <= 0 or n_embd % kw["conv_group"]:
             raise HParamsError(f"{source}: bad conv geometry kernel={kw['conv_kernel']} group={kw['conv_group']} "
                                f"for embedding_length {n_embd}")
-    if kind == "lilicorr":
+    if variant == "lilicorr":
         vals = {}
         for k, cast in ((C.KEY_LILI_TOP_K, int), (C.KEY_LILI_HIDDEN, int), (C.KEY_LILI_LAYERS, int),
                         (C.KEY_LILI_HEADS, int), (C.KEY_LILI_MLP_RATIO, float), (C.KEY_LILI_FACTOR, int),
@@ -341,13 +341,13 @@ def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
                 TensorSpec(b + "ffn_conv_base", (2, hp.conv_kernel, e)),
                 TensorSpec(b + "ffn_conv_proj.weight", (2 * hp.conv_kernel * g, e), scale=True),
             ]
-    if hp.kind == "dflash2":
+    if hp.variant == "dflash2":
         specs += [
             TensorSpec(C.T_SEL_PRED, (v, hp.selector_rank)),
             TensorSpec(C.T_SEL_SUCC, (v, hp.selector_rank)),
             TensorSpec(C.T_SEL_HIDDEN, (hp.selector_rank, e), scale=True),
         ]
-    if hp.kind == "lilicorr":
+    if hp.variant == "lilicorr":
         specs += lilicorr_specs(hp)
     return specs
 
@@ -372,7 +372,7 @@ DraftExtension = Callable[[DFlashHParams, Mapping[str, tuple[tuple[int, ...], st
 def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | None = None,
                claimed: tuple[str, ...] = ()) -> DraftFile:
     """Load a dflash GGUF. Extension point (plinth-dspark): ``claimed`` names tensors another plugin owns (they
-    neither decide the kind nor get refused, e.g. ``markov_w1.weight`` and ``d2t``), ``extension`` declares
+    neither decide the variant nor get refused, e.g. ``markov_w1.weight`` and ``d2t``), ``extension`` declares
     them; they are checked and loaded like the backbone's (scales folded in; integer tensors kept as int64)."""
     from plinth.gguf import GGUFFile
     from plinth.gguf import quants
@@ -407,7 +407,7 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
 
     unread = _undeclared(specs, gf.tensors.keys(), claimed)
     if unread:
-        raise DFlashFormatError(f"{path}: {len(unread)} tensor(s) that no part of a {hp.kind} draft reads: "
+        raise DFlashFormatError(f"{path}: {len(unread)} tensor(s) that no part of a {hp.variant} draft reads: "
                                 f"{', '.join(repr(n) for n in unread[:8])}{' ...' if len(unread) > 8 else ''}; "
                                 "computing without them would draft from another model than the file's, so the "
                                 "file is refused")
@@ -442,8 +442,8 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
     return DraftFile(path=path, hparams=hp, weights=weights, metadata=md, fc_input_scale=fc_in, tensor_types=types)
 
 
-#: ``plinth info``'s name for each draft kind.
-KIND_LABELS = {"dflash": "DFlash", "dflash2": "DFlash2", "lilicorr": "LiLiCorr"}
+#: ``plinth info``'s name for each draft variant.
+VARIANT_LABELS = {"dflash": "DFlash", "dflash2": "DFlash2", "lilicorr": "LiLiCorr"}
 
 
 def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]], source: str, *,
@@ -452,7 +452,7 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
 
     ``None`` for a DSpark draft (``markov_w1.weight`` present and not in ``claimed``): plinth-dspark
     describes those, calling this with its ``claimed`` tensors (the extension point of :func:`load_draft`)
-    and adding the lines of its heads. The first line names the kind.
+    and adding the lines of its heads. The first line names the variant.
     """
     names = [n for n in tensors if n not in claimed]
     if C.T_MARKOV_W1 in names:
@@ -462,7 +462,7 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
     for name in (C.T_TOKEN_EMBD, C.T_OUTPUT, C.T_SEL_PRED):
         if n_vocab is None and name in tensors:
             n_vocab = int(tensors[name][0][0])
-    lines = [f"drafter          {KIND_LABELS[hp.kind]}",
+    lines = [f"drafter          {VARIANT_LABELS[hp.variant]}",
              f"block_size       {hp.block_size} (drafts up to {hp.max_draft} tokens per step)",
              f"target_layers    {list(hp.target_layers)}",
              f"mask_token       {hp.mask_token}",
@@ -479,7 +479,7 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
                      f"{[i for i, w in enumerate(hp.swa_layers) if w]}")
     if any(hp.causal_layers):
         lines.append(f"causal_layers    {[i for i, c in enumerate(hp.causal_layers) if c]}")
-    if hp.kind == "dflash2":
+    if hp.variant == "dflash2":
         lines.append(f"selector         rank {hp.selector_rank}, top-k {hp.selector_top_k}; conv kernel "
                      f"{hp.conv_kernel}, group {hp.conv_group}")
     if hp.lilicorr is not None:

@@ -190,7 +190,7 @@ class DraftGraph:
         logits), as llama.cpp does; DFlash and LiLiCorr logits are the plain head product (a positive
         scale and a soft-cap leave the argmax unchanged)."""
         z = ops.linear(hidden, self.head)
-        if self.hp.kind == "dflash2":
+        if self.hp.variant == "dflash2":
             if self.hp.logit_scale:
                 z = z * F32(self.hp.logit_scale)
             if self.hp.softcap > 0:

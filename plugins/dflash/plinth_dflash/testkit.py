@@ -21,7 +21,7 @@ def default_taps(n_target_layer: int, n: int = 2) -> list[int]:
     return sorted({max(1, round(1 + i * (n_target_layer - 1) / max(n - 1, 1))) for i in range(n)})
 
 
-def tiny_draft_metadata(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2,
+def tiny_draft_metadata(variant: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2,
                         n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ff: int = 96,
                         taps: Any = (1, 2), block_size: int = 8, mask_token: int | None = None,
                         sliding_window: int = 0, swa_pattern: Any = None, causal: bool | None = None,
@@ -32,7 +32,7 @@ def tiny_draft_metadata(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int 
     a = C.ARCH
     md: dict[str, Any] = {
         "general.architecture": a,
-        "general.name": f"tiny-{kind}",
+        "general.name": f"tiny-{variant}",
         f"{a}.vocab_size": n_vocab,
         f"{a}.embedding_length": n_embd,
         f"{a}.block_count": n_layer,
@@ -60,13 +60,13 @@ def tiny_draft_metadata(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int 
         md[f"{a}.{C.KEY_LOGIT_SCALE}"] = float(logit_scale)
     if softcap:
         md[f"{a}.{C.KEY_SOFTCAP}"] = float(softcap)
-    if kind in ("dflash2",) or (kind == "lilicorr" and lilicorr and lilicorr.get("conv")):
+    if variant in ("dflash2",) or (variant == "lilicorr" and lilicorr and lilicorr.get("conv")):
         md[f"{a}.{C.KEY_CONV_KERNEL}"] = conv_kernel
         md[f"{a}.{C.KEY_CONV_GROUP}"] = conv_group
-    if kind == "dflash2":
+    if variant == "dflash2":
         md[f"{a}.{C.KEY_SEL_RANK}"] = selector_rank
         md[f"{a}.{C.KEY_SEL_TOP_K}"] = selector_top_k
-    if kind == "lilicorr":
+    if variant == "lilicorr":
         lc = dict(top_k=4, hidden=32, n_layer=1, n_head=2, mlp_ratio=2.0, factor_dim=16, vector_eps=1e-6,
                   logit_scale=8.0)
         lc.update({k: v for k, v in (lilicorr or {}).items() if k != "conv"})
@@ -81,19 +81,19 @@ def tiny_draft_metadata(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int 
     return md
 
 
-def _marker_names(kind: str) -> list[str]:
-    if kind == "dflash2":
+def _marker_names(variant: str) -> list[str]:
+    if variant == "dflash2":
         return [C.T_SEL_HIDDEN]
-    if kind == "lilicorr":
+    if variant == "lilicorr":
         return ["lilicorr.pass_hidden_proj.weight"]
     return []
 
 
-def random_draft_tensors(md: Mapping[str, Any], kind: str, *, seed: int = 0, scale: float = 0.2,
+def random_draft_tensors(md: Mapping[str, Any], variant: str, *, seed: int = 0, scale: float = 0.2,
                          own_embd: bool = False, own_head: bool = False) -> dict[str, np.ndarray]:
     """Random weights for every tensor the metadata declares (norm weights around 1, optional tensors
     only when asked: ``own_embd`` / ``own_head``)."""
-    hp = load_hparams(md, "tiny-draft", _marker_names(kind))
+    hp = load_hparams(md, "tiny-draft", _marker_names(variant))
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for spec in tensor_specs(hp):
@@ -114,7 +114,7 @@ def random_draft_tensors(md: Mapping[str, Any], kind: str, *, seed: int = 0, sca
             out[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
         else:
             out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
-    if kind == "lilicorr":  # the optional biases of the head exist in the (assumed) reference layout
+    if variant == "lilicorr":  # the optional biases of the head exist in the (assumed) reference layout
         for spec in tensor_specs(hp):
             if spec.name.startswith(C.LILI_PREFIX) and spec.name.endswith(".bias") and spec.name not in out:
                 out[spec.name] = (0.05 * rng.standard_normal(spec.shape)).astype(np.float32)
@@ -138,13 +138,13 @@ def with_scales(tensors: Mapping[str, np.ndarray], seed: int = 1) -> dict[str, n
     return out
 
 
-def write_tiny_draft(path: str | Path, kind: str = "dflash", *, seed: int = 0, own_embd: bool = False,
+def write_tiny_draft(path: str | Path, variant: str = "dflash", *, seed: int = 0, own_embd: bool = False,
                      own_head: bool = False, scales: bool = False, extra_tensors: Mapping[str, np.ndarray] | None = None,
                      scale: float = 0.2, **md_kw: Any) -> Path:
     from plinth.convert import write_gguf
 
-    md = tiny_draft_metadata(kind, **md_kw)
-    tensors = random_draft_tensors(md, kind, seed=seed, own_embd=own_embd, own_head=own_head, scale=scale)
+    md = tiny_draft_metadata(variant, **md_kw)
+    tensors = random_draft_tensors(md, variant, seed=seed, own_embd=own_embd, own_head=own_head, scale=scale)
     if scales:
         tensors = with_scales(tensors)
     tensors.update(extra_tensors or {})
@@ -176,24 +176,24 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray]) -> Pa
     return write(path, tensors)
 
 
-def hf_draft_config(kind: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2, n_head: int = 4,
+def hf_draft_config(variant: str = "dflash", *, n_embd: int = 64, n_vocab: int = 96, n_layer: int = 2, n_head: int = 4,
                     n_head_kv: int = 2, n_ff: int = 96, target_layer_ids: Any = (0, 1), n_target_layer: int = 3,
                     block_size: int = 16, mask_token: int | None = None, rope_theta: float = 10000.0,
                     layer_types: Any = None, sliding_window: int | None = None, conv_kernel: int = 2,
                     conv_group: int = 8, selector_rank: int = 8, selector_top_k: int = 4,
                     output_multiplier: float | None = None, softcap: float | None = None,
                     lilicorr: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "lilicorr": "LiLiCorrDraftModel"}[kind]
+    arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "lilicorr": "LiLiCorrDraftModel"}[variant]
     d: dict[str, Any] = {"target_layer_ids": list(target_layer_ids), "block_size": block_size,
                          "mask_token_id": n_vocab - 1 if mask_token is None else mask_token}
-    if kind == "dflash2":
+    if variant == "dflash2":
         d.update(conv_kernel_size=conv_kernel, conv_group_size=conv_group, selector_rank=selector_rank,
                  selector_top_k=selector_top_k)
     if output_multiplier is not None:
         d["output_multiplier"] = output_multiplier
     if softcap is not None:
         d["final_logit_softcapping"] = softcap
-    if kind == "lilicorr":
+    if variant == "lilicorr":
         lc = dict(lilicorr_enabled=True, lilicorr_candidate_topk=4, lilicorr_hidden_size=32, lilicorr_num_layers=1,
                   lilicorr_num_heads=2, lilicorr_mlp_ratio=2.0, lilicorr_factor_dim=16, lilicorr_vector_eps=1e-6,
                   lilicorr_logit_scale=8.0)
@@ -281,14 +281,14 @@ def hf_draft_tensors(cfg: Mapping[str, Any], *, seed: int = 0, scale: float = 0.
     return t
 
 
-def write_hf_draft(model_dir: str | Path, kind: str = "dflash", *, seed: int = 0, extra_tensors: Any = None,
+def write_hf_draft(model_dir: str | Path, variant: str = "dflash", *, seed: int = 0, extra_tensors: Any = None,
                    **cfg_kw: Any) -> Path:
     """An HF-layout draft folder (config.json + model.safetensors) of random weights."""
     import json
 
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    cfg = hf_draft_config(kind, **cfg_kw)
+    cfg = hf_draft_config(variant, **cfg_kw)
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     t = hf_draft_tensors(cfg, seed=seed)
     t.update(extra_tensors or {})
@@ -313,7 +313,7 @@ def reference_prompts(n: int = 5, n_vocab: int = 96, mask: int = 95) -> list[lis
     return out
 
 
-def reference_case(workdir: str | Path, kind: str) -> dict[str, Path]:
+def reference_case(workdir: str | Path, variant: str) -> dict[str, Path]:
     """Deterministic files of the reference comparison: a tiny qwen3 target GGUF, the HF draft folder and the
     draft converted by ``plinth convert``. Same numpy seeds everywhere, so the golden outputs regenerate."""
     from .convert import DFlash2Converter, DFlashConverter
@@ -328,10 +328,10 @@ def reference_case(workdir: str | Path, kind: str) -> dict[str, Path]:
         write_synthetic_gguf(target, "qwen3", md, make_registry("llama"), seed=11, scale=0.2,
                              drop=("output.weight",))
     kw: dict[str, Any] = dict(target_layer_ids=(0, 1), n_target_layer=3, block_size=16)
-    if kind == "dflash2":
+    if variant == "dflash2":
         kw.update(output_multiplier=1.5, softcap=30.0, conv_kernel=3)
-    hf_dir = write_hf_draft(workdir / f"hf-{kind}", kind, seed=21, **kw)
-    gguf_path = workdir / f"draft-{kind}.gguf"
-    conv = {"dflash": DFlashConverter, "dflash2": DFlash2Converter}[kind]()
+    hf_dir = write_hf_draft(workdir / f"hf-{variant}", variant, seed=21, **kw)
+    gguf_path = workdir / f"draft-{variant}.gguf"
+    conv = {"dflash": DFlashConverter, "dflash2": DFlash2Converter}[variant]()
     conv.convert(str(hf_dir), str(gguf_path), {"target": str(target)})
     return {"target": target, "hf": hf_dir, "draft": gguf_path}

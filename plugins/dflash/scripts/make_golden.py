@@ -29,8 +29,8 @@ def main() -> int:
     out_dir = HERE.parent / "tests" / "golden"
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("dflash", "dflash2"):
-            case = reference_case(tmp, kind)
+        for variant in ("dflash", "dflash2"):
+            case = reference_case(tmp, variant)
             tgt = plinth.load_model(case["target"], registry=make_registry("llama"))
             ht, hd = hf_target(tgt), hf_draft(case["hf"])
             arrays: dict[str, np.ndarray] = {}
@@ -42,7 +42,7 @@ def main() -> int:
                         arrays[key + ".logits"] = r["logits"].astype(np.float32)
                         arrays[key + ".tokens"] = r["tokens"].astype(np.int64)
                         arrays[key + ".meta"] = np.asarray([r["accepted"], r["start"]], dtype=np.int64)
-            path = out_dir / f"reference_{kind}.npz"
+            path = out_dir / f"reference_{variant}.npz"
             np.savez_compressed(path, **arrays)
             print(f"{path}: {len(arrays)} arrays, {path.stat().st_size} bytes")
     return 0

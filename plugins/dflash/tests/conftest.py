@@ -35,10 +35,10 @@ def draft_file(tmp_path):
 
     counter = iter(range(10_000))
 
-    def make(kind="dflash", **kw):
+    def make(variant="dflash", **kw):
         kw.setdefault("n_vocab", 257)
         kw.setdefault("mask_token", 255)
-        return write_tiny_draft(tmp_path / f"{kind}-{next(counter)}.gguf", kind, **kw)
+        return write_tiny_draft(tmp_path / f"{variant}-{next(counter)}.gguf", variant, **kw)
 
     return make
 
@@ -47,8 +47,8 @@ def draft_file(tmp_path):
 def drafter(targets, draft_file):
     from plinth_dflash.drafter import make_dflash
 
-    def make(kind="dflash", target="qwen3", options=None, **kw):
+    def make(variant="dflash", target="qwen3", options=None, **kw):
         kw.setdefault("taps", (1, 3))
-        return make_dflash(targets[target], {"draft": str(draft_file(kind, **kw)), **(options or {})})
+        return make_dflash(targets[target], {"draft": str(draft_file(variant, **kw)), **(options or {})})
 
     return make

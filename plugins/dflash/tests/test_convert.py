@@ -15,26 +15,26 @@ from plinth_dflash.testkit import write_hf_draft
 CONV = {"dflash": DFlashConverter, "dflash2": DFlash2Converter, "lilicorr": LiLiCorrConverter}
 
 
-def convert(tmp_path, kind="dflash", options=None, **kw):
+def convert(tmp_path, variant="dflash", options=None, **kw):
     kw.setdefault("n_vocab", 257)
-    hf = write_hf_draft(tmp_path / f"hf-{kind}", kind, **kw)
-    out = tmp_path / f"{kind}.gguf"
-    CONV[kind]().convert(str(hf), str(out), options or {})
+    hf = write_hf_draft(tmp_path / f"hf-{variant}", variant, **kw)
+    out = tmp_path / f"{variant}.gguf"
+    CONV[variant]().convert(str(hf), str(out), options or {})
     return GGUFFile(out), out
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
-def test_converted_drafts_load_and_draft(tmp_path, targets, kind):
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "lilicorr"])
+def test_converted_drafts_load_and_draft(tmp_path, targets, variant):
     from plinth_dflash.drafter import make_dflash
 
     from .test_drafter import prefill
 
-    gf, out = convert(tmp_path, kind, target_layer_ids=(0, 2), n_target_layer=3, block_size=8)
+    gf, out = convert(tmp_path, variant, target_layer_ids=(0, 2), n_target_layer=3, block_size=8)
     assert gf.metadata["dflash.target_layers"].tolist() == [1, 3]  # the +1 rule
     assert gf.metadata["tokenizer.ggml.mask_token_id"] == 256 and gf.metadata["dflash.block_size"] == 8
     assert "dflash.tie_word_embeddings" not in gf.metadata  # no own embedding: nothing to tie
     dr = make_dflash(targets["qwen3"], {"draft": str(out)})
-    assert dr.name == kind
+    assert dr.name == variant
     prefill(dr, targets["qwen3"])
     assert len(dr.draft(0, 7, history=[1, 2, 3, 4, 5, 6, 7, 8, 9], pos=8)) == 7
 
@@ -44,9 +44,9 @@ def test_registered_converters_through_plinth_convert(tmp_path, plinth_registry)
     from plinth_dflash.plugin import plugin
 
     reg = plinth_registry(plugin)
-    for kind in ("dflash", "dflash2"):
-        hf = write_hf_draft(tmp_path / kind, kind)
-        out = plinth_convert(hf, tmp_path / f"{kind}.gguf", registry=reg)
+    for variant in ("dflash", "dflash2"):
+        hf = write_hf_draft(tmp_path / variant, variant)
+        out = plinth_convert(hf, tmp_path / f"{variant}.gguf", registry=reg)
         assert GGUFFile(out).metadata["general.architecture"] == "dflash"
 
 

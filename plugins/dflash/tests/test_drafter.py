@@ -206,20 +206,20 @@ def test_n_max_is_clamped_to_the_block(drafter, targets):
 
 
 # 12. p_min stops at the first low-confidence token; n_min drops short drafts
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
-def test_p_min_and_n_min(drafter, targets, kind):
-    full = drafter(kind)
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "lilicorr"])
+def test_p_min_and_n_min(drafter, targets, variant):
+    full = drafter(variant)
     prefill(full, targets["qwen3"])
     d = full.draft(0, 7, history=PROMPT + [9], pos=8)
     assert len(d) == 7 and np.all((d.confidences > 0) & (d.confidences <= 1))
     conf = np.asarray(d.confidences)
     p = float(np.sort(conf)[3])  # cut somewhere inside the block
     cut = int(np.nonzero(conf < p)[0][0])
-    pm = drafter(kind, options={"p_min": p})
+    pm = drafter(variant, options={"p_min": p})
     prefill(pm, targets["qwen3"])
     got = pm.draft(0, 7, history=PROMPT + [9], pos=8)
     assert got.tokens == d.tokens[:cut]
-    nm = drafter(kind, options={"p_min": p, "n_min": cut + 1})
+    nm = drafter(variant, options={"p_min": p, "n_min": cut + 1})
     prefill(nm, targets["qwen3"])
     assert len(nm.draft(0, 7, history=PROMPT + [9], pos=8)) == 0
 
@@ -235,10 +235,10 @@ def test_embedding_batches_are_skipped(drafter, targets):
 
 
 # 14. every per-tensor scale is applied (injection and drafting paths); fc.input_scale loads
-@pytest.mark.parametrize("kind", ["dflash", "dflash2", "lilicorr"])
-def test_per_tensor_scales(drafter, targets, kind):
-    plain = drafter(kind, seed=6, own_head=True)
-    scaled = drafter(kind, seed=6, own_head=True, scales=True)
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "lilicorr"])
+def test_per_tensor_scales(drafter, targets, variant):
+    plain = drafter(variant, seed=6, own_head=True)
+    scaled = drafter(variant, seed=6, own_head=True, scales=True)
     assert any(n.endswith(".scale") for n in scaled.draft_file.tensor_types)
     assert scaled.draft_file.fc_input_scale == 0.5
     for d in (plain, scaled):
@@ -290,7 +290,7 @@ def test_reduced_vocabulary_is_refused(draft_file, targets):
         make_dflash(targets["qwen3"], {"draft": str(p)})
 
 
-def test_kind_specific_factories(draft_file, targets):
+def test_variant_specific_factories(draft_file, targets):
     from plinth_dflash.drafter import make_dflash2, make_lilicorr
 
     with pytest.raises(UserError, match="not dflash2"):

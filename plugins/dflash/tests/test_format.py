@@ -1,4 +1,4 @@
-"""The dflash GGUF format: keys, tensors, validation errors, kind detection, llama.cpp-style files."""
+"""The dflash GGUF format: keys, tensors, validation errors, variant detection, llama.cpp-style files."""
 
 from __future__ import annotations
 
@@ -73,12 +73,12 @@ def test_block_size_defaults_to_16():
     assert load_hparams(md, "x").block_size == 16
 
 
-def test_kind_detection_from_tensors():
+def test_variant_detection_from_tensors():
     md2 = tiny_draft_metadata("dflash2")
-    assert load_hparams(md2, "x", ["fc.weight", "selector_hidden.weight"]).kind == "dflash2"
-    assert load_hparams(tiny_draft_metadata(), "x", ["fc.weight"]).kind == "dflash"
+    assert load_hparams(md2, "x", ["fc.weight", "selector_hidden.weight"]).variant == "dflash2"
+    assert load_hparams(tiny_draft_metadata(), "x", ["fc.weight"]).variant == "dflash"
     mdl = tiny_draft_metadata("lilicorr")
-    assert load_hparams(mdl, "x", ["lilicorr.in_head.weight"]).kind == "lilicorr"
+    assert load_hparams(mdl, "x", ["lilicorr.in_head.weight"]).variant == "lilicorr"
     with pytest.raises(DFlashFormatError, match="DSpark"):
         load_hparams(tiny_draft_metadata(), "x", ["markov_w1.weight"])
 
@@ -194,12 +194,12 @@ def test_specs_declare_scale_companions():
     assert C.T_FC_INPUT_SCALE in {s.name for s in tensor_specs(hp)}
 
 
-@pytest.mark.parametrize("kind, label", [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("lilicorr", "LiLiCorr")])
-def test_plinth_info_describes_a_draft(draft_file, capsys, kind, label):
+@pytest.mark.parametrize("variant, label", [("dflash", "DFlash"), ("dflash2", "DFlash2"), ("lilicorr", "LiLiCorr")])
+def test_plinth_info_describes_a_draft(draft_file, capsys, variant, label):
     """`plinth info` on a draft: described by the plugin declaring the 'dflash' draft format, not loaded as a target."""
     from plinth.cli import main
 
-    path = draft_file(kind, taps=(1, 3), block_size=6)
+    path = draft_file(variant, taps=(1, 3), block_size=6)
     assert main(["--plugins", "llama,dflash", "info", "-m", str(path)]) == 0
     out = capsys.readouterr().out
     assert "described by plugin 'dflash'" in out

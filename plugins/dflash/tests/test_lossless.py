@@ -7,18 +7,18 @@ import pytest
 
 from plinth.testing import CONTRACT_BACKENDS
 
-KINDS = ("dflash", "dflash2", "lilicorr")
+VARIANTS = ("dflash", "dflash2", "lilicorr")
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
 
 
 @pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
 @pytest.mark.parametrize("target", ["qwen3", "llama"])
-@pytest.mark.parametrize("kind", KINDS)
-def test_drafter_contract_on_tiny_targets(targets_on, draft_file, target, kind, backend):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_drafter_contract_on_tiny_targets(targets_on, draft_file, target, variant, backend):
     from plinth.testing.drafters import check_drafter_contract
     from plinth_dflash.drafter import make_dflash
 
-    path = str(draft_file(kind, taps=(1, 2, 3), block_size=6))
+    path = str(draft_file(variant, taps=(1, 2, 3), block_size=6))
     model = targets_on(backend)[target]
     stats = check_drafter_contract(model, lambda: make_dflash(model, {"draft": path}), PROMPTS, max_tokens=20,
                                    n_max=5)
@@ -26,14 +26,14 @@ def test_drafter_contract_on_tiny_targets(targets_on, draft_file, target, kind, 
 
 
 @pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
-@pytest.mark.parametrize("kind", KINDS)
-def test_lossless_with_p_min_n_min_and_swa(targets_on, draft_file, kind, backend):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lossless_with_p_min_n_min_and_swa(targets_on, draft_file, variant, backend):
     from plinth.generate import Generator
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
     from plinth_dflash.drafter import make_dflash
 
     model = targets_on(backend)["qwen3"]
-    path = str(draft_file(kind, taps=(3,), sliding_window=3, swa_pattern=[True, False], causal=kind == "lilicorr"))
+    path = str(draft_file(variant, taps=(3,), sliding_window=3, swa_pattern=[True, False], causal=variant == "lilicorr"))
     plain = Generator(model).generate(PROMPTS[1], 24)
     for cfg in (SpecConfig(n_max=7, p_min=0.3, verifier="greedy"), SpecConfig(n_max=7, n_min=3, verifier="greedy")):
         dr = make_dflash(model, {"draft": path, "p_min": cfg.p_min, "n_min": cfg.n_min})
@@ -71,8 +71,8 @@ def test_accept_paths_with_a_perfect_draft(targets, draft_file):
 
 @pytest.mark.real
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_lossless_on_smollm2(tmp_path, kind):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lossless_on_smollm2(tmp_path, variant):
     import plinth
     from plinth.generate import Generator
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
@@ -84,7 +84,7 @@ def test_lossless_on_smollm2(tmp_path, kind):
     except Exception as exc:  # pragma: no cover - offline machine without the cached file
         pytest.skip(f"SmolLM2 not available: {exc}")
     hp = model.hparams
-    path = write_tiny_draft(tmp_path / f"{kind}.gguf", kind, n_embd=hp.n_embd, n_vocab=model.n_vocab, n_layer=2,
+    path = write_tiny_draft(tmp_path / f"{variant}.gguf", variant, n_embd=hp.n_embd, n_vocab=model.n_vocab, n_layer=2,
                             n_head=9, n_head_kv=3, n_ff=768, taps=(2, 10, 20, 30), block_size=8, mask_token=0,
                             conv_group=16, selector_top_k=8, scale=0.05)
     prompt = model.tokenizer.encode("The capital of France is")

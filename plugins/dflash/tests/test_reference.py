@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 GOLDEN = Path(__file__).parent / "golden"
-KINDS = ("dflash", "dflash2")
+VARIANTS = ("dflash", "dflash2")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def cases(tmp_path_factory):
     from plinth_dflash.testkit import reference_case
 
     tmp = tmp_path_factory.mktemp("ref")
-    return {kind: reference_case(tmp, kind) for kind in KINDS}
+    return {variant: reference_case(tmp, variant) for variant in VARIANTS}
 
 
 def _plinth(case):
@@ -47,13 +47,13 @@ def _compare(ours, theirs, where):
     return worst
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_golden_reference_logits_and_tokens(cases, kind):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_golden_reference_logits_and_tokens(cases, variant):
     from plinth_dflash.reference import plinth_rounds
     from plinth_dflash.testkit import REF_BLOCKS, REF_ROUNDS, reference_prompts
 
-    g = np.load(GOLDEN / f"reference_{kind}.npz")
-    tgt, dr = _plinth(cases[kind])
+    g = np.load(GOLDEN / f"reference_{variant}.npz")
+    tgt, dr = _plinth(cases[variant])
     prompts = reference_prompts()
     assert len(prompts) >= 5 and len(REF_BLOCKS) >= 3
     for pi, prompt in enumerate(prompts):
@@ -65,21 +65,21 @@ def test_golden_reference_logits_and_tokens(cases, kind):
                 acc, start = g[k + ".meta"].tolist()
                 theirs.append({"logits": g[k + ".logits"], "tokens": g[k + ".tokens"], "accepted": acc,
                                "start": start})
-            _compare(plinth_rounds(tgt, dr, prompt, b, REF_ROUNDS), theirs, f"{kind} prompt {pi} block {b}")
+            _compare(plinth_rounds(tgt, dr, prompt, b, REF_ROUNDS), theirs, f"{variant} prompt {pi} block {b}")
 
 
 @pytest.mark.ref
-@pytest.mark.parametrize("kind", KINDS)
-def test_live_reference(cases, kind):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_live_reference(cases, variant):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("dflash.model")
     from plinth_dflash.reference import hf_draft, hf_target, plinth_rounds, reference_rounds
     from plinth_dflash.testkit import REF_BLOCKS, reference_prompts
 
-    tgt, dr = _plinth(cases[kind])
-    ht, hd = hf_target(tgt), hf_draft(cases[kind]["hf"])
+    tgt, dr = _plinth(cases[variant])
+    ht, hd = hf_target(tgt), hf_draft(cases[variant]["hf"])
     for pi, prompt in enumerate(reference_prompts()):
         for b in REF_BLOCKS:
             _compare(plinth_rounds(tgt, dr, prompt, b, 4), reference_rounds(ht, hd, prompt, b, 4),
-                     f"{kind} prompt {pi} block {b}")
+                     f"{variant} prompt {pi} block {b}")

@@ -70,13 +70,13 @@ def test_dynamic_coefficients_are_shared_by_both_sides(drafter, targets, monkeyp
 def test_logit_scale_and_softcap_only_for_dflash2(drafter, targets):
     from .test_drafter import prefill
 
-    for kind in ("dflash", "dflash2"):
-        a = drafter(kind, seed=8)
-        b = drafter(kind, seed=8, logit_scale=2.0, softcap=3.0)
+    for variant in ("dflash", "dflash2"):
+        a = drafter(variant, seed=8)
+        b = drafter(variant, seed=8, logit_scale=2.0, softcap=3.0)
         for d in (a, b):
             prefill(d, targets["qwen3"])
         la, lb = a.draft_logits(0, 9, 8, 4), b.draft_logits(0, 9, 8, 4)
-        if kind == "dflash":
+        if variant == "dflash":
             np.testing.assert_allclose(lb, la, atol=1e-6)
         else:
             np.testing.assert_allclose(lb, 3.0 * np.tanh(2.0 * la / 3.0), atol=1e-5)

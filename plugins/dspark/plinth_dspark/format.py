@@ -140,14 +140,14 @@ def load_dspark(path: str | Path, backend: Any) -> DSparkFile:
         raise DSparkFormatError(f"{path}: not a DSpark draft (no '{T_W1}'); use --spec dflash for plain DFlash drafts")
     draft = load_draft(path, backend, claimed=CLAIMED,
                        extension=lambda hp, pres: dspark_specs(hp, pres, str(path)))
-    if draft.hparams.kind != "dflash":
+    if draft.hparams.variant != "dflash":
         raise DSparkFormatError(f"{path}: a DSpark draft has a plain DFlash backbone; this one is also "
-                                f"{draft.hparams.kind} (tensors of both kinds)")
+                                f"{draft.hparams.variant} (tensors of both variants)")
     return DSparkFile(draft=draft, dspark=read_dspark_hparams(md, present, draft.hparams, str(path)))
 
 
 #: ``plinth info``'s name for a DSpark draft (there is no DSpark architecture).
-KIND_LABEL = "dflash draft with DSpark heads"
+DRAFT_LABEL = "dflash draft with DSpark heads"
 
 
 def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]],
@@ -163,9 +163,9 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
         return None
     backbone = describe_backbone(metadata, tensors, source, claimed=CLAIMED)
     hp = load_hparams(metadata, source, [n for n in tensors if n not in CLAIMED])
-    if backbone is None or hp.kind != "dflash":
-        raise DSparkFormatError(f"{source}: a DSpark draft has a plain DFlash backbone; this one is also {hp.kind} "
-                                "(tensors of both kinds)")
+    if backbone is None or hp.variant != "dflash":
+        raise DSparkFormatError(f"{source}: a DSpark draft has a plain DFlash backbone; this one is also {hp.variant} "
+                                "(tensors of both variants)")
     present = {n: (tuple(int(d) for d in shape), t) for n, (shape, t) in tensors.items()}
     dspark_specs(hp, present, source)  # the heads' shapes, each problem named
     if T_W2 not in present:
@@ -177,7 +177,7 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
              else f"no (full vocabulary, {dh.n_vocab})")
     anchor = ("true (anchor-first: row 0 predicts)" if dh.sample_from_anchor
               else "false (bonus anchor: rows 1.. predict)")
-    lines = [f"drafter          {KIND_LABEL}"]
+    lines = [f"drafter          {DRAFT_LABEL}"]
     lines += [line for line in backbone[1:] if not line.startswith("reduced_vocab ")]
     lines += [f"markov_rank      {dh.rank}",
               f"confidence_head  {conf}",

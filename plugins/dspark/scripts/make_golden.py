@@ -178,10 +178,10 @@ def check_training_forward(model, feats: np.ndarray, anchor: int, n: int, logits
     return float(np.abs(full - logits[:full.shape[0]]).max())
 
 
-DFLASH_CASES = [(kind, b) for kind in ("dflash", "dflash2") for b in (4, 8)]
+DFLASH_CASES = [(variant, b) for variant in ("dflash", "dflash2") for b in (4, 8)]
 
 
-def build_dflash(kind: str, block: int, seed: int):
+def build_dflash(variant: str, block: int, seed: int):
     """speculators' DFlashDraftModel / DFlash2DraftModel (1+N layout), every weight redrawn at O(1) scale."""
     import torch
     from transformers import Qwen3Config
@@ -197,7 +197,7 @@ def build_dflash(kind: str, block: int, seed: int):
     tl._attn_implementation = "eager"
     kw = dict(transformer_layer_config=tl, draft_vocab_size=VOCAB, block_size=block,
               aux_hidden_state_layer_ids=list(TAPS), mask_token_id=MASK, sample_from_anchor=False)
-    if kind == "dflash2":
+    if variant == "dflash2":
         cfg = DFlash2SpeculatorConfig(**kw, conv_kernel_size=3, conv_group_size=8, selector_rank=8, selector_top_k=4)
         model = DFlash2DraftModel(cfg).eval()
     else:
@@ -243,12 +243,12 @@ def dflash_inference(model, feats: np.ndarray, anchor: int):
 def main_dflash(out: str) -> None:
     rng = np.random.default_rng(8)
     arrays, meta = {}, {}
-    for ci, (kind, block) in enumerate(DFLASH_CASES):
-        name = f"{kind}-b{block}"
-        model, cfg, sd = build_dflash(kind, block, seed=200 + ci)
+    for ci, (variant, block) in enumerate(DFLASH_CASES):
+        name = f"{variant}-b{block}"
+        model, cfg, sd = build_dflash(variant, block, seed=200 + ci)
         for k, v in sd.items():
             arrays[f"{name}/w/{k}"] = v.astype(np.float16)
-        meta[name] = dict(kind=kind, block_size=block, config=json.loads(cfg.to_json_string()))
+        meta[name] = dict(kind=variant, block_size=block, config=json.loads(cfg.to_json_string()))  # the golden file's key
         feats = rng.standard_normal((N_CTX, len(TAPS) * E)).astype(np.float32)
         anchor = int(rng.integers(0, VOCAB - 1))
         arrays[f"{name}/feats"] = feats

@@ -52,22 +52,22 @@ def test_non_vanilla_markov_head_is_refused(tmp_path):
     assert "markov_head_type = 'gated'" in str(exc.value) and "\n" not in str(exc.value)
 
 
-def speculators_dir(tmp_path, *, draft_vocab=96, sample_from_anchor=None, kind="dspark"):
+def speculators_dir(tmp_path, *, draft_vocab=96, sample_from_anchor=None, variant="dspark"):
     from plinth_dflash.testkit import hf_draft_config, hf_draft_tensors, write_safetensors
 
-    flat = hf_draft_config("dflash2" if kind == "dflash2" else "dflash", block_size=8)
+    flat = hf_draft_config("dflash2" if variant == "dflash2" else "dflash", block_size=8)
     dc = flat.pop("dflash_config")
-    cfg = {"speculators_model_type": kind, "architectures": [{"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel",
-                                                              "dflash2": "DFlash2DraftModel"}[kind]],
+    cfg = {"speculators_model_type": variant, "architectures": [{"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel",
+                                                              "dflash2": "DFlash2DraftModel"}[variant]],
            "transformer_layer_config": {k: v for k, v in flat.items() if k not in ("architectures", "block_size")},
            "draft_vocab_size": draft_vocab, "block_size": 8, "aux_hidden_state_layer_ids": dc["target_layer_ids"],
            "mask_token_id": dc["mask_token_id"], "speculators_version": "0.9.0"}
-    if kind == "dflash2":
+    if variant == "dflash2":
         cfg.update({k: dc[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
     if sample_from_anchor is not None:
         cfg["sample_from_anchor"] = sample_from_anchor
     t = hf_draft_tensors({**flat, "dflash_config": dc})
-    if kind == "dspark":
+    if variant == "dspark":
         cfg.update(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True)
         h = heads()
         h["confidence_head.proj.weight"] = h.pop("confidence_head.weight")
@@ -79,7 +79,7 @@ def speculators_dir(tmp_path, *, draft_vocab=96, sample_from_anchor=None, kind="
             t["d2t"] = (ids - np.arange(draft_vocab)).astype(np.int64)
             t["markov_head.markov_w2.weight"] = t["markov_head.markov_w2.weight"][:draft_vocab]
             t["lm_head.weight"] = rng.standard_normal((draft_vocab, 64)).astype(np.float32)
-    d = tmp_path / f"spec-{kind}-{draft_vocab}"
+    d = tmp_path / f"spec-{variant}-{draft_vocab}"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))
     write_safetensors(d / "model.safetensors", t)
@@ -113,14 +113,14 @@ def test_specforge_flat_schema_defaults_to_bonus_anchor(tmp_path):
     assert not load_dspark(out, NumpyBackend()).dspark.sample_from_anchor
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
-def test_plinth_dflash_reads_speculators_format(tmp_path, kind):
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_plinth_dflash_reads_speculators_format(tmp_path, variant):
     from plinth_dflash.convert import DFlash2Converter, DFlashConverter
     from plinth_dflash.format import load_draft
     from plinth.backend import NumpyBackend
 
-    d, _ = speculators_dir(tmp_path, kind=kind, sample_from_anchor=False)
-    out = tmp_path / f"{kind}.gguf"
-    (DFlash2Converter if kind == "dflash2" else DFlashConverter)().convert(str(d), str(out), {})
+    d, _ = speculators_dir(tmp_path, variant=variant, sample_from_anchor=False)
+    out = tmp_path / f"{variant}.gguf"
+    (DFlash2Converter if variant == "dflash2" else DFlashConverter)().convert(str(d), str(out), {})
     f = load_draft(out, NumpyBackend())
-    assert f.hparams.kind == kind and f.hparams.block_size == 8 and f.hparams.target_layers == (1, 2)
+    assert f.hparams.variant == variant and f.hparams.block_size == 8 and f.hparams.target_layers == (1, 2)
