@@ -92,12 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
         return 130
 
 
-def plugin_selection(args: argparse.Namespace) -> dict[str, object]:  # noqa: F821
-    """The :func:`plinth.plugins.discover` arguments of the global plugin options in ``args``."""
-    return {"plugins": args.plugins, "disable": args.disable_plugins, "strict": args.strict_plugins,
-            "prefer": args.prefer}
-
-
 def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
     """Parse a command line as ``plinth`` does (plugin discovery from the global options and the
     environment, every option and rule checked) without running it: ``args.func(args)`` runs it.
@@ -112,6 +106,7 @@ def parse_command(argv: Sequence[str]) -> argparse.Namespace:  # noqa: F821
     if pre.allow_unused:  # read by every load (plinth.model.load_model), Ray actors' included
         os.environ["PLINTH_ALLOW_UNUSED"] = "1"
 
+    from .commands.options import plugin_selection
     from .plugins import discover
 
     registry = discover(**plugin_selection(pre))
@@ -155,6 +150,25 @@ def _main(argv: Sequence[str] | None = None) -> int:  # noqa: F821
                 print(f"plinth: error: {exc}", file=sys.stderr)
                 return 1
             raise
+
+
+def ray_serve_app(config: dict[str, object]) -> object:
+    """Ray Serve's entry for ``serve run plinth.cli:ray_serve_app args="-m MODEL ..." replicas=2
+    [max_replicas=4] [cpus=1]``: ``args`` is a ``plinth serve`` command line (see docs/scale-out.md)."""
+    import shlex
+
+    from .commands.options import plugin_selection
+    from .pipeline import carried_env
+    from .serve.ray import deployment, replica_fields
+
+    args = parse_command(["serve", *shlex.split(str(config.get("args", "")))])
+    replicas = int(config.get("replicas", args.ray or 1))  # type: ignore[call-overload]
+    max_replicas = config.get("max_replicas", args.ray_max_replicas)
+    fields = replica_fields(args, plugin_selection(args))
+    fields["ray"] = None  # a replica is a plain server
+    return deployment(fields, replicas=replicas,
+                      max_replicas=int(max_replicas) if max_replicas is not None else None,  # type: ignore
+                      cpus=float(config.get("cpus", args.ray_cpus)), env=carried_env())  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -37,6 +37,18 @@ from .model import ModelFile
 MAX_SNAPSHOTS = 8
 
 
+#: environment variables carried to every Ray worker (stages, Serve replicas): plugin selection, kernels, threads
+CARRIED_ENV = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGINS", "PLINTH_PREFER", "PLINTH_STRICT_PLUGINS", "PLINTH_THREADS",
+               "PLINTH_ALLOW_UNUSED",
+               "PLINTH_KERNELS", "PLINTH_INT8", "PLINTH_KERNEL_ROWS", "PLINTH_DEQUANTIZE", "PLINTH_MALLOC",
+               "PLINTH_CACHE_DIR", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "NUMBA_CACHE_DIR")
+
+
+def carried_env() -> dict[str, str]:
+    """The PLINTH_* (and thread) settings of this process, for every Ray worker's runtime environment."""
+    return {k: os.environ[k] for k in CARRIED_ENV if k in os.environ}
+
+
 def split_layers(n_layer: int, n_stages: int, split: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Layer ranges [start, stop) per stage: even (earlier stages take the remainder), or at the
     given first layers of stages 1.. (``split``, increasing)."""
@@ -360,7 +372,6 @@ def load_pipeline(model: str, stages: int = 2, *, address: str | None = None, sp
     ray = _ray()
     from .gguf.reader import GGUFFile
     from .hub import resolve_model
-    from .serve.ray import carried_env
 
     path = resolve_model(model)
     with GGUFFile(path) as gf:  # the layer count, before any actor starts

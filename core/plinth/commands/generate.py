@@ -8,77 +8,10 @@ import sys
 import time
 from typing import Any
 
-from .argtypes import float_range, int_range, nonempty, require, subparser_of
+from .argtypes import int_range, nonempty
 from .models import MODEL_HELP
-
-SEED_MAX = 2**64 - 1
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float_range(0.0), default=0.0, help="0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int_range(0), default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float_range(0.0, 1.0, lo_open=True), default=1.0,
-                   help="nucleus sampling mass, in (0, 1] (1.0 = off)")
-    g.add_argument("--min-p", type=float_range(0.0, 1.0), default=0.0,
-                   help="drop tokens below min_p x the top probability, in [0, 1]")
-    g.add_argument("--repeat-penalty", type=float_range(0.0, lo_open=True), default=1.0,
-                   help="penalty on recent tokens, > 0 (1.0 = off)")
-    g.add_argument("--seed", type=int_range(0, SEED_MAX), default=None, help="seed for reproducible sampling")
-
-
-def _spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding", "draft several tokens per step and verify them in one "
-                             "target forward; greedy output is unchanged, sampled output keeps its distribution")
-    g.add_argument("--spec", default=None, metavar="NAME[,NAME...]",
-                   help="drafter(s): ngram (prompt lookup), draft (a smaller model, see --draft), or a plugin "
-                   "drafter such as dflash (`plinth plugins` lists them); several, comma-separated, are tried "
-                   "in order each step and the first that proposes a draft drafts it")
-    g.add_argument("--draft", default=None, metavar="MODEL",
-                   help="the draft model / drafter file for --spec draft (or a plugin drafter that needs a file)")
-    g.add_argument("--spec-n-max", type=int_range(1), default=8, help="longest draft per step (default 8)")
-    g.add_argument("--spec-n-min", type=int_range(0), default=0, help="drop drafts shorter than this (default 0)")
-    g.add_argument("--spec-p-min", type=float_range(0.0, 1.0), default=0.0,
-                   help="cut a draft at its first token whose draft probability is below this (default 0)")
-    g.add_argument("--spec-verify", default="auto",
-                   help="verification rule: auto (greedy at temperature 0, else rejection), greedy, rejection")
-    g.add_argument("--spec-ngram-max", type=int_range(1), default=3,
-                   help="ngram: longest suffix to look up (default 3)")
-    g.add_argument("--spec-ngram-min", type=int_range(1), default=2,
-                   help="ngram: shortest suffix to look up (default 2)")
-    g.add_argument("--spec-synthetic", type=float_range(0.0, 1.0), default=None, metavar="RATE",
-                   help="benchmark only: accept each drafted position with this probability instead of "
-                   "verifying (the text is then NOT the model's output)")
-
-
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The rules between options and the names plugins provide, checked before any model loads."""
-    from ..plugins import PluginError
-
-    sub = subparser_of(parser, args)
-    if hasattr(args, "ray_stages"):
-        _check_pipeline_args(sub, args)
-    if hasattr(args, "spec_n_max"):
-        require(sub, args.spec_n_min <= args.spec_n_max,
-                f"--spec-n-min {args.spec_n_min} is larger than --spec-n-max {args.spec_n_max}")
-        require(sub, args.spec_ngram_min <= args.spec_ngram_max,
-                f"--spec-ngram-min {args.spec_ngram_min} is larger than --spec-ngram-max {args.spec_ngram_max}")
-        verifiers = ["auto", *args.registry.names("verifiers")]
-        require(sub, args.spec_verify in verifiers,
-                f"--spec-verify {args.spec_verify!r} is unknown (choose from {', '.join(verifiers)})")
-        try:
-            _spec_names(args)
-        except PluginError as exc:
-            sub.error(f"--spec: {exc}")
-    if hasattr(args, "backend"):
-        backends = args.registry.names("backends")
-        require(sub, args.backend in backends,
-                f"--backend {args.backend!r} is unknown (choose from {', '.join(backends)})")
-        try:
-            args.registry.make_backend(args.backend)
-        except (PluginError, RuntimeError) as exc:
-            sub.error(f"--backend {args.backend}: {exc}")
-
+from .options import (check_args, pipeline_args, sampling_args, set_threads, spec_args, spec_names,
+                      threads_arg)
 
 def clean_text(text: str, what: str) -> str:
     """``text`` from argv or stdin as valid UTF-8: undecodable bytes (kept by surrogateescape) become U+FFFD."""
@@ -93,16 +26,6 @@ def clean_text(text: str, what: str) -> str:
         print(f"plinth: warning: {what} is not valid UTF-8 (at character {exc.start}); undecodable bytes "
               "were replaced with U+FFFD", file=sys.stderr)
         return raw.decode("utf-8", "replace")
-
-
-def _spec_names(args: argparse.Namespace) -> list[str]:
-    """The --spec drafter names, each checked against the registry before any model is loaded."""
-    names = [n.strip() for n in (getattr(args, "spec", None) or "").split(",") if n.strip()]
-    reg = args.registry
-    for n in names:
-        if n not in reg.names("drafters") or ("drafters", n) in reg.conflicts():
-            reg.owner("drafters", n)  # an unknown or ambiguous name raises, listing the available drafters
-    return names
 
 
 def image_rows(args: argparse.Namespace, model: Any) -> Any:
@@ -131,7 +54,7 @@ def make_generator(args: argparse.Namespace, model: Any) -> Any:
     from ..generate import Generator
 
     sampler = _sampler(args)
-    names = _spec_names(args)
+    names = spec_names(args)
     if getattr(args, "image", None) is not None and names:
         raise UserError("--image with --spec: speculative decoding of a prompt with image rows is not supported yet")
     rows = image_rows(args, model)
@@ -167,10 +90,10 @@ def register(sub: Any) -> None:
                    "image encoder")
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the vision tower's own GGUF, for models that keep it apart (llama.cpp's mmproj convention)")
-    _threads_arg(p)
-    _sampling_args(p)
-    _spec_args(p)
-    _pipeline_args(p)
+    threads_arg(p)
+    sampling_args(p)
+    spec_args(p)
+    pipeline_args(p)
     p.set_defaults(func=run_generate, check_args=check_args)
 
     p = sub.add_parser("chat", help="interactive chat with history",
@@ -181,10 +104,10 @@ def register(sub: Any) -> None:
     p.add_argument("--system", default=None, help="a system message")
     p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
-    _threads_arg(p)
-    _sampling_args(p)
-    _spec_args(p)
-    _pipeline_args(p)
+    threads_arg(p)
+    sampling_args(p)
+    spec_args(p)
+    pipeline_args(p)
     p.set_defaults(func=run_chat, check_args=check_args)
 
     p = sub.add_parser("tokenize", help="print the token ids of a text",
@@ -204,8 +127,8 @@ def register(sub: Any) -> None:
     p.add_argument("--decode-tokens", type=int_range(1), default=64)
     p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
-    _threads_arg(p)
-    _pipeline_args(p)
+    threads_arg(p)
+    pipeline_args(p)
     p.set_defaults(func=run_bench, check_args=check_args)
 
 
@@ -214,11 +137,11 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
     from .. import hub
     from ..model import load_model
 
-    _set_threads(args)
+    set_threads(args)
     t0 = time.perf_counter()
     if getattr(args, "ray_stages", None):
-        from ..cli import plugin_selection
         from ..pipeline import load_pipeline
+        from .options import plugin_selection
 
         model = load_pipeline(args.model or hub.DEFAULT_MODEL, args.ray_stages, address=args.ray_address,
                               split=args.ray_split, backend=getattr(args, "backend", "numpy"),
@@ -248,7 +171,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from ..generate import render_chat
 
     prompt = clean_text(args.prompt, "the prompt")
-    _spec_names(args)
+    spec_names(args)
     model = _load(args)
     tok = model.tokenizer
     if args.chat:
@@ -275,7 +198,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     from ..generate import render_chat
 
-    _spec_names(args)
+    spec_names(args)
     model = _load(args)
     tok = model.tokenizer
     messages: list[dict[str, str]] = []
@@ -338,50 +261,3 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Ray pipeline", "split the model by layers over Ray actors (pipeline stages), e.g. "
-                             "across machines of a Ray cluster; needs `pip install 'plinth[ray]'` (see "
-                             "docs/scale-out.md)")
-    g.add_argument("--ray-stages", type=int_range(1), default=None, metavar="N",
-                   help="run the model as N pipeline stages, each a Ray actor holding its layers and their cache")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="an existing Ray cluster (e.g. 127.0.0.1:6379 or auto); default: start a local one")
-    g.add_argument("--ray-split", type=_int_list, default=None, metavar="L1[,L2...]",
-                   help="first layer of stages 2..N (default: layers split evenly)")
-    g.add_argument("--ray-cpus", type=float_range(0.0, lo_open=True), default=1.0, metavar="CPUS",
-                   help="CPUs Ray reserves for each stage (default 1)")
-
-
-def _check_pipeline_args(sub: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.ray_stages is None:
-        for flag, value in (("--ray-address", args.ray_address), ("--ray-split", args.ray_split)):
-            require(sub, value is None, f"{flag} needs --ray-stages N")
-        return
-    require(sub, getattr(args, "image", None) is None, "--image with --ray-stages: a pipeline takes token prompts "
-            "only (the image encoder needs the model in one process)")
-    if args.ray_split is not None:
-        require(sub, len(args.ray_split) == args.ray_stages - 1,
-                f"--ray-split gives {len(args.ray_split)} first layer(s); {args.ray_stages} stages need "
-                f"{args.ray_stages - 1}")
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer numbers") from None
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: layer numbers start at 1 (stage 1 starts at layer 0)")
-    return values
-
-
-def _threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int_range(1), default=None, metavar="N",
-                   help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else the physical cores)")
-
-
-def _set_threads(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None) is not None:
-        from .. import quant
-
-        quant.set_threads(args.threads)

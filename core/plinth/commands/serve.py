@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from .argtypes import float_range, require, subparser_of
-from .generate import _spec_args, _spec_names, check_args
 from .models import MODEL_HELP
+from .options import check_args, plugin_selection, spec_args
 
 
 def _int_in(lo: int, hi: int | None = None) -> Any:
@@ -52,7 +51,7 @@ def register(sub: Any) -> None:
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
-    _spec_args(p)
+    spec_args(p)
     g = p.add_argument_group("Ray Serve", "run replicas of this server on a Ray cluster behind Ray Serve's HTTP "
                              "proxy (needs `pip install 'plinth[ray]'`; see docs/scale-out.md)")
     g.add_argument("--ray", type=_int_in(1), default=None, metavar="REPLICAS",
@@ -81,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.ray is not None:
         from ..serve.ray import serve_on_ray
 
-        return serve_on_ray(args)
+        return serve_on_ray(args, plugin_selection(args))
     try:
         import uvicorn
     except ImportError as exc:
@@ -89,50 +88,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
         raise missing_extra("plinth serve", "serve", exc) from None
     from ..serve.app import build_app
+    from ..serve.build import build_server
 
     server = build_server(args, progress=True)
     print(f"plinth serve: {describe(server, args)} on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)
     return 0
-
-
-def build_server(args: argparse.Namespace, *, progress: bool = False) -> Any:
-    """The model, its scheduler and drafters from parsed ``plinth serve`` options: what one server (or one
-    Ray Serve replica) runs. The scheduler is started by the app's lifespan."""
-    from ..errors import UserError, missing_extra
-
-    if args.spec_synthetic is not None:
-        raise UserError("--spec-synthetic is for benchmarks of `plinth generate`; a server must return the "
-                        "model's own text")
-    try:
-        from ..serve.app import Server
-    except ImportError as exc:
-        raise missing_extra("plinth serve", "serve", exc) from None
-    from .. import hub
-    from ..model import load_model
-    from ..serve.scheduler import Scheduler
-    from ..speculative.engine import SpecConfig
-
-    names = _spec_names(args)
-    model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
-                       n_ctx=args.n_ctx, progress=progress)
-    drafters = []
-    if names:
-        options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
-                   "backend": args.backend, "ngram_max": args.spec_ngram_max, "ngram_min": args.spec_ngram_min,
-                   "progress": progress, "temperature": 0.0}
-        drafters = [args.registry.make_drafter(n, model, options) for n in names]
-    spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
-    sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
-                      prefill_chunk=args.prefill_chunk, registry=args.registry, prompt_cache=args.prompt_cache,
-                      prompt_cache_tokens=args.prompt_cache_tokens,
-                      prepare=True)  # (on the scheduler thread, before the first request: its time to first token)
-    stem = Path(str(model.path)).name
-    stem = stem[:-5] if stem.endswith(".gguf") else stem
-    aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)
-    return Server(model, sched, args.model_alias or stem, aliases=aliases, spec_names=tuple(names),
-                  plugins=tuple(r.name for r in args.registry.loaded))
 
 
 def describe(server: Any, args: argparse.Namespace) -> str:

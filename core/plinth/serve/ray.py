@@ -7,8 +7,9 @@ routes requests between replicas, restarts a replica that dies, and scales betwe
 
 * ``plinth serve -m MODEL --ray 2 [--ray-address ADDR] [--ray-max-replicas N] ...``: every
   ``plinth serve`` option applies to every replica;
-* ``serve run plinth.serve.ray:app_builder args="-m MODEL --max-batch 8" replicas=2``: the
-  same as a Ray Serve application (``args`` is a ``plinth serve`` command line).
+* ``serve run plinth.cli:ray_serve_app args="-m MODEL --max-batch 8" replicas=2``: the
+  same as a Ray Serve application (``args`` is a ``plinth serve`` command line, parsed by the CLI,
+  which hands the options to :func:`deployment`).
 
 Plugin selection (``PLINTH_PLUGINS``, ``PLINTH_DISABLE_PLUGINS``, ``PLINTH_PREFER``,
 ``PLINTH_STRICT_PLUGINS`` and the matching global options) reaches every replica through
@@ -19,22 +20,17 @@ command that deployed them. Needs the ``ray`` extra: ``pip install 'plinth[ray]'
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 import time
 from typing import Any
 
 from ..errors import UserError, missing_extra
+from ..pipeline import carried_env
 
-#: environment variables carried to every replica (plugin selection, kernels, threads)
-CARRIED_ENV = ("PLINTH_PLUGINS", "PLINTH_DISABLE_PLUGINS", "PLINTH_PREFER", "PLINTH_STRICT_PLUGINS", "PLINTH_THREADS",
-               "PLINTH_ALLOW_UNUSED",
-               "PLINTH_KERNELS", "PLINTH_INT8", "PLINTH_KERNEL_ROWS", "PLINTH_DEQUANTIZE", "PLINTH_MALLOC",
-               "PLINTH_CACHE_DIR", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS", "NUMBA_CACHE_DIR")
 #: what a parsed command line holds that is not an option (rebuilt on the replica)
 _NOT_OPTIONS = ("registry", "func", "parser", "check_args")
 DEPLOYMENT = "plinth"
+_PLUGINS = "plugin_discovery"  # the field holding the plugin selection
 
 
 def _ray() -> tuple[Any, Any]:
@@ -46,26 +42,25 @@ def _ray() -> tuple[Any, Any]:
     return ray, serve
 
 
-def replica_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed ``plinth serve`` options a replica rebuilds its server from (plain values only)."""
-    return {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
-
-
-def carried_env() -> dict[str, str]:
-    """The PLINTH_* (and thread) settings of this process, for every replica's runtime environment."""
-    return {k: os.environ[k] for k in CARRIED_ENV if k in os.environ}
+def replica_fields(args: argparse.Namespace, plugins: dict[str, Any]) -> dict[str, Any]:
+    """The parsed ``plinth serve`` options a replica rebuilds its server from (plain values only), with
+    ``plugins``: the :func:`plinth.plugins.discover` arguments the deploying command ran with."""
+    fields = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    fields[_PLUGINS] = dict(plugins)
+    return fields
 
 
 class PlinthReplica:
     """One Ray Serve replica: a whole ``plinth serve`` (model, scheduler, OpenAI routes)."""
 
     def __init__(self, fields: dict[str, Any]) -> None:
-        from ..cli import plugin_selection
-        from ..commands.serve import build_server
         from ..plugins import discover
+        from .build import build_server
 
+        fields = dict(fields)
+        selection = fields.pop(_PLUGINS)
         args = argparse.Namespace(**fields)
-        args.registry = discover(**plugin_selection(args))
+        args.registry = discover(**selection)
         self.server = build_server(args)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -102,21 +97,9 @@ def deployment(fields: dict[str, Any], *, replicas: int = 1, max_replicas: int |
     return cls.bind(fields)
 
 
-def app_builder(config: dict[str, Any]) -> Any:
-    """Entry for ``serve run plinth.serve.ray:app_builder args="..." replicas=2 [max_replicas=4] [cpus=1]``."""
-    from ..cli import parse_command
-
-    cmd = ["serve", *shlex.split(str(config.get("args", "")))]
-    args = parse_command(cmd)
-    replicas = int(config.get("replicas", args.ray or 1))
-    max_replicas = config.get("max_replicas", args.ray_max_replicas)
-    return deployment(replica_fields(args), replicas=replicas,
-                      max_replicas=int(max_replicas) if max_replicas is not None else None,
-                      cpus=float(config.get("cpus", args.ray_cpus)), env=carried_env())
-
-
-def serve_on_ray(args: argparse.Namespace) -> int:
-    """``plinth serve --ray N``: deploy N replicas and serve until Ctrl-C (or SIGTERM)."""
+def serve_on_ray(args: argparse.Namespace, plugins: dict[str, Any]) -> int:
+    """``plinth serve --ray N``: deploy N replicas and serve until Ctrl-C (or SIGTERM); ``plugins``: the
+    :func:`plinth.plugins.discover` arguments every replica loads its plugins with."""
     import signal
 
     ray, serve = _ray()
@@ -124,7 +107,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     if args.spec_synthetic is not None:
         raise UserError("--spec-synthetic is for benchmarks of `plinth generate`; a server must return the "
                         "model's own text")
-    fields = replica_fields(args)
+    fields = replica_fields(args, plugins)
     fields["ray"] = None  # a replica is a plain server
     t0 = time.perf_counter()
 
@@ -162,17 +145,3 @@ def serve_on_ray(args: argparse.Namespace) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m plinth.serve.ray [plinth serve options]``: ``plinth serve --ray`` (1 replica unless --ray N)."""
-    from ..cli import main as cli_main
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--ray" not in argv:
-        argv = ["--ray", "1", *argv]
-    return cli_main(["serve", *argv])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -146,6 +146,16 @@ class SpecStats(GenerationStats):
                           for name, figs in self.drafter_figures.items()))
 
 
+def drafter_names(spec: str | None, registry: Any) -> list[str]:
+    """The drafter names of a comma-separated ``--spec`` value, each checked against ``registry`` (an unknown
+    or ambiguous name raises :class:`plinth.plugins.PluginError` listing the available drafters)."""
+    names = [n.strip() for n in (spec or "").split(",") if n.strip()]
+    for n in names:
+        if n not in registry.names("drafters") or ("drafters", n) in registry.conflicts():
+            registry.owner("drafters", n)
+    return names
+
+
 def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecConfig, seq: int,
             history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
     """One draft for ``seq``: the first drafter's non-empty draft after ``config``'s controls.
