@@ -21,7 +21,7 @@ import numpy as np
 from plinth.convert import SafetensorsDir, read_config, write_gguf
 from plinth.errors import UserError
 
-from .mistral_large4 import ARCH, load_hparams, sharing_modes
+from .mistral_large4 import ARCH, MistralLarge4, sharing_modes
 
 VISION_PREFIXES = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")
 DRAFT_PREFIX = "mtp_dspark."
@@ -221,7 +221,7 @@ class MistralLarge4Converter:
         st = SafetensorsDir(model_dir)
         has_vision = bool(config.get("vision_config"))
         md = metadata(tc, source)
-        load_hparams(md, source)  # refuse a layer pattern the graph cannot run before writing anything
+        MistralLarge4().load_hparams(md, source)  # refuse a layer pattern the graph cannot run before writing anything
         write_gguf(out_path, md, text_tensors(st, tc, source, has_vision))
         n_draft = sum(name.startswith(DRAFT_PREFIX) for name in st.names())
         if options.get("draft"):

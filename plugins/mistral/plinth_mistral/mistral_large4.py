@@ -24,8 +24,9 @@ The model card, top to bottom:
 * final RMSNorm, untied LM head, logits soft-capped ``c * tanh(z / c)``.
 
 The cache holds the latent, never the expanded K/V (per-layer kinds ``Latent``, ``IndexerKeys``,
-``SharedKV``; see :meth:`MistralLarge4Graph.cache_layout`), through :class:`LatentCache`, the one
-place that writes and reads the per-layer rows.
+``SharedKV``; see :meth:`MistralLarge4Graph.cache_layout`). The graph is a core
+:class:`~plinth.graph.BaseGraph`: embedding, the layer loop, the cache commit, the final norm and
+the soft-capped head are the core's; this file holds :meth:`MistralLarge4Graph.layer` and its parts.
 Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
 """
 
@@ -38,11 +39,8 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.cache import Cache, IndexerKeys, Latent, SharedKV
-from plinth.context import Batch, ForwardOutput, pool, run_layers
-from plinth.graph import LMHead, TargetView
-from plinth.hparams import HParamsError, KeyReader, PerLayer
-from plinth.tensors import TensorSpec
+from plinth.graph import (Architecture, BaseGraph, Batch, Cache, HParamsError, IndexerKeys, KeyReader, Latent, PerLayer,
+                          SharedKV, Step, TensorSpec)
 
 ARCH = "mistral_large4"
 SHARING_MODES = ("own", "store", "reuse", "reuse_but_indexer")
@@ -187,8 +185,9 @@ def _check_fixed(r: KeyReader, source: str, n_head: int) -> None:
             raise HParamsError(f"{source}: key '{r.key(key)}' = {got!r}: this architecture needs {want!r} ({why})")
 
 
-def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> MistralLarge4Params:
-    r = KeyReader(metadata, source, arch)
+def read_hparams(r: KeyReader) -> MistralLarge4Params:
+    """The file's keys as :class:`MistralLarge4Params`; a layer pattern the graph cannot run is refused."""
+    source, metadata = r.source, r.metadata
     n_layer = r.get("block_count")
     n_head = r.get("attention.head_count")
     head_dim_k = r.get("attention.key_length")
@@ -220,7 +219,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> 
         roles.append(f"{il}: kv {kv}, indexer {idx_types[il]}, {'rope' if rope[il] else 'nope'}, "
                      f"{'moe' if il >= n_dense else 'dense'}")
     return MistralLarge4Params(
-        arch=arch,
+        arch=r.arch,
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
         n_embd=r.get("embedding_length"),
         n_layer=n_layer,
@@ -260,62 +259,74 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str = ARCH) -> 
     )
 
 
-# ============================================================================ tensors
+# ============================================================================ tensors (per block)
 
-def tensor_specs(hp: MistralLarge4Params) -> list[TensorSpec]:
-    """GGUF tensor names and numpy-order shapes; reuse layers have no KV-A projection, shared-indexer
-    layers no indexer."""
-    e, v, h = hp.n_embd, hp.n_vocab, hp.n_head
-    specs = [
+def model_tensors(hp: MistralLarge4Params) -> list[TensorSpec]:
+    """Embedding, final norm, the untied head and the optional LeRoPE scaling."""
+    e, v = hp.n_embd, hp.n_vocab
+    return [
         TensorSpec("token_embd.weight", (v, e)),
         TensorSpec("output_norm.weight", (e,)),
         TensorSpec("output.weight", (v, e)),
         TensorSpec("rope_alpha.weight", (hp.n_rot // 2,), required=False),  # LeRoPE: inv_freq * exp(alpha)
     ]
-    for il in range(hp.n_layer):
-        b = f"blk.{il}."
-        specs += [
-            TensorSpec(b + "attn_norm.weight", (e,)),
-            TensorSpec(b + "attn_q.weight", (h * hp.head_dim_k, e)),
-            TensorSpec(b + "attn_kv_b.weight", (h * (hp.nope_width(il) + hp.head_dim_v), hp.kv_lora_rank)),
-            TensorSpec(b + "attn_output.weight", (e, h * hp.head_dim_v)),
-            TensorSpec(b + "attn_log_scale.weight", (h,)),
-            TensorSpec(b + "attn_log_scale.bias", (h,)),
-            TensorSpec(b + "ffn_norm.weight", (e,)),
-        ]
-        if hp.owns_kv(il):
-            specs += [TensorSpec(b + "attn_kv_a_mqa.weight", (hp.kv_lora_rank + hp.rope_width(il), e)),
-                      TensorSpec(b + "attn_kv_a_norm.weight", (hp.kv_lora_rank,))]
-        if hp.has_indexer(il):
-            ni, di = hp.idx_n_head, hp.idx_head_dim
-            specs += [
-                TensorSpec(b + "indexer.q_norm.weight", (e,)),
-                TensorSpec(b + "indexer.q_norm.bias", (e,)),
-                TensorSpec(b + "indexer.attn_q_b.weight", (ni * di, e)),
-                TensorSpec(b + "indexer.attn_k.weight", (di, e)),
-                TensorSpec(b + "indexer.k_norm.weight", (di,)),
-                TensorSpec(b + "indexer.k_norm.bias", (di,)),
-                TensorSpec(b + "indexer.proj.weight", (ni, e)),
-                TensorSpec(b + "indexer.log_scale.weight", (ni,)),
-                TensorSpec(b + "indexer.log_scale.bias", (ni,)),
-            ]
-        if hp.is_moe(il):
-            n_exp, ff = hp.n_expert, hp.n_ff_exp
-            specs += [
-                TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
-                TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
-                TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
-                TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
-            ]
-            if hp.n_expert_shared:
-                sh = ff * hp.n_expert_shared
-                specs += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
-                          TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
-                          TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
-        else:
-            specs += [TensorSpec(b + "ffn_gate.weight", (hp.n_ff, e)),
-                      TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
-                      TensorSpec(b + "ffn_down.weight", (e, hp.n_ff))]
+
+
+def attention_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+    """MLA of layer ``il``: reuse layers have no KV-A projection (they read their source's latent)."""
+    b, e, h = f"blk.{il}.", hp.n_embd, hp.n_head
+    specs = [
+        TensorSpec(b + "attn_norm.weight", (e,)),
+        TensorSpec(b + "attn_q.weight", (h * hp.head_dim_k, e)),
+        TensorSpec(b + "attn_kv_b.weight", (h * (hp.nope_width(il) + hp.head_dim_v), hp.kv_lora_rank)),
+        TensorSpec(b + "attn_output.weight", (e, h * hp.head_dim_v)),
+        TensorSpec(b + "attn_log_scale.weight", (h,)),
+        TensorSpec(b + "attn_log_scale.bias", (h,)),
+    ]
+    if hp.owns_kv(il):
+        specs += [TensorSpec(b + "attn_kv_a_mqa.weight", (hp.kv_lora_rank + hp.rope_width(il), e)),
+                  TensorSpec(b + "attn_kv_a_norm.weight", (hp.kv_lora_rank,))]
+    return specs
+
+
+def indexer_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+    """The Lightning indexer of a "full" layer (none on "shared" layers)."""
+    if not hp.has_indexer(il):
+        return []
+    b, e, ni, di = f"blk.{il}.indexer.", hp.n_embd, hp.idx_n_head, hp.idx_head_dim
+    return [
+        TensorSpec(b + "q_norm.weight", (e,)),
+        TensorSpec(b + "q_norm.bias", (e,)),
+        TensorSpec(b + "attn_q_b.weight", (ni * di, e)),
+        TensorSpec(b + "attn_k.weight", (di, e)),
+        TensorSpec(b + "k_norm.weight", (di,)),
+        TensorSpec(b + "k_norm.bias", (di,)),
+        TensorSpec(b + "proj.weight", (ni, e)),
+        TensorSpec(b + "log_scale.weight", (ni,)),
+        TensorSpec(b + "log_scale.bias", (ni,)),
+    ]
+
+
+def ffn_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+    """Dense SwiGLU (the leading layers), or routed experts plus shared experts."""
+    b, e = f"blk.{il}.", hp.n_embd
+    specs = [TensorSpec(b + "ffn_norm.weight", (e,))]
+    if not hp.is_moe(il):
+        return specs + [TensorSpec(b + "ffn_gate.weight", (hp.n_ff, e)),
+                        TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
+                        TensorSpec(b + "ffn_down.weight", (e, hp.n_ff))]
+    n_exp, ff = hp.n_expert, hp.n_ff_exp
+    specs += [
+        TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
+        TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
+        TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
+        TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
+    ]
+    if hp.n_expert_shared:
+        sh = ff * hp.n_expert_shared
+        specs += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
+                  TensorSpec(b + "ffn_up_shexp.weight", (sh, e)),
+                  TensorSpec(b + "ffn_down_shexp.weight", (e, sh))]
     return specs
 
 
@@ -390,55 +401,17 @@ def layer_cache_kinds(hp: MistralLarge4Params, il: int) -> tuple[Any, ...]:
     return tuple(kinds)
 
 
-class LatentCache:
-    """The per-layer cache rows of one forward: every cache write and read goes through here.
-
-    A layer that owns its latent appends ``c_kv`` and ``k_rope`` to its :class:`Latent`; a
-    "reuse" / "reuse_but_indexer" layer reads its source layer's latent (this forward's rows
-    included); a layer with its own indexer appends its keys to its :class:`IndexerKeys`.
-    Works on a cache built from :meth:`MistralLarge4Graph.cache_layout` and on a cache
-    without a layout (the kinds are then created on first use, only where a layer writes).
-    """
-
-    def __init__(self, hp: MistralLarge4Params, cache: Cache) -> None:
-        self.hp, self.cache = hp, cache
-
-    def write(self, il: int, seq: int, positions: np.ndarray, latent: Any, index_key: Any) -> tuple[Any, Any, Any]:
-        """Append this forward's rows; return (latent [T, R + r], index keys [T, d] or None, positions [T]).
-
-        latent: [n, R + r] (``[c_kv ; k_rope]``) or None on reuse layers; index_key: [n, d] or None.
-        """
-        hp, xp = self.hp, self.cache.xp
-        rank = hp.kv_lora_rank
-        if hp.owns_kv(il):
-            c_all, r_all, pos = self.cache.find(il, Latent).update(seq, positions, latent[:, :rank],
-                                                                    latent[:, rank:])
-        else:
-            c_all, r_all, pos = self.cache.find(hp.kv_source[il], Latent).get(seq)
-        keys = None
-        if index_key is not None:
-            keys, _ = self.cache.find(il, IndexerKeys).update(seq, positions, index_key)
-        return xp.concatenate([c_all, r_all], axis=-1) if r_all.shape[1] else c_all, keys, pos
-
-
 # ============================================================================ graph
 
-@attrs.frozen
-class AttentionOut:
-    """out: [n_rows, n_embd]; topk: {seq: [n_seq_rows, T] bool} — the DSA key selection, carried on."""
+class MistralLarge4Graph(BaseGraph):
+    """Forward of Mistral Large 4: :meth:`layer` per block on the core's :class:`BaseGraph`.
 
-    out: Any
-    topk: dict
-
-
-class MistralLarge4Graph:
-    """Forward of Mistral Large 4 over a :class:`Batch`, reading and extending a :class:`Cache`."""
+    Per-forward state in ``step.memo``: ``"cos_sin"`` (this batch's RoPE rows) and ``"topk"``
+    (the latest full indexer layer's key selection per sequence, read by "shared" layers).
+    """
 
     def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
-        self.hp, self.w, self.backend, self.xp = hp, weights, backend, backend.xp
-        self.recurrent = False
-        self.head = LMHead.from_weights(weights, self.xp, softcap=hp.logit_softcap)  # output [V, E], soft-capped
-        self.embed_table = weights["token_embd.weight"]  # [V, E]
+        super().__init__(hp, weights, backend, softcap=hp.logit_softcap)  # output [V, E], soft-capped
         alpha = weights.get("rope_alpha.weight")
         self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
         self._cos_sin: tuple[Any, Any] | None = None
@@ -449,7 +422,23 @@ class MistralLarge4Graph:
         ``IndexerKeys`` for reuse_but_indexer) where it reuses; "reuse" layers hold nothing."""
         return [layer_cache_kinds(self.hp, il) for il in range(self.hp.n_layer)]
 
-    # -------------------------------------------------------------- pieces
+    def split_points(self) -> list[int]:
+        """The layers a pipeline stage may start at (besides 0): a "full" indexer layer that no later layer
+        reads an earlier latent across (a "shared" layer needs the top-k of the layer before it, a reuse
+        layer its source's latent, and a stage holds only its own layers' state)."""
+        hp = self.hp
+        return [s for s in range(1, hp.n_layer)
+                if hp.has_indexer(s) and all(hp.kv_source[il] >= s for il in range(s, hp.n_layer))]
+
+    def forward_stage(self, batch: Batch, cache: Cache, x: Any, start: int, stop: int, **kw: Any) -> Any:
+        """:meth:`BaseGraph.forward_stage`; a stage starting elsewhere than :meth:`split_points` is refused."""
+        if 0 < start < self.hp.n_layer and start not in self.split_points():
+            raise ValueError(f"{self.hp.arch}: a pipeline stage cannot start at layer {start} (a 'shared' indexer "
+                             "layer, or a later layer reads a latent from before it); this model splits at layers "
+                             f"{self.split_points() or 'none'}")
+        return super().forward_stage(batch, cache, x, start, stop, **kw)
+
+    # -------------------------------------------------------------- RoPE and scaling
 
     def cos_sin(self, positions: np.ndarray) -> tuple[Any, Any]:
         """(cos, sin) [n, n_rot / 2] times the attention factor, from a table grown on demand.
@@ -466,28 +455,82 @@ class MistralLarge4Graph:
         idx = self.xp.asarray(positions)
         return self._cos_sin[0][idx], self._cos_sin[1][idx]
 
-    def rotate(self, x: Any, cos_sin: Any) -> Any:
-        """Interleaved RoPE on the first n_rot dims. x: [n, heads, >= n_rot]."""
+    def rotate(self, x: Any, step: Step) -> Any:
+        """Interleaved RoPE on the first n_rot dims at the batch positions. x: [n, heads, >= n_rot]."""
+        cos_sin = step.once("cos_sin", lambda: self.cos_sin(step.batch.positions))
         return ops.apply_rope(x, cos_sin=cos_sin, mode="normal")
 
-    @staticmethod
-    def log_scale(positions: np.ndarray, weight: Any, bias: Any, xp: Any) -> Any:
+    def log_scale(self, step: Step, weight: Any, bias: Any) -> Any:
         """Per-row, per-head query multiplier ``weight * log(pos + 1) + bias``: [n, heads, 1]."""
-        lp = xp.asarray(np.log(positions.astype(np.float64) + 1.0).astype(np.float32))
+        lp = step.once("log_pos", lambda: self.xp.asarray(
+            np.log(step.batch.positions.astype(np.float64) + 1.0).astype(np.float32)))
         return (lp[:, None] * weight[None, :] + bias[None, :])[:, :, None]
 
-    def indexer(self, il: int, h: Any, positions: np.ndarray, cos_sin: Any) -> tuple[Any, Any]:
+    # -------------------------------------------------------------- the block
+
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        w, eps, b = self.w, self.hp.norm_eps, f"blk.{il}."
+        x = x + self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], eps), step)
+        return x + self.ffn(il, ops.rms_norm(x, w[b + "ffn_norm.weight"], eps))
+
+    def attention(self, il: int, h: Any, step: Step) -> Any:
+        """MLA + DSA of layer ``il``. h: [n_rows, n_embd] (normed) -> [n_rows, n_embd].
+
+        A full indexer layer leaves its key selection in ``step.memo["topk"]`` for the shared layers after it.
+        """
+        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        n, nh, r = h.shape[0], hp.n_head, hp.rope_width(il)
+        nope = hp.head_dim_k - r
+        q = ops.linear(h, w[b + "attn_q.weight"]).reshape(n, nh, hp.head_dim_k)
+        if r:
+            q = xp.concatenate([q[..., :nope], self.rotate(q[..., nope:], step)], axis=-1)
+        q = q * self.log_scale(step, w[b + "attn_log_scale.weight"], w[b + "attn_log_scale.bias"])
+        latent = None
+        if hp.owns_kv(il):
+            kv = ops.linear(h, w[b + "attn_kv_a_mqa.weight"])  # [n, R + r]
+            c = ops.rms_norm(kv[:, :hp.kv_lora_rank], w[b + "attn_kv_a_norm.weight"], hp.norm_eps)
+            k_rope = self.rotate(kv[:, None, hp.kv_lora_rank:], step)[:, 0, :] if r else kv[:, hp.kv_lora_rank:]
+            latent = (c, k_rope)
+        q_idx = k_idx = None
+        if hp.has_indexer(il):
+            q_idx, k_idx = self.indexer(il, h, step)
+        if q_idx is not None:
+            step.memo["topk"] = {}
+        topk = step.memo["topk"]
+        out = xp.empty((n, nh, hp.head_dim_v), dtype=xp.float32)
+        w_kv_b = w[b + "attn_kv_b.weight"]
+        for seq, sel in step.groups:
+            pos = step.batch.positions[sel]
+            lat_all, kpos = self.latent_rows(il, seq, pos, None if latent is None else (latent[0][sel], latent[1][sel]),
+                                             step.cache)
+            if q_idx is not None:
+                idx_all, _ = step.cache.find(il, IndexerKeys).update(seq, pos, k_idx[sel])
+                topk[seq] = self.select_topk(il, h[sel], q_idx[sel], idx_all, pos, kpos)
+            mla = self.mla_absorbed if len(pos) <= ABSORB_MAX_ROWS else self.mla_expanded
+            out[sel] = mla(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
+        return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"])
+
+    def latent_rows(self, il: int, seq: int, positions: np.ndarray, latent: Any, cache: Cache) -> tuple[Any, Any]:
+        """Append this forward's ``(c_kv, k_rope)`` rows to layer ``il``'s :class:`Latent` (None on reuse layers:
+        the source layer's latent is read, this forward's rows included); returns every cached row
+        ``[c_kv ; k_rope]`` [T, R + r] and their positions [T]."""
+        c_all, r_all, pos = (cache.find(il, Latent).update(seq, positions, *latent) if latent is not None
+                             else cache.find(self.hp.kv_source[il], Latent).get(seq))
+        return (self.xp.concatenate([c_all, r_all], axis=-1) if r_all.shape[1] else c_all), pos
+
+    def indexer(self, il: int, h: Any, step: Step) -> tuple[Any, Any]:
         """Lightning-indexer queries [n, n_idx, d] and keys [n, d] of layer ``il``. h: [n, n_embd] (normed)."""
-        hp, w, b, xp = self.hp, self.w, f"blk.{il}.indexer.", self.xp
+        hp, w, b = self.hp, self.w, f"blk.{il}.indexer."
         n = h.shape[0]
         q = ops.layer_norm(h, w[b + "q_norm.weight"], w[b + "q_norm.bias"], INDEXER_NORM_EPS)
         q = ops.linear(q, w[b + "attn_q_b.weight"]).reshape(n, hp.idx_n_head, hp.idx_head_dim)
-        q = q * self.log_scale(positions, w[b + "log_scale.weight"], w[b + "log_scale.bias"], xp)
+        q = q * self.log_scale(step, w[b + "log_scale.weight"], w[b + "log_scale.bias"])
         k = ops.layer_norm(ops.linear(h, w[b + "attn_k.weight"]), w[b + "k_norm.weight"], w[b + "k_norm.bias"],
                            INDEXER_NORM_EPS)[:, None, :]
         if hp.uses_rope(il):
-            q, k = self.rotate(q, cos_sin), self.rotate(k, cos_sin)
+            q, k = self.rotate(q, step), self.rotate(k, step)
         return q, k[:, 0, :]
+
 
     def select_topk(self, il: int, h: Any, q_idx: Any, k_idx: Any, q_pos: np.ndarray, k_pos: np.ndarray) -> Any:
         """The keys each query attends to: [n, T] bool, the top-k of the index scores among visible keys.
@@ -517,49 +560,6 @@ class MistralLarge4Graph:
         full = np.isfinite(v[:, k])
         scale = np.maximum(np.abs(v[full]).max(axis=1), 1e-30)
         self.index_margins.extend(((v[full, k - 1] - v[full, k]) / scale).tolist())
-
-    def attention(self, il: int, h: Any, batch: Batch, lc: LatentCache, seq_rows: list, cos_sin: Any,
-                  prev_topk: dict | None) -> AttentionOut:
-        """MLA + DSA of layer ``il``. h: [n_rows, n_embd] (normed). Returns the output and the key selection.
-
-        seq_rows: (seq, row selector for backend arrays, host row indices) per sequence in the batch.
-        """
-        hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
-        n, nh, r = h.shape[0], hp.n_head, hp.rope_width(il)
-        nope = hp.head_dim_k - r
-        q = ops.linear(h, w[b + "attn_q.weight"]).reshape(n, nh, hp.head_dim_k)
-        if r:
-            q = xp.concatenate([q[..., :nope], self.rotate(q[..., nope:], cos_sin)], axis=-1)
-        q = q * self.log_scale(batch.positions, w[b + "attn_log_scale.weight"], w[b + "attn_log_scale.bias"], xp)
-        latent = None
-        if hp.owns_kv(il):
-            kv = ops.linear(h, w[b + "attn_kv_a_mqa.weight"])  # [n, R + r]
-            c = ops.rms_norm(kv[:, :hp.kv_lora_rank], w[b + "attn_kv_a_norm.weight"], hp.norm_eps)
-            parts = [c]
-            if r:
-                parts.append(self.rotate(kv[:, None, hp.kv_lora_rank:], cos_sin)[:, 0, :])
-            latent = xp.concatenate(parts, axis=-1)
-        q_idx = k_idx = None
-        if hp.has_indexer(il):
-            q_idx, k_idx = self.indexer(il, h, batch.positions, cos_sin)
-        elif prev_topk is None:
-            raise ValueError(f"{hp.arch}: layer {il} is a 'shared' indexer layer with no earlier full layer")
-        out = xp.empty((n, nh, hp.head_dim_v), dtype=xp.float32)
-        topk = {}
-        w_kv_b = w[b + "attn_kv_b.weight"]
-        for seq, sel, rows in seq_rows:
-            pos = batch.positions[rows]
-            lat_all, idx_all, kpos = lc.write(il, seq, pos, None if latent is None else latent[sel],
-                                              None if k_idx is None else k_idx[sel])
-            if q_idx is not None:
-                topk[seq] = self.select_topk(il, h[sel], q_idx[sel], idx_all, pos, kpos)
-            else:
-                topk[seq] = prev_topk[seq]
-            if len(rows) <= ABSORB_MAX_ROWS:
-                out[sel] = self.mla_absorbed(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
-            else:
-                out[sel] = self.mla_expanded(q[sel], lat_all, w_kv_b, nope, pos, kpos, topk[seq])
-        return AttentionOut(out=ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"]), topk=topk)
 
     def mla_expanded(self, q: Any, lat: Any, w_kv_b: Any, nope: int, q_pos: np.ndarray, k_pos: np.ndarray,
                      mask: Any) -> Any:
@@ -609,75 +609,22 @@ class MistralLarge4Graph:
                                w[b + "ffn_down_shexp.weight"])
         return y
 
-    def embed(self, batch: Batch) -> Any:
-        """Input rows: token embeddings, or the batch's own embeddings where ``is_embd``. [n_rows, n_embd]"""
-        xp = self.xp
-        x = self.embed_table[xp.asarray(batch.tokens)]
-        if batch.is_embd is not None and batch.is_embd.any():
-            x = xp.where(xp.asarray(batch.is_embd)[:, None], xp.asarray(batch.embeddings, dtype=xp.float32), x)
-        return x
-
-    def final_norm(self, x: Any) -> Any:
-        """x: [n, n_embd] -> RMS-normed with ``output_norm``, what the LM head reads."""
-        return ops.rms_norm(x, self.w["output_norm.weight"], self.hp.norm_eps)
-
-    def target_view(self) -> TargetView:
-        """What a drafter uses of this target (embedding, LM head, final norm, sizes): a DFlash / DSpark
-        draft that shares the target's head multiplies by ``output.weight``."""
-        return TargetView(self, self.hp)
-
-    # -------------------------------------------------------------- forward
-
-    def forward(self, batch: Batch, cache: Cache, *, taps: tuple[int, ...] = (), pooling: str = "none",
-                embeddings: bool = False) -> ForwardOutput:
-        """Run the batch; logits (soft-capped) for rows with ``batch.output``."""
-        hp, w, xp = self.hp, self.w, self.xp
-        # per sequence: (seq, selector of its rows in backend arrays, the same rows as host indices)
-        seq_rows = []
-        for seq in np.unique(batch.seq_ids):
-            rows = np.nonzero(batch.seq_ids == seq)[0]
-            contiguous = rows[-1] - rows[0] + 1 == len(rows)
-            sel = slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else xp.asarray(rows)
-            seq_rows.append((int(seq), sel, rows))
-        cos_sin = self.cos_sin(batch.positions)
-        cache.begin(batch.positions, batch.seq_ids)
-        lc = LatentCache(hp, cache)
-        carried: dict = {"topk": None}
-
-        def layer(il: int, x: Any) -> Any:
-            a = self.attention(il, ops.rms_norm(x, w[f"blk.{il}.attn_norm.weight"], hp.norm_eps), batch, lc,
-                               seq_rows, cos_sin, carried["topk"])
-            carried["topk"] = a.topk
-            x = x + a.out
-            return x + self.ffn(il, ops.rms_norm(x, w[f"blk.{il}.ffn_norm.weight"], hp.norm_eps))
-
-        x, features = run_layers(self.embed(batch), hp.n_layer, layer, cache, taps)
-        rows = np.nonzero(batch.output)[0]
-        if pooling != "none":
-            pooled, seqs = pool(self.final_norm(x), batch, pooling, xp)
-            return ForwardOutput(rows=rows, embeddings=pooled, embedding_seqs=seqs, features=features)
-        h = self.final_norm(x[rows])
-        return ForwardOutput(rows=rows, logits=self.head(h), embeddings=h if embeddings else None, features=features)
-
 
 # ============================================================================ architecture
 
-class MistralLarge4:
+class MistralLarge4(Architecture):
     """``mistral_large4``: Mistral Large 4 text tower (MLA, DSA indexer, KV sharing, MoE)."""
 
     name = ARCH
+    graph = MistralLarge4Graph
 
-    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> MistralLarge4Params:
-        return load_hparams(metadata, source, self.name)
+    def hparams(self, r: KeyReader) -> MistralLarge4Params:
+        return read_hparams(r)
 
-    def tensor_specs(self, hparams: MistralLarge4Params) -> list[TensorSpec]:
-        return tensor_specs(hparams)
-
-    def build(self, hparams: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> MistralLarge4Graph:
-        return MistralLarge4Graph(hparams, weights, backend)
+    def tensors(self, hp: MistralLarge4Params) -> list[TensorSpec]:
+        return model_tensors(hp) + [s for il in range(hp.n_layer) for s in
+                                    attention_tensors(hp, il) + indexer_tensors(hp, il) + ffn_tensors(hp, il)]
 
 
-__all__ = ["ARCH", "AttentionOut", "LatentCache", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph",
-           "MistralLarge4Params", "cache_bytes_per_token", "cache_widths", "layer_cache_kinds", "load_hparams",
-           "sharing_modes",
-           "tensor_specs"]
+__all__ = ["ARCH", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph", "MistralLarge4Params",
+           "cache_bytes_per_token", "cache_widths", "layer_cache_kinds", "read_hparams", "sharing_modes"]

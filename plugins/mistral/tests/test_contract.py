@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
-from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode
+from plinth.graph import Batch
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, new_cache
 
 from plinth.cache import IndexerKeys, Latent, SharedKV
 from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_widths
@@ -40,8 +40,8 @@ def test_chunked_prefill_equals_full_forward(mistral_models, case):
     model = mistral_models(case)
     g, n_layer = model.graph, model.hparams.n_layer
     toks = tokens(100, 2)
-    full = g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer)).logits
-    cache, parts, start = KVCache(n_layer), [], 0
+    full = g.forward(Batch.from_tokens(toks, output="all"), new_cache(g, n_layer)).logits
+    cache, parts, start = new_cache(g, n_layer), [], 0
     for size in (1, 5, 30, 64):
         parts.append(g.forward(Batch.from_tokens(toks[start:start + size], start=start, output="all"), cache).logits)
         start += size
@@ -54,7 +54,7 @@ def test_two_sequences_in_one_batch_equal_two_runs(mistral_models, backend):
     g, n_layer, xp, host = model.graph, model.hparams.n_layer, model.backend.xp, model.backend.to_numpy
 
     def run(batch):
-        return host(g.forward(batch, KVCache(n_layer, xp)).logits)
+        return host(g.forward(batch, new_cache(g, n_layer, xp)).logits)
 
     a, b = tokens(30, 3), tokens(12, 4)
     ra, rb = run(Batch.from_tokens(a, output="all")), run(Batch.from_tokens(b, output="all"))
@@ -104,7 +104,7 @@ def test_cache_holds_the_latent_and_reuse_layers_hold_nothing(mistral_models, ca
 
 def test_cache_bytes_of_the_full_size_model():
     """Mistral Large 4's own shapes (72 layers, 64 heads, rank 512, every 4th layer NoPE, no sharing)."""
-    from plinth_mistral.mistral_large4 import load_hparams
+    from plinth_mistral.mistral_large4 import MistralLarge4
 
     a = "mistral_large4"
     n = 72
@@ -116,7 +116,7 @@ def test_cache_bytes_of_the_full_size_model():
           f"{a}.attention.indexer.key_length": 128, f"{a}.attention.indexer.top_k": 2048,
           f"{a}.leading_dense_block_count": 1, f"{a}.feed_forward_length": 24576, f"{a}.expert_count": 128,
           f"{a}.expert_used_count": 4, f"{a}.expert_feed_forward_length": 6144, f"{a}.vocab_size": 204800}
-    hp = load_hparams(md, "full-size")
+    hp = MistralLarge4().load_hparams(md, "full-size")
     latent, expanded = cache_bytes_per_token(hp)
     # RoPE layers: 512 + 64 latent floats, NoPE: 512; plus 128 indexer floats each
     assert latent == 4 * (54 * (576 + 128) + 18 * (512 + 128))
@@ -146,7 +146,7 @@ def test_absorbed_and_expanded_mla_agree(mistral_models, case, monkeypatch):
     runs = []
     for limit in (0, 10**6):
         monkeypatch.setattr(ml, "ABSORB_MAX_ROWS", limit)
-        runs.append(model.graph.forward(Batch.from_tokens(toks, output="all"), KVCache(model.hparams.n_layer)).logits)
+        runs.append(model.graph.forward(Batch.from_tokens(toks, output="all"), new_cache(model.graph, model.hparams.n_layer)).logits)
     np.testing.assert_allclose(runs[0], runs[1], atol=2e-5, rtol=0)
 
 
@@ -156,11 +156,11 @@ def test_mixed_token_and_embedding_rows_equal_token_rows(mistral_models, backend
     g, n_layer, be = model.graph, model.hparams.n_layer, model.backend
     toks = tokens(12, 7)
     table = be.to_numpy(model.weights["token_embd.weight"])
-    ref = be.to_numpy(g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer, be.xp)).logits)
+    ref = be.to_numpy(g.forward(Batch.from_tokens(toks, output="all"), new_cache(g, n_layer, be.xp)).logits)
     mixed = Batch.concat([Batch.from_tokens(toks[:4], output="all"),
                           Batch.from_embeddings(table[toks[4:9]], start=4, output="all"),
                           Batch.from_tokens(toks[9:], start=9, output="all")])
-    got = be.to_numpy(g.forward(mixed, KVCache(n_layer, be.xp)).logits)
+    got = be.to_numpy(g.forward(mixed, new_cache(g, n_layer, be.xp)).logits)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
 
 

@@ -18,7 +18,9 @@ from plinth.hparams import HParamsError
 from plinth.tensors import TensorCheckError
 from plinth.testing import load_module
 from plinth_mistral.convert import metadata, text_config
-from plinth_mistral.mistral_large4 import load_hparams
+from plinth_mistral.mistral_large4 import MistralLarge4
+
+load_hparams = MistralLarge4().load_hparams
 
 A = "mistral_large4"
 golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.py")

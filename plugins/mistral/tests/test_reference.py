@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
-from plinth.testing import greedy_through_cache, load_golden, load_module
+from plinth.graph import Batch
+from plinth.testing import greedy_through_cache, load_golden, load_module, new_cache
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -80,7 +80,7 @@ def test_no_topk_boundary_ties_in_the_test_data(mistral_models, case):
     graph.index_margins = []
     try:
         for prompt in golden.prompts(case):
-            graph.forward(Batch.from_tokens(prompt, output="all"), KVCache(graph.hp.n_layer))
+            graph.forward(Batch.from_tokens(prompt, output="all"), new_cache(graph, graph.hp.n_layer))
         margins = np.asarray(graph.index_margins)
     finally:
         graph.index_margins = None
