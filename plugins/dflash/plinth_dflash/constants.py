@@ -30,6 +30,10 @@ KEY_EMBD_SCALE = "embedding_scale"  # f32: the block's token embeddings times it
 KEY_ATTN_SCALE = "attention.scale"  # f32: the score scale (0 / absent: 1 / sqrt(head_dim))
 KEY_VALUE_SCALE = "attention.value_scale"  # f32: the attention output (after attn_output) times it
 KEY_HIDDEN_ACT = "hidden_activation"  # str: "silu" (default), "gelu" / "gelu_pytorch_tanh" (tanh GELU)
+# Gemma 4 draft layers (the gemma4 target's key names; plinth extensions for a dflash draft, see README)
+SWA_GEOMETRY_KEYS = ("attention.key_length_swa", "attention.value_length_swa", "rope.freq_base_swa",
+                     "rope.dimension_count_swa")
+KEY_VALUE_NORM = "attention.value_norm"  # bool: V through a weightless RMSNorm on every layer (Gemma 4)
 
 # LiLiCorr head geometry (plinth names, [inferred])
 LILI_PREFIX = "lilicorr."

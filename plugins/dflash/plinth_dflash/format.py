@@ -81,6 +81,14 @@ class DFlashHParams:
     attn_scale: float = 0.0  # 0 = 1 / sqrt(head_dim)
     value_scale: float = 0.0  # 0 = none
     hidden_act: str = "silu"  # "silu" or "gelu" (tanh approximation, as ggml's GELU)
+    # Gemma 4 style layers (llama.cpp's gemma4 keys): sliding layers with their own head size and RoPE,
+    # a KV head count per layer, V through a weightless RMSNorm
+    head_count_kv: tuple[int, ...] = ()  # per layer; () = n_head_kv everywhere
+    head_dim_swa: int = 0  # 0 = head_dim
+    rope_base_swa: float = 0.0  # 0 = rope_base
+    n_rot_swa: int = 0  # 0 = n_rot
+    swa_rope: bool = False  # sliding layers use (rope_base_swa, n_rot_swa) and no rope_freqs
+    value_norm: bool = False  # V = rms_norm(Wv . x) (no weight) on every layer; a layer without attn_v always norms
 
     @property
     def n_taps(self) -> int:
@@ -93,6 +101,17 @@ class DFlashHParams:
     @property
     def max_draft(self) -> int:
         return self.block_size - 1
+
+    def hd(self, il: int) -> int:
+        """Head size of layer ``il`` (Q, K and V)."""
+        return (self.head_dim_swa or self.head_dim) if self.swa_layers[il] else self.head_dim
+
+    def kv_heads(self, il: int) -> int:
+        return self.head_count_kv[il] if self.head_count_kv else self.n_head_kv
+
+    def rot(self, il: int) -> int:
+        """Rotated dims of layer ``il``."""
+        return (self.n_rot_swa or self.n_rot) if self.swa_layers[il] and self.swa_rope else self.n_rot
 
 
 def detect_variant(tensor_names: Any) -> str:
@@ -142,6 +161,42 @@ def _hidden_act(r: KeyReader, source: str) -> str:
     return HIDDEN_ACTS[name]
 
 
+def _flag(md: Mapping[str, Any], key: str, source: str) -> bool:
+    value = md.get(key, False)
+    if not isinstance(value, (bool, np.bool_)):
+        raise HParamsError(f"{source}: '{key}' must be a bool, found {value!r}")
+    return bool(value)
+
+
+def _sliding_geometry(r: KeyReader, source: str, head_dim: int, n_rot: int, rope_base: float,
+                      swa: tuple[bool, ...]) -> dict[str, Any]:
+    """Sliding layers' own head size and RoPE (llama.cpp's gemma4 keys ``attention.key_length_swa``,
+    ``rope.freq_base_swa``, ``rope.dimension_count_swa``); any of them gives the sliding layers their own
+    RoPE, without ``rope_freqs`` (which then turns the full layers only)."""
+    for name, k in (("attention.value_length", head_dim),):
+        v = r.get(name, required=False, default=k)
+        if v != k:
+            raise HParamsError(f"{source}: '{r.key(name)}' = {v} differs from the key length {k}; a DFlash draft "
+                               "has equal key and value head sizes")
+    keys = [k for k in C.SWA_GEOMETRY_KEYS if r.has(k)]
+    if not keys:
+        return {}
+    if not any(swa):
+        raise HParamsError(f"{source}: {', '.join(repr(r.key(k)) for k in keys)} set, but the draft has no sliding "
+                           "layer to apply it to")
+    hd_swa = r.get("attention.key_length_swa", required=False, default=head_dim)
+    v = r.get("attention.value_length_swa", required=False, default=hd_swa)
+    if v != hd_swa:
+        raise HParamsError(f"{source}: '{r.key('attention.value_length_swa')}' = {v} differs from the sliding key "
+                           f"length {hd_swa}")
+    rot_swa = r.get("rope.dimension_count_swa", required=False, default=hd_swa)
+    if rot_swa % 2 or not 0 < rot_swa <= hd_swa:
+        raise HParamsError(f"{source}: '{r.key('rope.dimension_count_swa')}' = {rot_swa}: must be even and within "
+                           f"the sliding head size {hd_swa}")
+    return dict(head_dim_swa=hd_swa, n_rot_swa=rot_swa, swa_rope=True,
+                rope_base_swa=r.get("rope.freq_base_swa", float, required=False, default=rope_base))
+
+
 def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> DFlashHParams:
     arch = md.get("general.architecture")
     if arch != C.ARCH:
@@ -151,7 +206,9 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
     n_embd = r.get("embedding_length")
     n_layer = r.get("block_count")
     n_head = r.get("attention.head_count")
-    n_head_kv = r.get("attention.head_count_kv", required=False, default=n_head)
+    kv_layers = tuple(int(v) for v in r.get_key_or_arr("attention.head_count_kv", n_layer, required=False,
+                                                         default=n_head))
+    n_head_kv = kv_layers[0]
     head_dim = r.get("attention.key_length", required=False, default=n_embd // n_head)
     if not r.has(C.KEY_TARGET_LAYERS):
         raise HParamsError(f"{source}: DFlash model requires 'target_layers' (key '{C.ARCH}.{C.KEY_TARGET_LAYERS}')")
@@ -202,8 +259,14 @@ def load_hparams(md: Mapping[str, Any], source: str, tensor_names: Any = ()) -> 
         value_scale=_finite(r, C.KEY_VALUE_SCALE, source),
         hidden_act=_hidden_act(r, source),
     )
-    if n_head % n_head_kv:
-        raise HParamsError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+    for il, nkv in enumerate(kv_layers):
+        if nkv < 1 or n_head % nkv:
+            raise HParamsError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {nkv}"
+                               + (f" (layer {il})" if len(set(kv_layers)) > 1 else ""))
+    if len(set(kv_layers)) > 1:
+        kw["head_count_kv"] = kv_layers
+    kw.update(_sliding_geometry(r, source, head_dim, kw["n_rot"], kw["rope_base"], swa))
+    kw["value_norm"] = _flag(md, r.key(C.KEY_VALUE_NORM), source)
     conv_keys = (C.KEY_CONV_KERNEL, C.KEY_CONV_GROUP, C.KEY_SEL_RANK, C.KEY_SEL_TOP_K)
     if variant == "dflash2":
         vals = {}
@@ -302,8 +365,7 @@ def _merge_specs(base: list[TensorSpec], extra: list[TensorSpec]) -> list[Tensor
 
 def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
     """Names and numpy-order shapes the file must hold (``.scale`` companions are optional)."""
-    e, n_in = hp.n_embd, hp.n_taps * hp.n_embd
-    nq, nkv, ff = hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim, hp.n_ff
+    e, n_in, ff = hp.n_embd, hp.n_taps * hp.n_embd, hp.n_ff
     v = hp.n_vocab if hp.n_vocab is not None else -1
     specs = [
         TensorSpec(C.T_FC, (e, n_in), scale=True),
@@ -315,7 +377,8 @@ def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
         TensorSpec(C.T_ROPE_FREQS, (hp.n_rot // 2,), required=False),
     ]
     for il in range(hp.n_layer):
-        b = f"blk.{il}."
+        b, hd = f"blk.{il}.", hp.hd(il)
+        nq, nkv = hp.n_head * hd, hp.kv_heads(il) * hd
         specs += [
             TensorSpec(b + C.T_POST_ATTN_NORM, (e,), required=False),
             TensorSpec(b + C.T_POST_FFN_NORM, (e,), required=False),
@@ -323,10 +386,10 @@ def tensor_specs(hp: DFlashHParams) -> list[TensorSpec]:
             TensorSpec(b + "attn_norm.weight", (e,)),
             TensorSpec(b + "attn_q.weight", (nq, e), scale=True),
             TensorSpec(b + "attn_k.weight", (nkv, e), scale=True),
-            TensorSpec(b + "attn_v.weight", (nkv, e), scale=True),
+            TensorSpec(b + "attn_v.weight", (nkv, e), required=False, scale=True),  # absent: K is V (normed)
             TensorSpec(b + "attn_output.weight", (e, nq), scale=True),
-            TensorSpec(b + "attn_q_norm.weight", (hp.head_dim,)),
-            TensorSpec(b + "attn_k_norm.weight", (hp.head_dim,)),
+            TensorSpec(b + "attn_q_norm.weight", (hd,)),
+            TensorSpec(b + "attn_k_norm.weight", (hd,)),
             TensorSpec(b + "attn_sinks.weight", (hp.n_head,), required=False),
             TensorSpec(b + "ffn_norm.weight", (e,)),
             TensorSpec(b + "ffn_gate.weight", (ff, e), scale=True),
@@ -362,6 +425,10 @@ class DraftFile:
     metadata: dict[str, Any]
     fc_input_scale: float | None
     tensor_types: dict[str, str]
+
+
+def _tied_key_absent(md: Mapping[str, Any]) -> bool:
+    return f"{C.ARCH}.{C.KEY_TIED}" not in md
 
 
 #: ``extension(hp, present) -> specs``: extra tensors a plugin built on this format claims
@@ -435,6 +502,8 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
             arr = arr * s[0]
         weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=arr.dtype if arr.dtype == np.int64
                                                                   else np.float32))
+    if _tied_key_absent(md) and C.T_TOKEN_EMBD in weights and C.T_OUTPUT not in weights:
+        hp = attrs.evolve(hp, tied=True)  # llama.cpp: no output head but an own embedding -> the embedding is the head
     if hp.tied and C.T_TOKEN_EMBD not in weights:
         raise DFlashFormatError(f"{path}: '{C.ARCH}.{C.KEY_TIED}' is true but the draft has no "
                                 f"'{C.T_TOKEN_EMBD}' to tie its head to")

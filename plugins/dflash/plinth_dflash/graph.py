@@ -77,8 +77,13 @@ class DraftGraph:
         self.embed_table = embed_table
         self.head = head
         factors = weights.get(C.T_ROPE_FREQS)  # llama.cpp's rope_freqs: per-pair divisors of the frequency
-        self.rope = ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base, xp=xp, freq_factors=factors))
-        self.scale = float(hp.attn_scale) if hp.attn_scale else 1.0 / float(hp.head_dim) ** 0.5
+        full = ops.RopeCache(ops.rope_freqs(hp.n_rot, base=hp.rope_base, xp=xp, freq_factors=factors))
+        # sliding layers with their own RoPE (Gemma 4 drafts): no rope_freqs there; otherwise one RoPE for all
+        swa = ops.RopeCache(ops.rope_freqs(hp.rot(hp.swa_layers.index(True)), base=hp.rope_base_swa or hp.rope_base,
+                                           xp=xp)) if hp.swa_rope else full
+        self.ropes = [swa if hp.swa_layers[il] else full for il in range(hp.n_layer)]
+        self.scales = [float(hp.attn_scale) if hp.attn_scale else 1.0 / float(hp.hd(il)) ** 0.5
+                       for il in range(hp.n_layer)]
 
     def new_cache(self) -> KVCache:
         return KVCache(self.hp.n_layer, self.xp)
@@ -90,15 +95,25 @@ class DraftGraph:
         return ops.rms_norm(ops.linear(features, self.w["fc.weight"]), self.w["enc.output_norm.weight"],
                             self.hp.norm_eps)
 
+    def kv(self, il: int, x: Any, cos_sin: tuple[Any, Any]) -> tuple[Any, Any]:
+        """Layer ``il``'s K (k-norm, then RoPE by ``cos_sin``) and V of rows x: [n, E], each [n, n_kv, hd].
+
+        Without ``attn_v`` the raw K projection is V (Gemma 4's attention_k_eq_v); such a V, and every V
+        when the file sets ``attention.value_norm``, goes through an RMSNorm without weight (llama.cpp's
+        dflash graph norms the shared V the same way)."""
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        n, nkv, hd = x.shape[0], hp.kv_heads(il), hp.hd(il)
+        k_raw = ops.linear(x, w[b + "attn_k.weight"]).reshape(n, nkv, hd)
+        shared = b + "attn_v.weight" not in w
+        v = k_raw if shared else ops.linear(x, w[b + "attn_v.weight"]).reshape(n, nkv, hd)
+        if shared or hp.value_norm:
+            v = ops.head_rms_norm(v, None, hp.norm_eps)
+        k = ops.head_rms_norm(k_raw, w[b + "attn_k_norm.weight"], hp.norm_eps)
+        return ops.apply_rope(k, mode="neox", cos_sin=cos_sin), v
+
     def context_kv(self, il: int, g: Any, positions: Any) -> tuple[Any, Any]:
         """K (k-norm, RoPE at ``positions``) and V of fused rows g: [n, E] for layer ``il``."""
-        hp, b = self.hp, f"blk.{il}."
-        n = g.shape[0]
-        k = ops.linear(g, self.w[b + "attn_k.weight"]).reshape(n, hp.n_head_kv, hp.head_dim)
-        k = ops.head_rms_norm(k, self.w[b + "attn_k_norm.weight"], hp.norm_eps)
-        k = ops.apply_rope(k, mode="neox", cos_sin=self.rope(positions))
-        v = ops.linear(g, self.w[b + "attn_v.weight"]).reshape(n, hp.n_head_kv, hp.head_dim)
-        return k, v
+        return self.kv(il, g, self.ropes[il](positions))
 
     def inject(self, cache: KVCache, seq: int, positions: np.ndarray, g: Any) -> None:
         """Write the context K/V of fused rows g: [n, E] at target ``positions`` into every layer."""
@@ -116,18 +131,15 @@ class DraftGraph:
     def _attention(self, il: int, u: Any, cache: KVCache, seq: int, positions: np.ndarray) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = u.shape[0]
-        q = ops.linear(u, w[b + "attn_q.weight"]).reshape(n, hp.n_head, hp.head_dim)
-        k = ops.linear(u, w[b + "attn_k.weight"]).reshape(n, hp.n_head_kv, hp.head_dim)
-        v = ops.linear(u, w[b + "attn_v.weight"]).reshape(n, hp.n_head_kv, hp.head_dim)
+        q = ops.linear(u, w[b + "attn_q.weight"]).reshape(n, hp.n_head, hp.hd(il))
         q = ops.head_rms_norm(q, w[b + "attn_q_norm.weight"], hp.norm_eps)
-        k = ops.head_rms_norm(k, w[b + "attn_k_norm.weight"], hp.norm_eps)
-        cs = self.rope(positions)
+        cs = self.ropes[il](positions)
         q = ops.apply_rope(q, mode="neox", cos_sin=cs)
-        k = ops.apply_rope(k, mode="neox", cos_sin=cs)
+        k, v = self.kv(il, u, cs)
         # the block's K/V join the cache for this forward only (rolled back by forward_block)
         kc, vc, kpos = cache.update(il, seq, positions, k, v)
         window = hp.sliding_window if hp.swa_layers[il] else None
-        out = ops.attention(q, kc, vc, q_pos=positions, k_pos=kpos, scale=self.scale,
+        out = ops.attention(q, kc, vc, q_pos=positions, k_pos=kpos, scale=self.scales[il],
                             causal=hp.causal_layers[il], sliding_window=window, sinks=w.get(b + "attn_sinks.weight"))
         return ops.linear(out.reshape(n, -1), w[b + "attn_output.weight"])
 

@@ -25,7 +25,7 @@ def tiny_draft_metadata(variant: str = "dflash", *, n_embd: int = 64, n_vocab: i
                         n_head: int = 4, n_head_kv: int = 2, head_dim: int | None = None, n_ff: int = 96,
                         taps: Any = (1, 2), block_size: int = 8, mask_token: int | None = None,
                         sliding_window: int = 0, swa_pattern: Any = None, causal: bool | None = None,
-                        tied: bool = False, conv_kernel: int = 2, conv_group: int = 8, selector_rank: int = 8,
+                        tied: bool | None = None, conv_kernel: int = 2, conv_group: int = 8, selector_rank: int = 8,
                         selector_top_k: int = 4, logit_scale: float = 0.0, softcap: float = 0.0,
                         lilicorr: Mapping[str, Any] | None = None, rope_base: float = 10000.0,
                         mask_key: str = C.KEY_MASK_TOKEN_TOK) -> dict[str, Any]:
@@ -54,8 +54,8 @@ def tiny_draft_metadata(variant: str = "dflash", *, n_embd: int = 64, n_vocab: i
         md[f"{a}.{C.KEY_SWA_PATTERN}"] = list(swa_pattern) if swa_pattern is not None else [True] * n_layer
     if causal is not None:
         md[f"{a}.{C.KEY_CAUSAL}"] = bool(causal)
-    if tied:
-        md[f"{a}.{C.KEY_TIED}"] = True
+    if tied is not None:  # absent: llama.cpp's rule (an own embedding without an own head is the head)
+        md[f"{a}.{C.KEY_TIED}"] = bool(tied)
     if logit_scale:
         md[f"{a}.{C.KEY_LOGIT_SCALE}"] = float(logit_scale)
     if softcap:
@@ -90,12 +90,15 @@ def _marker_names(variant: str) -> list[str]:
 
 
 def random_draft_tensors(md: Mapping[str, Any], variant: str, *, seed: int = 0, scale: float = 0.2,
-                         own_embd: bool = False, own_head: bool = False) -> dict[str, np.ndarray]:
+                         own_embd: bool = False, own_head: bool = False, k_eq_v: Any = (),
+                         gemma_norms: bool = False) -> dict[str, np.ndarray]:
     """Random weights for every tensor the metadata declares (norm weights around 1, optional tensors
-    only when asked: ``own_embd`` / ``own_head``)."""
+    only when asked: ``own_embd`` / ``own_head``; every layer has ``attn_v`` except those in ``k_eq_v``;
+    ``gemma_norms``: the post-attention / post-FFN norms and the layer output scale of Gemma 4 layers)."""
     hp = load_hparams(md, "tiny-draft", _marker_names(variant))
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
+    gemma = (C.T_POST_ATTN_NORM, C.T_POST_FFN_NORM, C.T_LAYER_OUT_SCALE)
     for spec in tensor_specs(hp):
         name = spec.name
         if not spec.required:
@@ -103,10 +106,18 @@ def random_draft_tensors(md: Mapping[str, Any], variant: str, *, seed: int = 0, 
                 continue
             if name == C.T_OUTPUT and not own_head:
                 continue
-            if name not in (C.T_TOKEN_EMBD, C.T_OUTPUT):
-                continue  # sinks, input scales, biases: not by default
+            if name.endswith(".attn_v.weight"):
+                if int(name.split(".")[1]) in set(k_eq_v):
+                    continue
+            elif name.endswith(gemma) and name.startswith("blk."):
+                if not gemma_norms:
+                    continue
+            elif name not in (C.T_TOKEN_EMBD, C.T_OUTPUT):
+                continue  # sinks, input scales, biases, rope_freqs: not by default
         shape = tuple(spec.shape)
-        if name.endswith("norm.weight") and len(shape) == 1:
+        if name.endswith(C.T_LAYER_OUT_SCALE):
+            out[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        elif name.endswith("norm.weight") and len(shape) == 1:
             out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         elif name.endswith(("_conv_base",)):
             out[name] = (0.3 * rng.standard_normal(shape)).astype(np.float32)
@@ -140,13 +151,61 @@ def with_scales(tensors: Mapping[str, np.ndarray], seed: int = 1) -> dict[str, n
 
 def write_tiny_draft(path: str | Path, variant: str = "dflash", *, seed: int = 0, own_embd: bool = False,
                      own_head: bool = False, scales: bool = False, extra_tensors: Mapping[str, np.ndarray] | None = None,
-                     scale: float = 0.2, **md_kw: Any) -> Path:
+                     scale: float = 0.2, extra_metadata: Mapping[str, Any] | None = None, **md_kw: Any) -> Path:
     from plinth.convert import write_gguf
 
     md = tiny_draft_metadata(variant, **md_kw)
+    md.update(extra_metadata or {})
     tensors = random_draft_tensors(md, variant, seed=seed, own_embd=own_embd, own_head=own_head, scale=scale)
     if scales:
         tensors = with_scales(tensors)
+    tensors.update(extra_tensors or {})
+    return write_gguf(path, md, tensors)
+
+
+def gemma4_draft_metadata(*, n_embd: int = 64, n_vocab: int = 257, n_head: int = 4, head_dim: int = 32,
+                          head_dim_swa: int = 16, n_head_kv: int = 2, n_head_kv_full: int = 1,
+                          layer_types: Any = ("sliding_attention", "full_attention"), sliding_window: int = 4,
+                          partial_rotary: float = 0.25, rope_base: float = 1e6, rope_base_swa: float = 1e4,
+                          **kw: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Metadata of a Gemma-4-backbone dflash draft (as plinth's converter writes one from a ``gemma4_text``
+    backbone: sliding layers of head size ``head_dim_swa`` with their own RoPE, full layers of ``head_dim``
+    with proportional RoPE and K = V, V norms, GELU, embeddings times sqrt(E), attention scale 1) and its
+    ``rope_freqs`` tensor."""
+    a = C.ARCH
+    swa = [t == "sliding_attention" for t in layer_types]
+    md = tiny_draft_metadata("dflash", n_embd=n_embd, n_vocab=n_vocab, n_layer=len(swa), n_head=n_head,
+                             n_head_kv=n_head_kv, head_dim=head_dim, rope_base=rope_base,
+                             sliding_window=sliding_window if any(swa) else 0, swa_pattern=swa, **kw)
+    md[f"{a}.attention.head_count_kv"] = [n_head_kv if s else n_head_kv_full for s in swa]
+    md[f"{a}.{C.KEY_EMBD_SCALE}"] = float(n_embd) ** 0.5
+    md[f"{a}.{C.KEY_ATTN_SCALE}"] = 1.0
+    md[f"{a}.{C.KEY_HIDDEN_ACT}"] = "gelu_pytorch_tanh"
+    md[f"{a}.{C.KEY_VALUE_NORM}"] = True
+    if any(swa):
+        md[f"{a}.attention.key_length_swa"] = head_dim_swa
+        md[f"{a}.attention.value_length_swa"] = head_dim_swa
+        md[f"{a}.rope.freq_base_swa"] = float(rope_base_swa)
+        md[f"{a}.rope.dimension_count_swa"] = head_dim_swa
+    n_rot = int(head_dim * partial_rotary) // 2
+    factors = np.array([1.0] * n_rot + [1e30] * (head_dim // 2 - n_rot), dtype=np.float32)
+    return md, {C.T_ROPE_FREQS: factors}
+
+
+def write_tiny_gemma4_draft(path: str | Path, *, seed: int = 0, own_embd: bool = False, own_head: bool = False,
+                            k_eq_v: bool = True, scale: float = 0.2, extra_tensors: Any = None,
+                            **kw: Any) -> Path:
+    """A random Gemma-4-backbone DFlash draft (:func:`gemma4_draft_metadata`); ``k_eq_v``: the full layers
+    have no ``attn_v`` (Gemma 4's attention_k_eq_v)."""
+    from plinth.convert import write_gguf
+
+    md, extra = gemma4_draft_metadata(**kw)
+    swa = md[f"{C.ARCH}.{C.KEY_SWA_PATTERN}"] if f"{C.ARCH}.{C.KEY_SWA_PATTERN}" in md else []
+    n_layer = int(md[f"{C.ARCH}.block_count"])
+    full = [il for il in range(n_layer) if not (swa and swa[il])] if k_eq_v else []
+    tensors = random_draft_tensors(md, "dflash", seed=seed, own_embd=own_embd, own_head=own_head, scale=scale,
+                                   k_eq_v=full, gemma_norms=True)
+    tensors.update(extra)
     tensors.update(extra_tensors or {})
     return write_gguf(path, md, tensors)
 

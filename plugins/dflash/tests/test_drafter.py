@@ -265,10 +265,13 @@ def test_head_selection(drafter, targets, draft_file, tmp_path):
     assert not tied.requirements().shares_embedding and not tied.requirements().shares_head
     shared = drafter()
     assert shared.head_source == "target" and shared.graph.head is t.target_view().head_weight
-    # an own embedding without the tied flag does not become the head
-    untied = drafter(own_embd=True)
+    # an own embedding with the tied flag false does not become the head ...
+    untied = drafter(own_embd=True, tied=False)
     assert untied.head_source == "target" and untied.graph.embed_table is untied.draft_file.weights[
         "token_embd.weight"]
+    # ... and without the flag it does (llama.cpp's loader: no output.weight, token_embd present -> tied)
+    implicit = drafter(own_embd=True)
+    assert implicit.head_source == "tied" and implicit.graph.head is implicit.draft_file.weights["token_embd.weight"]
     md = tiny_draft_metadata(taps=(1, 3), tied=True, n_vocab=257)
     tens = random_draft_tensors(tiny_draft_metadata(taps=(1, 3), n_vocab=257), "dflash")
     from plinth.convert import write_gguf

@@ -135,7 +135,7 @@ def test_attention_scale_replaces_one_over_sqrt_head_dim(targets, tmp_path):
             ts[f"blk.{il}.attn_q_norm.weight"] = ts[f"blk.{il}.attn_q_norm.weight"] * np.float32(s * HD ** 0.5)
 
     keyed = graph(targets, write(tmp_path, "keyed", md={"attention.scale": s}))
-    assert keyed.scale == pytest.approx(s)
+    assert keyed.scales == pytest.approx([s, s])
     folded = graph(targets, write(tmp_path, "folded", edit=scaled_q))
     np.testing.assert_allclose(block(keyed), block(folded), rtol=1e-4, atol=1e-5)
 
@@ -154,7 +154,7 @@ def test_embedding_scale_multiplies_the_block_embeddings(targets, tmp_path):
 def test_rope_freqs_divide_each_pair_frequency(targets, tmp_path):
     factors = np.linspace(1.0, 4.0, HD // 2).astype(np.float32)
     g = graph(targets, write(tmp_path, "freqs", tensors={"rope_freqs.weight": factors}))
-    cos, sin = (np.asarray(t) for t in g.rope(np.arange(6)))
+    cos, sin = (np.asarray(t) for t in g.ropes[0](np.arange(6)))
     i = np.arange(HD // 2)
     angle = np.arange(6)[:, None] * (10000.0 ** (-2.0 * i / HD))[None, :] / factors[None, :].astype(np.float64)
     np.testing.assert_allclose(cos, np.cos(angle), atol=1e-6)
