@@ -8,8 +8,19 @@ not just a token, so :meth:`Sampler.probs` returns the whole normalised
 Filter order (the same as llama.cpp's default chain, which puts temperature
 after the truncation samplers)::
 
-    repetition penalty -> top-k -> top-p -> min-p -> temperature -> softmax
+    logit bias -> grammar mask -> repetition penalty -> frequency / presence penalties
+    -> top-k -> top-p -> min-p -> temperature -> softmax
 
+* logit bias (OpenAI's ``logit_bias``): a constant added to chosen tokens' logits
+  (-100 bans a token in practice, +100 all but forces it).
+* grammar mask: a token the request's grammar forbids gets ``-inf`` (a
+  :class:`plinth.grammar.ConstraintState` or a bool mask passed as ``constraint``);
+  greedy decoding checks the unmasked argmax first and builds the whole mask only
+  when the grammar refuses it (the same token either way).
+* frequency / presence penalties (OpenAI's definitions): with ``c[j]`` the number
+  of times token ``j`` was sampled so far in this generation (the prompt does not
+  count: ``history[n_prompt:]``), ``logit[j] -= c[j] * frequency_penalty +
+  (c[j] > 0) * presence_penalty``.
 * repetition penalty (CTRL / llama.cpp style): for every distinct token among
   the last ``repeat_last_n`` of ``history``, a positive logit is divided by the
   penalty and a negative one multiplied by it.
@@ -35,7 +46,8 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
-__all__ = ["SamplerConfig", "SampleResult", "Sampler", "apply_repetition_penalty"]
+__all__ = ["SamplerConfig", "SampleResult", "Sampler", "apply_repetition_penalty", "apply_penalties",
+           "apply_logit_bias"]
 
 
 def _nonneg(_inst, attr, value):
@@ -53,6 +65,31 @@ def _positive(_inst, attr, value):
         raise ValueError(f"{attr.name} must be > 0, got {value}")
 
 
+def _penalty(_inst, attr, value):
+    if not -2.0 <= value <= 2.0:  # OpenAI's range
+        raise ValueError(f"{attr.name} must be in [-2, 2], got {value}")
+
+
+def _bias_items(value: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token id, bias)`` pairs, from a mapping or pairs (JSON keys may be strings)."""
+    if value is None:
+        return ()
+    items = value.items() if hasattr(value, "items") else value
+    out: dict[int, float] = {}
+    for k, v in items:
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        if isinstance(k, float) or tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+        b = float(v)
+        if not -100.0 <= b <= 100.0:  # OpenAI's range
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {tid}")
+        out[tid] = b
+    return tuple(sorted(out.items()))
+
+
 @attrs.frozen
 class SamplerConfig:
     """Sampling settings; every filter has a value that turns it off (the defaults)."""
@@ -64,10 +101,19 @@ class SamplerConfig:
     repetition_penalty: float = attrs.field(default=1.0, converter=float, validator=_positive)  # 1 = off
     repeat_last_n: int = attrs.field(default=64, converter=int, validator=_nonneg)  # 0 = no penalty
     seed: int | None = None
+    frequency_penalty: float = attrs.field(default=0.0, converter=float, validator=_penalty)  # 0 = off
+    presence_penalty: float = attrs.field(default=0.0, converter=float, validator=_penalty)  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_bias_items)  # () = off
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_logits(self) -> bool:
+        """No transform before the truncation filters: greedy is the raw logits' argmax."""
+        return (self.repetition_penalty == 1.0 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
+                and not self.logit_bias)
 
 
 @attrs.frozen
@@ -98,15 +144,47 @@ def apply_repetition_penalty(
     return out
 
 
-class Sampler:
-    """Draws tokens according to a :class:`SamplerConfig`, reproducibly from its seed."""
+def apply_logit_bias(logits: np.ndarray, bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """A copy of ``logits`` with ``bias`` ((token id, value) pairs) added; ``logits`` itself when empty."""
+    if not bias:
+        return logits
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+    if ids.max() >= logits.shape[0]:
+        raise ValueError(f"logit_bias names token {int(ids.max())}, past the vocabulary of {logits.shape[0]}")
+    out = logits.copy()
+    out[ids] += np.fromiter((b for _, b in bias), dtype=np.float64, count=len(bias)).astype(out.dtype)
+    return out
 
-    def __init__(self, config: SamplerConfig | None = None, **kwargs):
+
+def apply_penalties(logits: np.ndarray, generated: Sequence[int] | np.ndarray | None, frequency: float,
+                    presence: float) -> np.ndarray:
+    """OpenAI's frequency / presence penalties over the tokens ``generated`` so far (a copy; ``logits``
+    itself when both are 0 or nothing was generated)."""
+    if (frequency == 0.0 and presence == 0.0) or generated is None or len(generated) == 0:
+        return logits
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    keep = (ids >= 0) & (ids < logits.shape[0])
+    ids, counts = ids[keep], counts[keep]
+    out = logits.copy()
+    out[ids] -= (counts * frequency + presence).astype(out.dtype)
+    return out
+
+
+class Sampler:
+    """Draws tokens according to a :class:`SamplerConfig`, reproducibly from its seed.
+
+    ``n_prompt``: how many leading tokens of the ``history`` passed to each call are the prompt; the
+    frequency and presence penalties count only the tokens after them (the ones sampled). It must be
+    set (here or as the attribute, before each generation) when either penalty is on.
+    """
+
+    def __init__(self, config: SamplerConfig | None = None, *, n_prompt: int | None = None, **kwargs):
         if config is None:
             config = SamplerConfig(**kwargs)
         elif kwargs:
             config = attrs.evolve(config, **kwargs)
         self.config = config
+        self.n_prompt = n_prompt
         self.rng = np.random.default_rng(config.seed)
 
     def reseed(self, seed: int | None) -> None:
@@ -114,13 +192,32 @@ class Sampler:
 
     # ------------------------------------------------------------------ core
 
-    def _candidates(self, logits: np.ndarray, history) -> tuple[np.ndarray, np.ndarray] | int:
-        """Kept token ids and their (penalised, temperature-1) logits; an int for greedy."""
+    def _logits(self, logits: np.ndarray, history) -> np.ndarray:
+        """The logits after bias and penalties (no copy when none applies)."""
         cfg = self.config
         x = np.asarray(logits)
         if x.ndim != 1:
             raise ValueError(f"logits must be 1-D [n_vocab], got shape {x.shape}")
+        x = apply_logit_bias(x, cfg.logit_bias)
         x = apply_repetition_penalty(x, history, cfg.repetition_penalty, cfg.repeat_last_n)
+        if cfg.frequency_penalty != 0.0 or cfg.presence_penalty != 0.0:
+            if self.n_prompt is None:
+                raise ValueError("frequency / presence penalties need the prompt's length (Sampler.n_prompt) to "
+                                 "tell sampled tokens from the prompt")
+            gen = None if history is None else np.asarray(history, dtype=np.int64).ravel()[self.n_prompt:]
+            x = apply_penalties(x, gen, cfg.frequency_penalty, cfg.presence_penalty)
+        return x
+
+    def _candidates(self, logits: np.ndarray, history, constraint: Any = None) -> tuple[np.ndarray, np.ndarray] | int:
+        """Kept token ids and their (penalised, temperature-1) logits; an int for greedy."""
+        cfg = self.config
+        x = self._logits(logits, history)
+        if constraint is not None:
+            if cfg.greedy and not isinstance(constraint, np.ndarray):
+                t = int(np.argmax(x))  # the unmasked choice stands when the grammar allows it
+                if constraint.allows(t):
+                    return t
+            x = _masked(x, constraint)
         if cfg.greedy:
             return int(np.argmax(x))
         n = x.shape[0]
@@ -145,19 +242,21 @@ class Sampler:
                 vals, ids = vals[keep], ids[keep]
         return ids, vals
 
-    def _kept(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None) -> Any:
+    def _kept(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None, constraint: Any = None) -> Any:
         """The candidates after all filters and their tempered probabilities: (ids or None for all,
         p), or the token id alone where the choice is certain (greedy)."""
-        c = self._candidates(logits, history)
+        c = self._candidates(logits, history, constraint)
         if isinstance(c, int):
             return c
         ids, vals = c
         return ids, _softmax(vals / self.config.temperature)
 
-    def probs(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-        """The full normalised float64 distribution over the vocabulary after all filters."""
+    def probs(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None,
+              constraint: Any = None) -> np.ndarray:
+        """The full normalised float64 distribution over the vocabulary after all filters (and the mask
+        of ``constraint``: a :class:`plinth.grammar.ConstraintState` or a bool array of allowed tokens)."""
         n = np.asarray(logits).shape[-1]
-        k = self._kept(logits, history)
+        k = self._kept(logits, history, constraint)
         out = np.zeros(n, dtype=np.float64)
         if isinstance(k, int):
             out[k] = 1.0
@@ -168,10 +267,11 @@ class Sampler:
         out[ids] = p
         return out
 
-    def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> SampleResult:
+    def sample(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None,
+               constraint: Any = None) -> SampleResult:
         """Draw one token; also return the distribution it came from."""
         n = np.asarray(logits).shape[-1]
-        k = self._kept(logits, history)
+        k = self._kept(logits, history, constraint)
         out = np.zeros(n, dtype=np.float64)
         if isinstance(k, int):
             out[k] = 1.0
@@ -183,10 +283,12 @@ class Sampler:
         out[ids] = p
         return SampleResult(int(ids[j]), out)
 
-    def token(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None) -> int:
-        """``sample(logits, history).token`` (the same draw from the generator) without building the
-        distribution over the whole vocabulary: what a decode loop needs."""
-        k = self._kept(logits, history)
+    def token(self, logits: np.ndarray, history: Sequence[int] | np.ndarray | None = None,
+              constraint: Any = None) -> int:
+        """``sample(logits, history, constraint).token`` (the same draw from the generator) without building
+        the distribution over the whole vocabulary: what a decode loop needs. The constraint's state is not
+        advanced here: the caller advances it over the tokens it keeps."""
+        k = self._kept(logits, history, constraint)
         if isinstance(k, int):
             return k
         ids, p = k
@@ -199,8 +301,18 @@ class Sampler:
         u = self.rng.random() * cum[-1]
         return int(min(np.searchsorted(cum, u, side="right"), p.shape[0] - 1))
 
-    def __call__(self, logits, history=None) -> int:
-        return self.token(logits, history)
+    def __call__(self, logits, history=None, constraint=None) -> int:
+        return self.token(logits, history, constraint)
+
+
+def _masked(x: np.ndarray, constraint: Any) -> np.ndarray:
+    """``x`` with ``-inf`` where the constraint (a state with ``mask()`` or a bool array) forbids."""
+    m = constraint if isinstance(constraint, np.ndarray) else constraint.mask()
+    if m.shape[0] != x.shape[0]:
+        raise ValueError(f"the grammar mask covers {m.shape[0]} tokens, the logits {x.shape[0]}")
+    if not m.any():
+        raise ValueError("the grammar allows no token here")
+    return np.where(m, x, -np.inf).astype(x.dtype, copy=False)
 
 
 def _top_p(vals: np.ndarray, ids: np.ndarray, m: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
