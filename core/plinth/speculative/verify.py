@@ -13,6 +13,14 @@ filters), and return a :class:`VerifyResult`.
   token drawn from ``max(0, p_i - q_i)`` renormalised; when everything is
   accepted it draws the bonus token from ``p_k``. Every emitted token is then
   distributed exactly as plain sampling from ``p`` would draw it.
+
+:func:`verify_draft` is the step a decode loop calls: it builds ``p`` from the target's logits rows
+through the request's sampler (logit bias, penalties, filters) and, for a request with a grammar,
+through its mask: row ``i`` is masked by the grammar's state after ``d_1..d_i``, so a drafted token
+the grammar forbids has probability 0 and is rejected, and the output equals constrained plain
+decoding. The greedy rule walks the rows in order (row ``i`` is needed only when ``d_1..d_i`` were
+kept); other rules get every row up to the first forbidden draft, the grammar's state advanced over
+the draft and rolled back to what was kept.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ class RejectionVerifier:
         for i, d in enumerate(int(t) for t in draft_tokens):
             pd = p[i, d]
             qd = 1.0 if q is None else q[i, d]
-            if qd > 0.0 and rng.random() * qd <= pd:  # u <= p/q without dividing
+            if pd > 0.0 and qd > 0.0 and rng.random() * qd <= pd:  # u <= p/q without dividing
                 continue
             if q is None:  # one-hot q: the residual is p with d removed
                 residual = p[i].copy()
@@ -90,6 +98,49 @@ def _draw(p: np.ndarray, rng: Any) -> int:
     cum = np.cumsum(p)
     u = rng.random() * cum[-1]
     return int(min(np.searchsorted(cum, u, side="right"), p.shape[0] - 1))
+
+
+def verify_draft(verifier: Any, sampler: Any, draft_tokens: Sequence[int], draft_probs: Any, logits: Any,
+                 history: Sequence[int], rng: Any, constraint: Any = None) -> VerifyResult:
+    """Verify one sequence's draft from the target's logits rows ``[k + 1, n_vocab]``.
+
+    ``sampler``: the request's :class:`plinth.sampling.Sampler`; ``history``: its tokens before the
+    draft (prompt and output); ``constraint``: its :class:`plinth.grammar.ConstraintState` or None.
+    With a constraint, the state is left advanced over the kept drafts and the next token.
+    """
+    draft = [int(t) for t in draft_tokens]
+    k = len(draft)
+    lg = np.asarray(logits)
+    hist = list(history)
+    if constraint is None:
+        if isinstance(verifier, GreedyVerifier) and sampler.config.greedy and sampler.config.plain_logits:
+            return GreedyVerifier.verify_argmax(draft, lg.argmax(axis=-1))
+        probs = np.stack([sampler.probs(lg[i], hist + draft[:i]) for i in range(k + 1)])
+        return verifier.verify(draft, draft_probs, probs, rng)
+    if isinstance(verifier, GreedyVerifier) and sampler.config.greedy:
+        for i in range(k + 1):
+            t = sampler.token(lg[i], hist + draft[:i], constraint)
+            constraint.advance(t)
+            if i == k or t != draft[i]:
+                return VerifyResult(i, t)
+    rows = []
+    m = 0  # drafted tokens consumed by the grammar
+    for i in range(k + 1):
+        rows.append(sampler.probs(lg[i], hist + draft[:i], constraint))
+        if i == k or not constraint.allows(draft[i]):
+            break
+        constraint.advance(draft[i])
+        m += 1
+    while len(rows) < k + 1:  # past a forbidden draft: never read (that draft is rejected for sure)
+        rows.append(rows[-1])
+    res = verifier.verify(draft, draft_probs, np.stack(rows), rng)
+    a = int(res.n_accepted)
+    if a > m:
+        raise RuntimeError(f"verifier {getattr(verifier, 'name', verifier)!r} accepted a drafted token the "
+                           "grammar forbids")
+    constraint.rollback(m - a)
+    constraint.advance(int(res.next_token))
+    return res
 
 
 BUILTIN_VERIFIERS = {"greedy": GreedyVerifier, "rejection": RejectionVerifier}
