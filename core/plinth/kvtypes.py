@@ -310,6 +310,12 @@ def encode_row(x: np.ndarray, code: int, out: np.ndarray) -> None:
 def decode_row(src: np.ndarray, code: int, out: np.ndarray) -> None:
     """Row ``src`` (uint8, type ``code``) into ``out`` (float32 [n]): gguf-py's dequantize, bit for bit."""
     n = out.shape[0]
+    if code == 0:  # float32 bytes (a field kept as float32 beside a typed one)
+        for i in range(n):
+            b = (np.uint32(src[4 * i]) | (np.uint32(src[4 * i + 1]) << np.uint32(8))
+                 | (np.uint32(src[4 * i + 2]) << np.uint32(16)) | (np.uint32(src[4 * i + 3]) << np.uint32(24)))
+            out[i] = np.uint32(b).view(np.float32)
+        return
     if code == 1:
         for i in range(n):
             out[i] = _get_f16(src, 2 * i)

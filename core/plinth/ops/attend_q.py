@@ -1,0 +1,178 @@
+"""Attention over a typed K/V cache (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1: :mod:`plinth.kvtypes`),
+reading the stored blocks directly: no float32 copy of the cache is made.
+
+A task is one query row and a run of the query heads that share a kv head (as in
+:mod:`plinth.ops.compiled`). For each of its keys the task unpacks that key's row of its kv head
+(``hd`` values, gguf-py's dequantization) into a buffer of the task's own and takes every query
+head's dot product with it; the softmax is the plain two-pass one; then each value row with a
+non-zero weight is unpacked once for the run and added into each head's sums. A row's trailing
+masked keys (a verify batch's later rows) are left out before anything is summed, so a row's
+arithmetic is the same whether it runs alone or beside other rows and sequences: the same bits
+(``tests/test_attend_q.py``).
+
+Queries and outputs are in the cache's rotated space when the cache turns its rows
+(:class:`plinth.kvtypes.Codec`): :func:`attention_rows_q` turns the queries in and the outputs back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import carray, njit, prange
+
+from ..kvtypes import decode_row
+from ..quant.jitcache import f32_at, u8_at
+
+_FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
+
+
+@njit(cache=True, nogil=True)
+def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
+    g = 0
+    while j >= table[g, 1] - table[g, 0]:
+        j -= table[g, 1] - table[g, 0]
+        g += 1
+    return g, table[g, 0] + j
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: int, vcode: int,
+          kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32) -> None:
+    n_head, hd = q.shape[1], q.shape[2]
+    hd_v = out.shape[2]
+    per_kv = n_head // n_head_kv
+    runs = (per_kv + run - 1) // run
+    j = t // (n_head_kv * runs)
+    rest = t - j * n_head_kv * runs
+    hk = rest // runs
+    h0 = hk * per_kv + (rest - hk * runs) * run
+    n_q = min(run, (hk + 1) * per_kv - h0)
+    g, r = _selected(table, j)
+    n = table[g, 2]
+    has_bias = table[g, 5] != 0
+    bias = carray(f32_at(table[g, 5] + (r - table[g, 0]) * n * 4 if has_bias else table[g, 3]),
+                  (n if has_bias else 0,))
+    if has_bias:
+        while n > 1 and bias[n - 1] == -np.inf:  # the row's trailing masked keys
+            n -= 1
+    kb = carray(u8_at(table[g, 3]), (n * n_head_kv * kbytes,))
+    vb = carray(u8_at(table[g, 4]), (n * n_head_kv * vbytes,))
+    s = np.empty((n_q, n), dtype=np.float32)
+    kbuf = np.empty(hd, dtype=np.float32)
+    vbuf = np.empty(hd_v, dtype=np.float32)
+    o = np.zeros((n_q, hd_v), dtype=np.float32)
+    mx = np.full(n_q, -np.inf, dtype=np.float32)
+    for jj in range(n):
+        at = (jj * n_head_kv + hk) * kbytes
+        decode_row(kb[at:at + kbytes], kcode, kbuf)
+        for qi in range(n_q):
+            a = np.float32(0.0)
+            for d in range(hd):
+                a += q[r, h0 + qi, d] * kbuf[d]
+            a = a * sc
+            if cap > 0:
+                a = np.float32(math.tanh(a / cap)) * cap
+            if has_bias:
+                a += bias[jj]
+            s[qi, jj] = a
+            if a > mx[qi]:
+                mx[qi] = a
+    for qi in range(n_q):
+        if mx[qi] == -np.inf:  # sees no key: zeros
+            continue
+        den = np.float32(0.0)
+        for jj in range(n):
+            p = np.float32(math.exp(s[qi, jj] - mx[qi]))
+            s[qi, jj] = p
+            den += p
+        mx[qi] = np.float32(1.0) / den
+    for jj in range(n):
+        live = False
+        for qi in range(n_q):
+            if mx[qi] != -np.inf and s[qi, jj] != 0:
+                live = True
+        if not live:
+            continue
+        at = (jj * n_head_kv + hk) * vbytes
+        decode_row(vb[at:at + vbytes], vcode, vbuf)
+        for qi in range(n_q):
+            if mx[qi] == -np.inf:
+                continue
+            p = s[qi, jj]
+            if p != 0:
+                for d in range(hd_v):
+                    o[qi, d] += p * vbuf[d]
+    for qi in range(n_q):
+        inv = mx[qi]
+        for d in range(hd_v):
+            out[r, h0 + qi, d] = np.float32(0.0) if inv == -np.inf else o[qi, d] * inv
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: int, vcode: int, kbytes: int,
+                      vbytes: int, scale: float, soft_cap: float, out: np.ndarray, n_threads: int) -> None:
+    """The parallel region of :func:`attention_rows_q`: ``table`` int64 [n_groups, 6] as
+    :func:`plinth.ops.attention_rows` takes it, its K / V addresses those of uint8 buffers of
+    ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` / ``vcode``."""
+    n_groups = table.shape[0]
+    n_head = q.shape[1]
+    n_sel = 0
+    for g in range(n_groups):
+        n_sel += table[g, 1] - table[g, 0]
+    per_kv = n_head // n_head_kv
+    run = per_kv
+    while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
+        run = (run + 1) // 2
+    n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
+    sc, cap = np.float32(scale), np.float32(soft_cap)
+    for t in prange(n_tasks):
+        _task(t, q, out, table, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap)
+
+
+def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcodec, vcodec, scale: float,
+                     soft_cap: float | None = None) -> np.ndarray:
+    """:func:`plinth.ops.attention_rows` for a typed cache: ``kcodec`` / ``vcodec`` the
+    :class:`plinth.kvtypes.Codec` of the K and V buffers (None: float32). The queries ``q`` [n_rows,
+    n_head, hd] are in the model's space; they are turned into the keys' space here and the outputs
+    turned back from the values'. Returns [n_rows, n_head, hd_v]."""
+    from ..kvtypes import CACHE_TYPES, rotate
+    from .attention import _threads
+
+    f32 = CACHE_TYPES["f32"]
+    kt = kcodec.type if kcodec is not None else f32
+    vt = vcodec.type if vcodec is not None else f32
+    hd = q.shape[2]
+    qr = rotate(np.ascontiguousarray(q, dtype=np.float32), kcodec.rot if kcodec is not None else 0)
+    qr = np.ascontiguousarray(qr, dtype=np.float32)
+    out = np.empty((q.shape[0], q.shape[1], hd_v), dtype=np.float32)
+    if not (isinstance(table, np.ndarray) and table.dtype == np.int64 and table.flags.c_contiguous):
+        table = np.ascontiguousarray(table, dtype=np.int64)
+    attention_table_q(qr, table, n_head_kv, kt.code, vt.code, kt.row_bytes(hd), vt.row_bytes(hd_v), float(scale),
+                      float(soft_cap or 0.0), out, _threads())
+    return rotate(out, vcodec.rot) if vcodec is not None and vcodec.rot else out
+
+
+def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: bool, step, scale: float,
+                      window: int, soft_cap: float | None) -> np.ndarray:
+    """:func:`plinth.graph.attend`'s few-rows path for a typed :class:`plinth.cache.KV`: this forward's K / V
+    rows are turned and packed once for the batch (:meth:`plinth.cache.Rows.encode`), copied into each
+    sequence's buffers, and :func:`attention_rows_q` reads every sequence's stored blocks in one call."""
+    from ..graph import _bias_column
+
+    groups = step.groups
+    if not shared:
+        ke, ve = kv.encode(k, v)
+        positions = step.batch.positions
+        shapes = (k.shape[1:], v.shape[1:])
+        for seq, sel in groups:
+            kv.append_stored(seq, positions[sel], shapes, ke[sel], ve[sel])
+    table = kv.rows_table(groups)
+    table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
+                            lambda: _bias_column(step, kv, table[:, 2], window))
+    kb = kv.buffers(groups[0][0])[0]
+    kc, vc = kv.codecs
+    hd_v = kv.widths[1]
+    if kv.widths[0] != q.shape[2]:
+        raise ValueError(f"attention: the cached keys have head size {kv.widths[0]}, the queries {q.shape[2]}")
+    return attention_rows_q(q, table, kb.shape[1], hd_v, kc, vc, scale, soft_cap)
