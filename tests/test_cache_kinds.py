@@ -6,6 +6,8 @@ and was cut (or restored) must equal, array for array, a cache that never wrote 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -18,12 +20,17 @@ def rows(n, *shape):
     return RNG.standard_normal((n, *shape)).astype(np.float32)
 
 
-def forward(cache, seq, positions, write):
-    """One forward unit: begin, write every layer, commit."""
+def rows_of(seq, positions):
+    """What Cache.forward reads of a batch: its rows' positions and sequences."""
     positions = np.asarray(positions, np.int64)
-    cache.begin(positions, np.full(len(positions), seq))
-    write(positions)
-    cache.commit()
+    return SimpleNamespace(positions=positions, seq_ids=np.full(len(positions), seq))
+
+
+def forward(cache, seq, positions, write):
+    """One forward's transaction: write every layer, committed at the end."""
+    batch = rows_of(seq, positions)
+    with cache.forward(batch):
+        write(batch.positions)
 
 
 def test_kv_append_cut_copy_restore_and_bytes():
@@ -58,12 +65,29 @@ def test_a_failed_forward_leaves_the_cache_unchanged():
     cache = Cache(1, layout=[(KV(), IndexerKeys())])
     forward(cache, 0, range(3), lambda p: (cache.kv(0).update(0, p, rows(3, 1, 2), rows(3, 1, 2)),
                                            cache.find(0, IndexerKeys).update(0, p, rows(3, 4))))
-    cache.begin(np.array([3]), np.array([0]))
-    cache.kv(0).update(0, np.array([3]), rows(1, 1, 2), rows(1, 1, 2))
-    assert len(cache.kv(0).get(0)[0]) == 4  # visible to the forward writing it
-    cache.rollback_pending()
-    assert cache.n_cached(0) == 3 and len(cache.kv(0).get(0)[0]) == 3
+    with pytest.raises(ZeroDivisionError):
+        with cache.forward(rows_of(0, [3])):
+            cache.kv(0).update(0, np.array([3]), rows(1, 1, 2), rows(1, 1, 2))
+            assert len(cache.kv(0).get(0)[0]) == 4  # visible to the forward writing it
+            1 / 0
+    assert cache.n_cached(0) == 3 and len(cache.kv(0).get(0)[0]) == 3 and not cache.in_forward
     assert len(cache.find(0, IndexerKeys).get(0)[0]) == 3
+    forward(cache, 0, [3], lambda p: cache.kv(0).update(0, p, rows(1, 1, 2), rows(1, 1, 2)))
+    assert cache.n_cached(0) == 4 and cache.next_position(0) == 4
+
+
+def test_one_forward_is_one_transaction():
+    """Cache.forward records the batch once, commits once; a nested forward is refused and leaves
+    the open one's rows to its own end."""
+    cache = Cache(1, layout=[(KV(),)])
+    with cache.forward(rows_of(0, [0, 1])):
+        cache.kv(0).update(0, np.arange(2), rows(2, 1, 2), rows(2, 1, 2))
+        with pytest.raises(RuntimeError, match="already open"):
+            with cache.forward(rows_of(0, [2])):
+                pass
+        assert cache.in_forward and cache.n_cached(0) == 0
+    assert not cache.in_forward and cache.n_cached(0) == 2
+    np.testing.assert_array_equal(cache.positions(0), [0, 1])
 
 
 def test_latent_and_indexer_keys_in_one_layer():

@@ -21,10 +21,13 @@ kind                what it keeps per sequence                  rollback
 ==================  ==========================================  ==============
 
 Every kind supports ``seq_rm`` (where it can: see :meth:`CacheKind.can_cut`),
-``seq_cp``, ``snapshot`` / ``restore``, ``clear`` and reports its bytes. Writes
-made during a forward are *pending* until :meth:`Cache.commit` (or dropped by
-:meth:`Cache.rollback_pending` when a layer raises), so a failed forward leaves
-the cache as it was.
+``seq_cp``, ``snapshot`` / ``restore``, ``clear`` and reports its bytes.
+
+One forward is one transaction on the cache, opened by ``with cache.forward(batch):``
+(:meth:`Cache.forward`): the batch's positions are recorded once, the writes the
+layers make are *pending* (visible to the forward that made them), and at the end of
+the block they become part of the cache, or are all dropped when the block raises, so
+a failed forward leaves the cache as it was.
 
 Speculative decoding asks the cache, not the architecture, how to undo a verify
 batch: :meth:`Cache.can_cut` says whether cutting at some position works after
@@ -34,7 +37,8 @@ rows ``start..end-1`` are added; when it does not, the engine takes a
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -701,7 +705,8 @@ class Cache:
     # -------------------------------------------------------------- tokens
 
     def begin(self, positions: np.ndarray, seq_ids: np.ndarray) -> None:
-        """A forward starts: these (position, sequence) rows are being added."""
+        """These (position, sequence) rows are being added (what :meth:`forward` does first; a graph
+        calls :meth:`forward`, not this)."""
         for seq in np.unique(seq_ids):
             seq = int(seq)
             self._pending[seq] = positions[seq_ids == seq]
@@ -761,7 +766,41 @@ class Cache:
         """The committed recurrent states of ``seq`` by layer."""
         return {k.layer: k._state[seq] for k in self.kinds() if isinstance(k, Recurrent) and seq in k._state}
 
-    # -------------------------------------------------------------- forward unit
+    # -------------------------------------------------------------- the forward transaction
+
+    @contextmanager
+    def forward(self, batch: Any) -> Iterator["Cache"]:
+        """One forward on this cache: ``with cache.forward(batch): <run the layers>``.
+
+        Records ``batch``'s (position, sequence) rows as being added, then on leaving the block
+        commits what the layers wrote (:meth:`commit`), or drops all of it if the block raises
+        (:meth:`rollback_pending`). One transaction is open at a time: a second ``forward``
+        inside the first is refused (it would count the batch twice).
+        """
+        with self._transaction():
+            self.begin(batch.positions, batch.seq_ids)
+            yield self
+
+    @contextmanager
+    def _transaction(self) -> Iterator["Cache"]:
+        """Commit on leaving the block, roll back if it raises (the rows' positions: :meth:`begin`)."""
+        if self._open:
+            raise RuntimeError("a forward is already open on this cache (Cache.forward does not nest)")
+        self._open = True
+        try:
+            yield self
+        except BaseException:
+            self.rollback_pending()
+            raise
+        else:
+            self.commit()
+        finally:
+            self._open = False
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a :meth:`forward` block is open."""
+        return self._open
 
     def commit(self) -> None:
         """End of a forward: everything written becomes part of the cache."""
@@ -795,14 +834,8 @@ class Cache:
         for k in self.kinds():
             if k.rollback == "snapshot" and (k.holds(seq) or end > start):
                 return "snapshot"
-            if k.rollback == "block":
-                assert isinstance(k, CompressedKV)
-                for p in range(start + 1, end):
-                    b = (p // k.ratio) * k.ratio
-                    if b < p and b + k.ratio <= end:  # the block around p is completed by this batch
-                        return "snapshot"
-                    if max(0, min(p - k.window, b)) < end - k.window - k.keep:
-                        return "snapshot"  # the raw rows the window at p needs may be trimmed
+            if k.rollback == "block" and not k.can_cut_after(seq, start, end):
+                return "snapshot"
         return "cut"
 
     def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:

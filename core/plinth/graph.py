@@ -6,8 +6,9 @@ An architecture plugin needs three things from the core, all here:
   feature taps out), the :class:`Cache` and its per-layer cache kinds (:class:`KV`,
   :class:`Latent`, :class:`IndexerKeys`, :class:`SharedKV`, :class:`CompressedKV`,
   :class:`Recurrent`);
-* the plumbing every graph repeats: :func:`run_layers` (the layer loop with feature taps,
-  committing the cache or rolling it back), :func:`seq_groups` (rows per sequence),
+* the plumbing every graph repeats: ``with cache.forward(batch):`` (:meth:`Cache.forward`: one
+  forward's transaction on the cache, committed at the end or rolled back if it raises),
+  :func:`run_layers` (the layer loop with feature taps), :func:`seq_groups` (rows per sequence),
   :func:`embed_rows` (token / embedding / mixed rows), :class:`Linear` (weights stacked on
   the output axis, multiplied through :func:`plinth.ops.linear`), :class:`LMHead` (tied or
   untied, logits only for rows that ask), :func:`pool`, :func:`attend` (per-sequence
@@ -491,8 +492,8 @@ class BaseGraph:
     ``layer(il, x, step) -> x`` (x: [n_rows, n_embd]); override :meth:`embed`,
     :meth:`final_norm` or :attr:`head` when the architecture differs (Gemma scales its
     embeddings; OLMo has no final RMSNorm weight...). :meth:`forward` does the rest: input
-    rows, the layer loop with taps and cache commit, the final norm and the LM head for the
-    output rows only (or pooling).
+    rows and the layer loop with taps inside one cache transaction (:meth:`Cache.forward`),
+    then the final norm and the LM head for the output rows only (or pooling).
 
     Attributes: hp, w (weights by GGUF name), backend, xp, head (:class:`LMHead`),
     embed_table ([n_vocab, n_embd]).
@@ -568,11 +569,11 @@ class BaseGraph:
                              f"got {start}..{stop}")
         if (x is None) != (start == 0):
             raise ValueError("the first stage embeds the batch (x=None); a later stage needs the residual rows")
-        cache.begin(batch.positions, batch.seq_ids)
-        step = self.step(batch, cache)
-        if x is None:
-            x = self.embed(batch)
-        x, features = run_layers(x, stop, lambda il, h: self.layer(il, h, step), cache, taps, start=start)
+        with cache.forward(batch):
+            step = self.step(batch, cache)
+            if x is None:
+                x = self.embed(batch)
+            x, features = run_layers(x, stop, lambda il, h: self.layer(il, h, step), cache, taps, start=start)
         if stop < n_layer:
             return x
         rows = np.nonzero(batch.output)[0]

@@ -64,7 +64,7 @@ class Context:
                                                                        taps=self.taps, pooling=self.pooling))
 
     def _run(self, batch: Batch, forward: Any) -> Any:
-        """``forward()`` inside the context limit, with the cache told the batch's positions before and after."""
+        """``forward()`` once the batch is checked against the context limit."""
         for seq in np.unique(batch.seq_ids):
             n = int(self.cache.n_cached(int(seq)) + np.count_nonzero(batch.seq_ids == seq))
             if n > self.model.n_ctx:
@@ -72,11 +72,7 @@ class Context:
                     f"context limit exceeded: sequence {int(seq)} would hold {n} tokens, "
                     f"the context holds {self.model.n_ctx} (raise it with n_ctx=...)"
                 )
-        self.cache.begin(batch.positions, batch.seq_ids)
-        out = forward()
-        for seq in np.unique(batch.seq_ids):
-            self.cache.observe(int(seq), int(batch.positions[batch.seq_ids == seq].max()) + 1)
-        return out
+        return forward()  # (the graph opens the forward's cache transaction: Cache.forward)
 
     @property
     def recurrent(self) -> bool:

@@ -495,16 +495,11 @@ class NemotronHGraph(BaseGraph):
         emb = ops.rms_norm(self.embed_table[xp.asarray(batch.tokens)], w[b + "enorm.weight"], hp.norm_eps)
         hn = ops.rms_norm(hidden, w[b + "hnorm.weight"], hp.norm_eps)
         x = ops.linear(xp.concatenate([emb, hn], axis=-1), w[b + "eh_proj.weight"])
-        cache.begin(batch.positions, batch.seq_ids)
-        step = Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
-        try:
+        with cache.forward(batch):
+            step = Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
             for j, (il, kind, norm) in enumerate(hp.mtp_sublayers()):
                 h = ops.rms_norm(x, w[f"blk.{il}.{norm}"], hp.norm_eps)
                 x = x + (self.attention(il, h, step, slot=j) if kind == ATTENTION else self.moe(il, h))
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
         out = ops.rms_norm(x, w[f"blk.{il0 + hp.n_nextn - 1}.nextn.shared_head_norm.weight"], hp.norm_eps)
         return MtpOutput(logits=self.head(out), hidden=out)
 
