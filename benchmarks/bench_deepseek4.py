@@ -69,7 +69,7 @@ def build(tmp: Path):
 
 
 def decode_plinth(model, prompt, n):
-    from plinth.context import Batch, KVCache
+    from plinth.graph import Batch, KVCache
 
     cache = KVCache(model.hparams.n_layer)
     t0 = time.perf_counter()
@@ -102,7 +102,7 @@ def decode_hf(model, prompt, n):
 
 def cache_bytes(model, n_ctx: int) -> dict[str, float]:
     """Bytes per token of the three layouts after a prompt of ``n_ctx`` tokens (float32)."""
-    from plinth.context import Batch, KVCache
+    from plinth.graph import Batch, KVCache
 
     hp = model.hparams
     cache = KVCache(hp.n_layer)

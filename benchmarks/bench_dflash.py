@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     import plinth
-    from plinth.context import Batch
+    from plinth.graph import Batch
     from plinth.generate import Generator
     from plinth.speculative.base import TargetOutput
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator

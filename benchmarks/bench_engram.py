@@ -159,7 +159,7 @@ def build(tmp: Path, rows: int) -> tuple[Path, Path, dict]:
 def decode_speed(model, prompt: list[int], n_new: int, runs: int) -> tuple[float, list[int]]:
     from plinth.testing import new_cache
 
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     best, out = float("inf"), []
     for _ in range(runs):  # decode only: the prefill is outside the timed part

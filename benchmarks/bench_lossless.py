@@ -39,7 +39,7 @@ def measure(name: str, runs: int) -> dict:
     import plinth.quant as quant
 
     attn = importlib.import_module("plinth.ops.attention")  # (plinth.ops.attention is also the function)
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     model = plinth.load_model(name)
     model.prepare()

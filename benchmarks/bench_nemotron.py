@@ -80,7 +80,7 @@ def hf_decode(model, prompt, n_decode, runs):
 
 def rollback_cost(model, prompt, reps=20):
     """(decode step s, snapshot s, restore s, replay of 1 row s, replay of 3 rows s), medians."""
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     ctx = model.new_context()
     ctx.decode(prompt)

@@ -89,7 +89,7 @@ def bench_ngram(model, n_tokens: int, n_max: int, runs: int) -> list[dict]:
 
 
 def bench_verify_cost(model, n_ctx: int = 128, ks=(1, 2, 4, 8, 16), runs: int = 5) -> dict[int, float]:
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, model.n_vocab, n_ctx).tolist()

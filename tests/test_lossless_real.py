@@ -256,7 +256,7 @@ def test_chunked_prefill_gives_the_one_piece_prefill_bits(model):
     give the bits of one forward over the whole prompt (every row computed as if alone)."""
     import numpy as np
 
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     ids = prompt_ids(model, "\n".join(RAW * 3), False)[:300]
     whole = model.new_context()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import plinth
-from plinth.context import Batch
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.tensors import TensorCheckError
 from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf

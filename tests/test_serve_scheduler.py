@@ -308,7 +308,7 @@ def test_few_row_attention_path_equals_the_general_one(tiny, monkeypatch):
     kernel reading the cache in place) gives the general path's logits bit for bit: several
     sequences of different lengths, one and several rows each, in the same forward."""
     from plinth import graph
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     def run() -> np.ndarray:
         ctx = tiny.new_context()

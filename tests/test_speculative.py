@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import plinth
-from plinth.context import KVCache
+from plinth.graph import KVCache
 from plinth.errors import UserError
 from plinth.generate import Generator
 from plinth.sampling import Sampler, SamplerConfig

@@ -86,7 +86,11 @@ class Generator:
 
     Subclasses change how tokens are produced (speculative decoding overrides
     :meth:`tokens`); the text side — incremental detokenisation and stop
-    strings — is shared.
+    strings, :class:`TextStream` — is shared (the server's scheduler uses it too).
+
+    A model file without a tokenizer (no ``tokenizer.ggml.model``) decodes from token ids:
+    :meth:`tokens` and :meth:`generate` run until ``max_tokens`` or the context's end (it has no
+    end-of-generation token); :meth:`stream` needs text, and raises the tokenizer's error.
     """
 
     def __init__(self, model: Any, sampler: Sampler | None = None, prefix_embeddings: Any = None) -> None:
@@ -134,7 +138,7 @@ class Generator:
                     t0: float) -> Iterator[int]:
         model, stats = self.model, self.stats
         if self.n_prefix:
-            from .context import Batch
+            from .batch import Batch
 
             ctx.forward(Batch.from_embeddings(self.prefix_embeddings, output="none"))
         out = ctx.decode(prompt_ids)

@@ -44,7 +44,7 @@ from .cache import (
     SharedKV,
     run_layers,
 )
-from .context import Batch, ForwardOutput, pool
+from .batch import Batch, ForwardOutput, pool
 from .hparams import HParamsError, KeyReader, PerLayer
 from .tensors import TensorSpec
 

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 
 from .cache import Cache
-from .context import Batch, ForwardOutput
+from .batch import Batch, ForwardOutput
 from .errors import UserError
 from .quant import QuantWeight
 from .tensors import KeyUse, TensorSpec, check_tensors, check_unused, scale_name, unused_tensors

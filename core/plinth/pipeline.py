@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .context import Batch, ForwardOutput
+from .batch import Batch, ForwardOutput
 from .errors import UserError, missing_extra
 from .model import ModelFile
 

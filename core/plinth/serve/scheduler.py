@@ -1,6 +1,6 @@
 """Continuous batching: one thread runs every admitted request through shared forwards.
 
-Each step builds one :class:`~plinth.context.Batch` holding, for every active request,
+Each step builds one :class:`~plinth.batch.Batch` holding, for every active request,
 
 * a chunk of its prompt while it is prefilling (the chunks of all prefilling requests
   share a per-step token budget, ``prefill_chunk``, lowered where needed so that a step never
@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import attrs
 import numpy as np
 
-from ..context import Batch
+from ..batch import Batch
 from ..errors import UserError
 from ..generate import _stop_prefix_len
 from ..sampling import Sampler, SamplerConfig
@@ -67,96 +67,7 @@ class TokenInfo:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@attrs.frozen
-class Event:
-    """What the scheduler tells a request's handler: new text and tokens, or the end.
-
-    finish: None while running; "stop" (end-of-generation token or stop string),
-    "length" (max_tokens or the context), "cancelled" or "error" at the end.
-    """
-
-    text: str = ""
-    tokens: tuple[TokenInfo, ...] = ()
-    finish: str | None = None
-    error: str | None = None
-    stats: dict[str, Any] | None = None
-
-
-@attrs.define(eq=False)
-class Request:
-    """One generation request and its running state (owned by the scheduler thread once admitted)."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplerConfig
-    emit: Callable[[Event], None]
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: off; k >= 0: the chosen token's logprob and the top k
-    speculative: bool = True
-    id: int = attrs.field(factory=itertools.count().__next__)
-    # running state
-    seq: int = -1
-    n_prefilled: int = 0
-    prompt_looked_up: bool = False  # in the prompt cache (once, at its first step)
-    history: list[int] = attrs.field(factory=list)
-    pending: list[tuple[int, Any]] = attrs.field(factory=list)  # decided tokens with their logits rows
-    n_generated: int = 0
-    cancelled: bool = False
-    done: bool = False
-    sampler: Any = None
-    rng: Any = None
-    verifier: Any = None
-    decoder: Any = None
-    text: str = ""  # decoded text not yet sent (held back while it may start a stop string)
-    stats: SpecStats = attrs.field(factory=SpecStats)
-    t_submit: float = attrs.field(factory=time.perf_counter)
-    t_first: float | None = None
-    t_last: float | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.n_prefilled < len(self.prompt_ids)
-
-
-@attrs.define
-class Metrics:
-    """Counters the /metrics endpoint reads (written by the scheduler thread only)."""
-
-    requests_finished: collections.Counter = attrs.field(factory=collections.Counter)  # finish reason -> n
-    tokens_in: int = 0
-    tokens_out: int = 0
-    steps: int = 0
-    forward_s: float = 0.0
-    ttft: list[float] = attrs.field(factory=list)  # recent times to first token (bounded)
-    itl: list[float] = attrs.field(factory=list)  # recent inter-token latencies (bounded)
-    ttft_sum: float = 0.0
-    ttft_count: int = 0
-    prompt_cache_hits: int = 0
-    prompt_cache_misses: int = 0
-    spec: dict[str, list[int]] = attrs.field(factory=dict)  # drafter -> [drafts, drafted, accepted]
-    recent: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))  # (time, n_out)
-
-    def observe_ttft(self, s: float) -> None:
-        self.ttft_sum += s
-        self.ttft_count += 1
-        self.ttft.append(s)
-        del self.ttft[:-1024]
-
-    def observe_itl(self, s: float) -> None:
-        self.itl.append(s)
-        del self.itl[:-4096]
-
-    def decode_tps(self, window: float = 10.0) -> float:
-        now = time.perf_counter()
-        n = sum(k for t, k in list(self.recent) if now - t <= window)
-        return n / window
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of one logits row [n_vocab]."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
+__all__ = ["Event", "Metrics", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TokenInfo", "log_softmax"]
 
 
 class Scheduler:
@@ -531,83 +442,7 @@ class Scheduler:
             row[2] += a
         req.pending = [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])]
         req.stats.n_steps += 1
-        self._emit_pending(req)
-
-    def _rollback(self, req: Request, pos: int, kept: list[int], snap: Any) -> None:
-        """Drop ``req``'s rows past the kept ones: a crop, or for a recurrent target a restore of
-        the snapshot taken before the step and a replay of the kept rows."""
-        if snap is None:
-            self.ctx.cache.seq_rm(req.seq, pos + len(kept))
-            return
-        self.ctx.cache.restore(snap)
-        self.ctx.forward(Batch.from_tokens(kept, start=pos, seq=req.seq, output="none"))
-
-    # ------------------------------------------------------------------ output
-
-    def _emit_pending(self, req: Request) -> None:
-        """Record the decided tokens, send their text, and end the request when it is done."""
-        tok = self.tokenizer
-        infos: list[TokenInfo] = []
-        finish = None
-        hit_stop = False
-        for token, lg in req.pending:
-            if tok.is_eog(token):
-                finish, req.stats.stop_reason = "stop", "end of generation token"
-                break
-            req.history.append(token)
-            req.n_generated += 1
-            req.stats.n_generated += 1
-            self.metrics.tokens_out += 1
-            now = time.perf_counter()
-            if req.t_first is None:
-                req.t_first = now
-                self.metrics.observe_ttft(now - req.t_submit)
-            elif req.t_last is not None:
-                self.metrics.observe_itl(now - req.t_last)
-            req.t_last = now
-            infos.append(self._token_info(req, token, lg))
-            req.text += req.decoder.feed(token)
-            if req.stop:
-                hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    req.text = req.text[:hit]
-                    finish, hit_stop = "stop", True
-                    req.stats.stop_reason = "stop string"
-                    break
-            if req.n_generated >= req.max_tokens or len(req.history) >= self.model.n_ctx:
-                finish = "length"
-                req.stats.stop_reason = "max tokens" if req.n_generated >= req.max_tokens else "context full"
-                break
-        req.pending = []
-        if finish is not None:
-            if not hit_stop:  # the last bytes of an unfinished character, as plain generation prints them
-                req.text += req.decoder.flush()
-                hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    req.text = req.text[:hit]
-                    finish, req.stats.stop_reason = "stop", "stop string"
-            text, req.text = req.text, ""
-            if infos or text:
-                req.emit(Event(text=text, tokens=tuple(infos)))
-            self._finish(req, finish)
-            return
-        # hold back a tail that could be the start of a stop string
-        keep = _stop_prefix_len(req.text, req.stop)
-        text = req.text[:len(req.text) - keep]
-        req.text = req.text[len(req.text) - keep:]
-        if infos or text:
-            req.emit(Event(text=text, tokens=tuple(infos)))
-
-    def _token_info(self, req: Request, token: int, lg: Any) -> TokenInfo:
-        if req.logprobs is None:
-            return TokenInfo(token)
-        lp = log_softmax(lg)
-        top: tuple[tuple[int, float], ...] = ()
-        if req.logprobs > 0:
-            ids = np.argpartition(-lp, req.logprobs)[:req.logprobs]
-            ids = ids[np.argsort(-lp[ids], kind="stable")]
-            top = tuple((int(i), float(lp[i])) for i in ids)
-        return TokenInfo(token, float(lp[token]), top)
+        self.emitter.emit(req, [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])])
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """End ``req``: free its sequence (cache rows, drafter state) and send the last event."""

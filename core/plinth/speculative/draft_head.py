@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..context import Batch
+from ..batch import Batch
 from ..errors import UserError
 from .base import BaseDrafter, Draft, DrafterRequirements, TargetOutput
 

@@ -30,8 +30,7 @@ from typing import Any, Iterator, Sequence
 import attrs
 import numpy as np
 
-from ..context import Batch
-from ..errors import UserError
+from ..batch import Batch
 from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible

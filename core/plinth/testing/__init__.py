@@ -97,7 +97,7 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
     """
     import numpy as np
 
-    from ..context import Batch
+    from ..batch import Batch
 
     backend = backend or getattr(graph, "backend", None) or make_backend("numpy")
     xp, host = backend.xp, backend.to_numpy
@@ -131,7 +131,7 @@ def greedy_through_cache(graph: Any, n_layer: int, prompt: list[int], n_new: int
     (kept on the graph's backend; logits come back through its ``to_numpy``)."""
     import numpy as np
 
-    from ..context import Batch
+    from ..batch import Batch
 
     backend = getattr(graph, "backend", None) or make_backend("numpy")
     cache = new_cache(graph, n_layer, backend.xp)

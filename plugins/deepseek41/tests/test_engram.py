@@ -158,7 +158,7 @@ def test_bf16_table_is_read_row_by_row_from_the_mapped_file(tmp_path):
     forward decodes only the rows it hashes to (recorded through ``gather_rows``)."""
     import mmap
 
-    from plinth.context import Batch
+    from plinth.graph import Batch
     from plinth.quant import QuantWeight
     from plinth.testing import new_cache
 

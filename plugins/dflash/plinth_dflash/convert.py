@@ -102,27 +102,171 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-def map_tensor_name(name: str) -> str | None:
-    """HF tensor name -> GGUF name; None for tensors that are dropped; raises for unknown ones."""
+def map_tensor_name(name: str, backbone: str = "qwen3") -> str | None:
+    """HF tensor name -> GGUF name; None for tensors that are dropped; raises for unknown ones. ``backbone``: the
+    decoder ``model_type`` (a Gemma 4 layer has post norms, a pre-FFN norm and a layer scale)."""
     n = name[len("model."):] if name.startswith("model.") else name
     if n in GLOBAL_MAP:
         return GLOBAL_MAP[n]
     if n in ("d2t", "t2d"):
         return None
+    layer_map = GEMMA4_LAYER_MAP if backbone == "gemma4_text" else LAYER_MAP
     m = re.match(r"^layers\.(\d+)\.(.+)$", n)  # anchored: 'lilicorr.layers.N' never matches here
-    if m and m.group(2) in LAYER_MAP:
-        return f"blk.{m.group(1)}.{LAYER_MAP[m.group(2)]}"
+    if m and m.group(2) in layer_map:
+        return f"blk.{m.group(1)}.{layer_map[m.group(2)]}"
     m = re.match(r"^lilicorr\.layers\.(\d+)\.(.+)$", n)
     if m and m.group(2) in LILI_LAYER_MAP:
         return f"lilicorr.blk.{m.group(1)}.{LILI_LAYER_MAP[m.group(2)]}"
     m = re.match(r"^lilicorr\.(.+)\.(weight|bias)$", n)
     if m and m.group(1) in LILI_GLOBAL_MAP:
         return f"lilicorr.{LILI_GLOBAL_MAP[m.group(1)]}.{m.group(2)}"
-    raise UserError(f"tensor {name!r} is not part of the DFlash/DFlash2/LiLiCorr layout plinth understands")
+    raise UserError(f"tensor {name!r} is not part of the DFlash/DFlash2/LiLiCorr layout plinth understands"
+                    + (" (Gemma 4 backbone)" if backbone == "gemma4_text" else ""))
+
+
+def generated_tensors(md: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Tensors the backbone's config implies (a Gemma 4 draft's ``rope_freqs``), taken out of ``md``."""
+    out = {}
+    if GEMMA4_ROPE_FREQS in md:
+        out[C.T_ROPE_FREQS] = md.pop(GEMMA4_ROPE_FREQS)
+    return out
+
+
+def gemma4_tensor(name: str, arr: np.ndarray) -> np.ndarray:
+    """Gemma 4's ``layer_scalar`` is a 1-element buffer (GGUF [1])."""
+    return arr.reshape(1) if name.endswith(C.T_LAYER_OUT_SCALE) else arr
 
 
 def _refuse(model_dir: Any, why: str) -> UserError:
     return UserError(f"{model_dir}: cannot convert this draft: {why}")
+
+
+#: decoder ``model_type`` values of a draft backbone
+BACKBONES = ("qwen3", "gemma4_text")
+
+#: a Gemma 4 layer's names where they differ from the Qwen3 map (post norms, the pre-FFN norm, the layer scale)
+GEMMA4_LAYER_MAP = {
+    **LAYER_MAP,
+    "post_attention_layernorm.weight": C.T_POST_ATTN_NORM,
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": C.T_POST_FFN_NORM,
+    "layer_scalar": C.T_LAYER_OUT_SCALE,
+    "layer_scalar.weight": C.T_LAYER_OUT_SCALE,
+}
+#: Gemma 4 text-config features a draft backbone does not have (each refused by name when on)
+GEMMA4_REFUSED = {
+    "hidden_size_per_layer_input": "per-layer input embeddings",
+    "num_kv_shared_layers": "KV sharing between layers",
+    "enable_moe_block": "the MoE block",
+    "final_logit_softcapping": "final logit soft-capping (llama.cpp's Gemma 4 draft converter refuses it too)",
+}
+
+
+def gemma4_layer_geometry(cfg: Mapping[str, Any], model_dir: Any, n_layer: int) -> tuple[list[int], list[int]]:
+    """Per layer (head size, KV heads) of a ``gemma4_text`` config: sliding layers ``head_dim`` /
+    ``num_key_value_heads``; full layers ``global_head_dim`` and, with ``attention_k_eq_v``,
+    ``num_global_key_value_heads`` (the released configs), or what ``per_layer_config`` says (transformers 5.24
+    saves the same overrides there, keyed by layer index)."""
+    types = cfg["layer_types"]
+    hd, nkv = int(cfg.get("head_dim") or 256), int(cfg["num_key_value_heads"])
+    plc = cfg.get("per_layer_config")
+    if plc is None:
+        ghd = int(cfg.get("global_head_dim") or 512)
+        gkv = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v") else None
+        plc = {il: {"head_dim": ghd, **({"num_key_value_heads": int(gkv)} if gkv else {})}
+               for il, t in enumerate(types) if t == "full_attention"}
+    over: dict[int, Mapping[str, Any]] = {}
+    for key, val in plc.items():
+        il = int(key)
+        if not 0 <= il < n_layer:
+            raise _refuse(model_dir, f"per_layer_config names layer {key!r} of {n_layer}")
+        bad = sorted(set(val) - {"head_dim", "num_key_value_heads"})
+        if bad:
+            raise _refuse(model_dir, f"per_layer_config[{key!r}] sets {bad}; a draft layer may differ in head_dim "
+                          "and num_key_value_heads only")
+        over[il] = val
+    dims = [int(over.get(il, {}).get("head_dim", hd)) for il in range(n_layer)]
+    kvs = [int(over.get(il, {}).get("num_key_value_heads", nkv)) for il in range(n_layer)]
+    for kind in ("sliding_attention", "full_attention"):
+        got = {(dims[il], kvs[il]) for il in range(n_layer) if types[il] == kind}
+        if len(got) > 1:
+            raise _refuse(model_dir, f"{kind} layers of different head sizes {sorted(got)}; a dflash draft has one "
+                          "head size per layer type")
+    return dims, kvs
+
+
+def gemma4_backbone(cfg: Mapping[str, Any], d: Mapping[str, Any], model_dir: Any, n_layer: int) -> dict[str, Any]:
+    """GGUF keys of a Gemma 4 draft backbone (``model_type = "gemma4_text"``): each layer as transformers'
+    Gemma4TextDecoderLayer computes it (post norms, layer scale, V norm, K = V on full layers with
+    ``attention_k_eq_v``, tanh GELU, attention scale 1, embeddings times sqrt(hidden_size)), sliding layers
+    with their head size and default RoPE, full ones with the default or proportional RoPE (written as
+    llama.cpp's Gemma 4 draft converter does: ``rope_freqs`` 1e30 for the pairs that do not turn). Also
+    returns ``n_kv`` (scalar or per layer), ``head_dim`` and ``theta`` for the common keys."""
+    for key, what in GEMMA4_REFUSED.items():
+        if cfg.get(key):
+            raise _refuse(model_dir, f"{key} = {cfg[key]!r}: {what} is not part of a DFlash draft backbone")
+    if cfg.get("use_bidirectional_attention"):
+        raise _refuse(model_dir, f"use_bidirectional_attention = {cfg['use_bidirectional_attention']!r}: the "
+                      "draft's own attention pattern is set by the DFlash keys (causal, layer_types)")
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise _refuse(model_dir, f"hidden_activation {act!r}; a Gemma 4 backbone's MLP is gelu_pytorch_tanh")
+    if float(d.get("input_embedding_scale", 1.0)) != 1.0:
+        raise _refuse(model_dir, "input_embedding_scale != 1 on a Gemma 4 backbone (its embeddings are scaled by "
+                      "sqrt(hidden_size))")
+    types = cfg.get("layer_types")
+    if types is None or len(types) != n_layer:
+        raise _refuse(model_dir, f"a Gemma 4 backbone needs layer_types with {n_layer} entries")
+    dims, kvs = gemma4_layer_geometry(cfg, model_dir, n_layer)
+    rp = cfg.get("rope_parameters") or {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+    swa = [t == "sliding_attention" for t in types]
+    e = int(cfg["hidden_size"])
+    out: dict[str, Any] = {
+        f"{A}.{C.KEY_EMBD_SCALE}": float(e) ** 0.5,
+        f"{A}.{C.KEY_ATTN_SCALE}": 1.0,
+        f"{A}.{C.KEY_HIDDEN_ACT}": "gelu_pytorch_tanh",
+        f"{A}.{C.KEY_VALUE_NORM}": True,
+        "n_kv": kvs if len(set(kvs)) > 1 else kvs[0],
+    }
+
+    def rope(kind: str) -> Mapping[str, Any]:
+        p = rp.get(kind, rp) if isinstance(rp, Mapping) else None
+        if not isinstance(p, Mapping):
+            raise _refuse(model_dir, f"rope_parameters has no {kind!r} entry")
+        return p
+
+    if any(swa):
+        sw = rope("sliding_attention")
+        if sw.get("rope_type", "default") != "default" or sw.get("partial_rotary_factor") not in (None, 1, 1.0):
+            raise _refuse(model_dir, f"sliding layers' RoPE {dict(sw)!r}; Gemma 4 sliding layers use the default one")
+        hd_swa = dims[swa.index(True)]
+        out.update({f"{A}.attention.key_length_swa": hd_swa, f"{A}.attention.value_length_swa": hd_swa,
+                    f"{A}.rope.freq_base_swa": float(sw["rope_theta"]), f"{A}.rope.dimension_count_swa": hd_swa})
+    if all(swa):  # no full layer: the sliding geometry is the only one
+        out = {k: v for k, v in out.items() if "_swa" not in k}
+        out.update(head_dim=dims[0], theta=float(rope("sliding_attention")["rope_theta"]))
+        return out
+    full = rope("full_attention")
+    hd = dims[swa.index(False)]
+    rtype, frac = full.get("rope_type", "default"), float(full.get("partial_rotary_factor", 1.0) or 1.0)
+    n_rot = int(round(hd * frac / 2))
+    if not 0 < frac <= 1 or hd * frac != 2 * n_rot:
+        raise _refuse(model_dir, f"partial_rotary_factor {frac} of head size {hd} gives no even rotary dimension count")
+    if rtype == "proportional":
+        out[GEMMA4_ROPE_FREQS] = np.array([1.0] * n_rot + [1e30] * (hd // 2 - n_rot), dtype=np.float32)
+        out[f"{A}.rope.dimension_count"] = hd
+    elif rtype == "default":
+        out[f"{A}.rope.dimension_count"] = 2 * n_rot
+    else:
+        raise _refuse(model_dir, f"full layers' rope_type {rtype!r}; Gemma 4 drafts take 'default' or 'proportional'")
+    out.update(head_dim=hd, theta=float(full["rope_theta"]))
+    return out
+
+
+#: the rope_freqs tensor a Gemma 4 backbone's metadata carries to the converter (popped before writing)
+GEMMA4_ROPE_FREQS = "__rope_freqs__"
 
 
 def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, variant: str) -> dict[str, Any]:
@@ -131,28 +275,38 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, variant: str) -> 
     unknown = sorted(k for k in d if k not in KNOWN_DFLASH_KEYS and k not in LILI_KEYS)
     if unknown:
         raise _refuse(model_dir, f"dflash_config keys {unknown} are not understood")
-    if cfg.get("model_type", "qwen3") != "qwen3":
-        raise _refuse(model_dir, f"decoder model_type {cfg.get('model_type')!r}; only the Qwen3-style DFlash "
-                      "backbone is supported")
+    backbone = cfg.get("model_type", "qwen3")
+    if backbone not in BACKBONES:
+        raise _refuse(model_dir, f"decoder model_type {backbone!r}; DFlash backbones are "
+                      f"{', '.join(repr(b) for b in BACKBONES)}")
     if cfg.get("quantization_config"):
         raise _refuse(model_dir, "quantised checkpoints (quantization_config) are not supported; convert the "
                       "bf16/f32 release")
     if cfg.get("attention_bias"):
         raise _refuse(model_dir, "attention_bias = true (DFlash drafts have bias-free projections)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise _refuse(model_dir, f"hidden_act {cfg.get('hidden_act')!r}; the backbone is SwiGLU (silu)")
-    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
-        raise _refuse(model_dir, f"rope scaling {rp!r} is not supported for drafts")
-    if float(d.get("input_embedding_scale", 1.0)) != 1.0:
-        raise _refuse(model_dir, "input_embedding_scale != 1 has no llama.cpp GGUF key")
-    theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
     n_layer = int(cfg["num_hidden_layers"])
     e = int(cfg["hidden_size"])
     n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
-    head_dim = int(cfg.get("head_dim") or e // n_head)
+    if backbone == "gemma4_text":
+        geometry = gemma4_backbone(cfg, d, model_dir, n_layer)
+        n_kv, head_dim, theta = geometry.pop("n_kv"), geometry.pop("head_dim"), geometry.pop("theta")
+    else:
+        geometry = {}
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise _refuse(model_dir, f"hidden_act {act!r}; a Qwen3-style backbone takes 'silu' or "
+                          "'gelu_pytorch_tanh' (plinth's GELU is the tanh approximation)")
+        if act != "silu":
+            geometry[f"{A}.{C.KEY_HIDDEN_ACT}"] = act
+        rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+            raise _refuse(model_dir, f"rope scaling {rp!r} is not supported for drafts")
+        scale = float(d.get("input_embedding_scale", 1.0))
+        if scale != 1.0:
+            geometry[f"{A}.{C.KEY_EMBD_SCALE}"] = scale
+        theta = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        n_kv = int(cfg.get("num_key_value_heads") or n_head)
+        head_dim = int(cfg.get("head_dim") or e // n_head)
     ids = d.get("target_layer_ids", cfg.get("target_layer_ids"))
     if ids is None:
         if "num_target_layers" not in cfg:
@@ -170,7 +324,7 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, variant: str) -> 
         f"{A}.embedding_length": e,
         f"{A}.feed_forward_length": int(cfg["intermediate_size"]),
         f"{A}.attention.head_count": n_head,
-        f"{A}.attention.head_count_kv": n_kv,
+        f"{A}.attention.head_count_kv": n_kv,  # a per-layer list for Gemma 4 backbones
         f"{A}.attention.key_length": head_dim,
         f"{A}.attention.value_length": head_dim,
         f"{A}.{C.KEY_EPS}": float(cfg.get("rms_norm_eps", 1e-6)),
@@ -182,6 +336,7 @@ def config_to_metadata(cfg: Mapping[str, Any], model_dir: Any, variant: str) -> 
         C.KEY_MASK_TOKEN_TOK: int(mask),
         f"{A}.{C.KEY_MASK_TOKEN}": int(mask),
     }
+    md.update(geometry)
     if "num_target_layers" in cfg:
         md[f"{A}.{C.KEY_TARGET_HIDDEN}"] = e
     layer_types = cfg.get("layer_types")
@@ -265,7 +420,9 @@ def flatten_speculators_config(cfg: Mapping[str, Any], model_dir: Any, extra_key
     ids = cfg.get("aux_hidden_state_layer_ids")
     if ids is None:
         raise _refuse(model_dir, "a speculators draft needs aux_hidden_state_layer_ids (the target taps)")
-    d["target_layer_ids"] = [int(i) for i in ids]
+    # speculators' ids index the hidden-state list (0 = the embeddings): already the GGUF tap, so the z-lab id
+    # is one less (speculators' own converter writes aux = z-lab id + 1; llama.cpp's reads aux - 1)
+    d["target_layer_ids"] = [int(i) - 1 for i in ids]
     if cfg.get("block_size") is not None:
         d["block_size"] = int(cfg["block_size"])
     if cfg.get("mask_token_id") is None:
@@ -311,11 +468,12 @@ class DFlashConverter:
                 raise _refuse(model_dir, "a reduced draft vocabulary (d2t) is not supported")
             cfg = flatten_speculators_config(cfg, model_dir)
         md = config_to_metadata(cfg, model_dir, self.variant)
+        backbone = cfg.get("model_type", "qwen3")
         st = SafetensorsDir(model_dir)
-        tensors: dict[str, np.ndarray] = {}
+        tensors: dict[str, np.ndarray] = generated_tensors(md)
         drop_embd = _truthy(options.get("drop_embeddings", "0"))
         for name in st.names():
-            gname = map_tensor_name(name)
+            gname = map_tensor_name(name, backbone)
             if gname is None:
                 if name.endswith("d2t"):
                     d2t = st.get(name, dtype=np.int64)
@@ -326,7 +484,7 @@ class DFlashConverter:
                 continue
             if gname == C.T_TOKEN_EMBD and drop_embd:
                 continue
-            tensors[gname] = st.get(name)
+            tensors[gname] = gemma4_tensor(gname, st.get(name))
         if self.variant == "dflash" and any(n.startswith(("selector_", "lilicorr.")) or "_conv_" in n for n in tensors):
             raise _refuse(model_dir, "DFlashDraftModel config with DFlash2/LiLiCorr tensors")
         own_embd, own_head = C.T_TOKEN_EMBD in tensors, C.T_OUTPUT in tensors

@@ -225,6 +225,27 @@ def tiny_target(path: str | Path, arch: str = "qwen3", *, n_vocab: int = 257, n_
     return plinth.load_model(p, registry=reg, backend=backend)
 
 
+#: a tiny gemma4 target: sliding, sliding, full; sliding head 16 with its own RoPE, full head 32; soft-capping
+GEMMA4_TARGET = dict(attention__key_length=32, attention__key_length_swa=16, attention__value_length=32,
+                     attention__value_length_swa=16, attention__sliding_window=5, rope__freq_base=1e6,
+                     rope__freq_base_swa=1e4, rope__dimension_count=32, rope__dimension_count_swa=16, n_layer=3,
+                     attention__sliding_window_pattern=[True, True, False], final_logit_softcapping=30.0)
+
+
+def tiny_gemma4_target(path: str | Path, *, seed: int = 3, backend: str = "numpy", **over: Any) -> Any:
+    """Write (once) and load a tiny random gemma4 target (needs plinth-gemma) with plinth's byte-level test
+    tokenizer (257 ids), n_embd 64."""
+    import plinth
+    from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+
+    reg = make_registry("gemma")
+    path = Path(path)
+    if not path.exists():
+        md = tiny_metadata("gemma4", n_vocab=257, n_embd=64, n_ctx=1024, **{**GEMMA4_TARGET, **over}) | byte_vocab()
+        write_synthetic_gguf(path, "gemma4", md, reg, seed=seed, scale=0.2)
+    return plinth.load_model(path, registry=reg, backend=backend)
+
+
 # ---------------------------------------------------------------------- HF-layout drafts (converter input)
 
 
@@ -394,3 +415,91 @@ def reference_case(workdir: str | Path, variant: str) -> dict[str, Path]:
     conv = {"dflash": DFlashConverter, "dflash2": DFlash2Converter}[variant]()
     conv.convert(str(hf_dir), str(gguf_path), {"target": str(target)})
     return {"target": target, "hf": hf_dir, "draft": gguf_path}
+
+
+# ---------------------------------------------------------------------- Gemma 4 backbones (HF layout)
+
+
+def hf_gemma4_draft_config(*, n_embd: int = 64, n_vocab: int = 96, n_head: int = 4, head_dim: int = 16,
+                           global_head_dim: int = 32, n_head_kv: int = 2, n_head_kv_global: int = 1, n_ff: int = 96,
+                           layer_types: Any = ("sliding_attention", "full_attention"), sliding_window: int = 4,
+                           k_eq_v: bool = True, partial_rotary: float = 0.25, rope_type: str = "proportional",
+                           target_layer_ids: Any = (0, 1), block_size: int = 8, mask_token: int | None = None,
+                           tie_word_embeddings: bool = True, architecture: str = "DFlashDraftModel",
+                           per_layer_config: bool = False, **extra: Any) -> dict[str, Any]:
+    """A ``gemma4_text`` draft config (the released key style: ``global_head_dim``, ``num_global_key_value_heads``;
+    ``per_layer_config=True`` writes transformers 5.24's per-layer overrides instead)."""
+    types = list(layer_types)
+    cfg: dict[str, Any] = {
+        "architectures": [architecture], "model_type": "gemma4_text", "hidden_size": n_embd,
+        "intermediate_size": n_ff, "num_hidden_layers": len(types), "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv, "head_dim": head_dim, "vocab_size": n_vocab, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 4096, "attention_bias": False,
+        "attention_k_eq_v": k_eq_v, "layer_types": types, "sliding_window": sliding_window,
+        "final_logit_softcapping": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+        "enable_moe_block": False, "tie_word_embeddings": tie_word_embeddings,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": rope_type, "partial_rotary_factor": partial_rotary,
+                                               "rope_theta": 1_000_000.0}},
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "block_size": block_size,
+                          "mask_token_id": n_vocab - 1 if mask_token is None else mask_token},
+    }
+    if per_layer_config:
+        over = {"head_dim": global_head_dim, **({"num_key_value_heads": n_head_kv_global} if k_eq_v else {})}
+        cfg["per_layer_config"] = {f"{il:02d}": over for il, t in enumerate(types) if t == "full_attention"}
+    else:
+        cfg["global_head_dim"] = global_head_dim
+        cfg["num_global_key_value_heads"] = n_head_kv_global
+    cfg.update(extra)
+    return cfg
+
+
+def hf_gemma4_draft_tensors(cfg: Mapping[str, Any], *, seed: int = 0, scale: float = 0.2, own_embd: bool = False,
+                            own_head: bool = False) -> dict[str, np.ndarray]:
+    """Random weights under the HF names of a Gemma 4 draft backbone (``layers.N.*``, ``fc``, ``hidden_norm``,
+    ``norm``): every norm and the layer scalar drawn away from 1."""
+    from .convert import gemma4_layer_geometry
+
+    rng = np.random.default_rng(seed)
+    e, ff, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    dims, kvs = gemma4_layer_geometry(cfg, "cfg", n)
+    taps = len(cfg["dflash_config"]["target_layer_ids"])
+
+    def r(*shape: int) -> np.ndarray:
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    def norm(k: int) -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+
+    t = {"fc.weight": r(e, taps * e), "hidden_norm.weight": norm(e), "norm.weight": norm(e)}
+    for il in range(n):
+        p, hd, nq, nkv = f"layers.{il}.", dims[il], cfg["num_attention_heads"] * dims[il], kvs[il] * dims[il]
+        t.update({p + "input_layernorm.weight": norm(e), p + "post_attention_layernorm.weight": norm(e),
+                  p + "pre_feedforward_layernorm.weight": norm(e), p + "post_feedforward_layernorm.weight": norm(e),
+                  p + "self_attn.q_proj.weight": r(nq, e), p + "self_attn.k_proj.weight": r(nkv, e),
+                  p + "self_attn.o_proj.weight": r(e, nq), p + "self_attn.q_norm.weight": norm(hd),
+                  p + "self_attn.k_norm.weight": norm(hd), p + "mlp.gate_proj.weight": r(ff, e),
+                  p + "mlp.up_proj.weight": r(ff, e), p + "mlp.down_proj.weight": r(e, ff),
+                  p + "layer_scalar": rng.uniform(0.5, 1.5, 1).astype(np.float32)})
+        if not (cfg.get("attention_k_eq_v") and cfg["layer_types"][il] == "full_attention"):
+            t[p + "self_attn.v_proj.weight"] = r(nkv, e)
+    if own_embd:
+        t["embed_tokens.weight"] = r(cfg["vocab_size"], e)
+    if own_head:
+        t["lm_head.weight"] = r(cfg["vocab_size"], e)
+    return t
+
+
+def write_hf_gemma4_draft(model_dir: str | Path, *, seed: int = 0, own_embd: bool = False, own_head: bool = False,
+                          extra_tensors: Any = None, **cfg_kw: Any) -> Path:
+    """An HF-layout Gemma 4 draft folder (config.json + model.safetensors) of random weights."""
+    import json
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_gemma4_draft_config(**cfg_kw)
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    t = hf_gemma4_draft_tensors(cfg, seed=seed, own_embd=own_embd, own_head=own_head)
+    t.update(extra_tensors or {})
+    write_safetensors(model_dir / "model.safetensors", t)
+    return model_dir

@@ -98,7 +98,7 @@ def test_default_taps_rule(tmp_path):
     (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
     (lambda c: c.update(layer_types=["sliding_attention", "chunked_attention"]), "not understood"),
     (lambda c: c.update(attention_bias=True), "attention_bias"),
-    (lambda c: c["dflash_config"].update(input_embedding_scale=2.0), "input_embedding_scale"),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
 ])
 def test_refuses_configs_it_does_not_understand(tmp_path, edit, match):
     hf = write_hf_draft(tmp_path / "hf", "dflash")
@@ -107,6 +107,18 @@ def test_refuses_configs_it_does_not_understand(tmp_path, edit, match):
     (hf / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=match):
         DFlashConverter().convert(str(hf), str(tmp_path / "o.gguf"), {})
+
+
+def test_embedding_scale_and_tanh_gelu_are_written(tmp_path):
+    """llama.cpp's DFlash converter writes input_embedding_scale as embedding_scale; a speculators draft for a
+    Gemma 4 verifier is a Qwen3 layer with gelu_pytorch_tanh (speculators' create_transformer_layer_config)."""
+    hf = write_hf_draft(tmp_path / "hf", "dflash", hidden_act="gelu_pytorch_tanh")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["dflash_config"]["input_embedding_scale"] = 2.0
+    (hf / "config.json").write_text(json.dumps(cfg))
+    DFlashConverter().convert(str(hf), str(tmp_path / "o.gguf"), {})
+    md = GGUFFile(tmp_path / "o.gguf").metadata
+    assert float(md["dflash.embedding_scale"]) == 2.0 and str(md["dflash.hidden_activation"]) == "gelu_pytorch_tanh"
 
 
 def test_refuses_unknown_tensors_and_reduced_vocab(tmp_path):

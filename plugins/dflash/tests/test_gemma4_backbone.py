@@ -9,10 +9,6 @@ import pytest
 
 from plinth.graph import HParamsError
 
-GEMMA4_TARGET = dict(attention__key_length=32, attention__key_length_swa=16, attention__value_length=32,
-                     attention__value_length_swa=16, attention__sliding_window=5, rope__freq_base=1e6,
-                     rope__freq_base_swa=1e4, rope__dimension_count=32, rope__dimension_count_swa=16, n_layer=3,
-                     attention__sliding_window_pattern=[True, True, False], final_logit_softcapping=30.0)
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
 
 
@@ -24,13 +20,9 @@ def gemma4_target(tmp_path_factory):
 
 def tiny_gemma4_target(path, backend="numpy"):
     pytest.importorskip("plinth_gemma")
-    import plinth
-    from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+    from plinth_dflash.testkit import tiny_gemma4_target as make
 
-    reg = make_registry("gemma")
-    md = tiny_metadata("gemma4", n_vocab=257, n_embd=64, n_ctx=1024, **GEMMA4_TARGET) | byte_vocab()
-    p = path if path.exists() else write_synthetic_gguf(path, "gemma4", md, reg, seed=3, scale=0.2)
-    return plinth.load_model(p, registry=reg, backend=backend)
+    return make(path, backend=backend)
 
 
 def draft(tmp_path, name="g4", **kw):
@@ -144,3 +136,64 @@ def test_lossless_full_layers_only_and_strict_backend(tmp_path):
     p = str(draft(tmp_path, layer_types=("full_attention",) * 2))
     stats = check_drafter_contract(m, lambda: make_dflash(m, {"draft": p}), PROMPTS[:1], max_tokens=16, n_max=5)
     assert all(s.n_drafts > 0 for s in stats)
+
+
+# ------------------------------------------------------------------ plinth convert of a gemma4_text backbone
+
+def convert_gemma4(tmp_path, name="hf", **kw):
+    from plinth.gguf import GGUFFile
+    from plinth_dflash.convert import DFlashConverter
+    from plinth_dflash.testkit import write_hf_gemma4_draft
+
+    kw.setdefault("n_vocab", 257)
+    kw.setdefault("mask_token", 255)
+    hf = write_hf_gemma4_draft(tmp_path / name, **kw)
+    out = tmp_path / f"{name}.gguf"
+    DFlashConverter().convert(str(hf), str(out), {})
+    return GGUFFile(out), out
+
+
+def test_both_gemma4_config_styles_convert_alike(tmp_path):
+    """The released keys (global_head_dim, num_global_key_value_heads) and transformers 5.24's per_layer_config."""
+    a, _ = convert_gemma4(tmp_path, "released")
+    b, _ = convert_gemma4(tmp_path, "per-layer", per_layer_config=True)
+    ka = {k: np.asarray(v).tolist() for k, v in a.metadata.items() if k.startswith("dflash.")}
+    kb = {k: np.asarray(v).tolist() for k, v in b.metadata.items() if k.startswith("dflash.")}
+    assert ka == kb
+    assert ka["dflash.attention.head_count_kv"] == [2, 1] and ka["dflash.attention.key_length"] == 32
+    assert ka["dflash.attention.key_length_swa"] == 16 and ka["dflash.rope.dimension_count"] == 32
+    np.testing.assert_array_equal(np.asarray(a.raw("rope_freqs.weight")), np.float32([1] * 4 + [1e30] * 12))
+    assert "blk.1.attn_v.weight" not in a.tensors and "blk.0.attn_v.weight" in a.tensors
+
+
+def test_gemma4_variants_convert(tmp_path, gemma4_target):
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dflash.drafter import make_dflash
+
+    gf, out = convert_gemma4(tmp_path, "no-keqv", k_eq_v=False, rope_type="default", partial_rotary=0.5,
+                             layer_types=["full_attention", "sliding_attention", "full_attention"],
+                             target_layer_ids=(0, 2), tie_word_embeddings=False, own_head=True)
+    md = gf.metadata
+    assert "rope_freqs.weight" not in gf.tensors and int(md["dflash.rope.dimension_count"]) == 16
+    assert np.asarray(md["dflash.attention.head_count_kv"]).tolist() == 2  # one count: no k_eq_v override
+    assert all(f"blk.{il}.attn_v.weight" in gf.tensors for il in range(3))
+    m = gemma4_target
+    dr = make_dflash(m, {"draft": str(out)})
+    assert dr.head_source == "own" and dr.hp.target_layers == (1, 3)
+    check_drafter_contract(m, lambda: make_dflash(m, {"draft": str(out)}), PROMPTS[:1], max_tokens=12, n_max=5)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(enable_moe_block=True), "enable_moe_block"),
+    (dict(hidden_size_per_layer_input=8), "per-layer input embeddings"),
+    (dict(num_kv_shared_layers=1), "KV sharing"),
+    (dict(final_logit_softcapping=30.0), "soft-capping"),
+    (dict(hidden_activation="silu"), "hidden_activation 'silu'"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (dict(rope_type="yarn"), "rope_type 'yarn'"),
+])
+def test_gemma4_backbone_refusals_are_named(tmp_path, edit, match):
+    from plinth.errors import UserError
+
+    with pytest.raises(UserError, match=match):
+        convert_gemma4(tmp_path, **edit)

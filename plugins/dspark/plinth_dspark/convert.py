@@ -23,8 +23,8 @@ import numpy as np
 from plinth.convert import SafetensorsDir, read_config, write_gguf
 from plinth.errors import UserError
 from plinth_dflash import constants as DC
-from plinth_dflash.convert import (DFlashConverter, config_to_metadata, flatten_speculators_config,
-                                   is_speculators_config, map_tensor_name, speculators_d2t)
+from plinth_dflash.convert import (DFlashConverter, config_to_metadata, flatten_speculators_config, gemma4_tensor,
+                                   generated_tensors, is_speculators_config, map_tensor_name, speculators_d2t)
 
 from .format import KEY_FROM_ANCHOR, KEY_HAS_CONF, T_CONF, T_CONF_B, T_D2T, T_W1, T_W2, load_dspark
 
@@ -36,6 +36,8 @@ HEAD_MAP = {
     "confidence_head.proj.bias": T_CONF_B,
     "confidence_head.weight": T_CONF,
     "confidence_head.bias": T_CONF_B,
+    "confidence_proj.weight": T_CONF,  # Gemma 4 DSpark exports (llama.cpp's Gemma4DSparkModel renames them)
+    "confidence_proj.bias": T_CONF_B,
 }
 DEEPSPEC_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                  "sample_from_anchor")
@@ -81,9 +83,10 @@ class SpeculatorsConverter:
         flat.pop("draft_vocab_size", None)
         md = config_to_metadata(flat, model_dir, "dflash")
         md.update(keys)
+        backbone = flat.get("model_type", "qwen3")
         vocab = int(md[f"{A}.vocab_size"])
         st = SafetensorsDir(model_dir)
-        tensors: dict[str, np.ndarray] = {}
+        tensors: dict[str, np.ndarray] = generated_tensors(md)
         for name in st.names():
             n = name[len("model."):] if name.startswith("model.") else name
             if n in HEAD_MAP:
@@ -94,9 +97,9 @@ class SpeculatorsConverter:
                 if vd < vocab:
                     tensors[T_D2T] = speculators_d2t(st.get(name, dtype=np.int64), vocab, model_dir)
             else:
-                gname = map_tensor_name(name)
+                gname = map_tensor_name(name, backbone)
                 if gname is not None:
-                    tensors[gname] = st.get(name)
+                    tensors[gname] = gemma4_tensor(gname, st.get(name))
         if T_W1 not in tensors or T_W2 not in tensors:
             raise _refuse(model_dir, "no markov_head.markov_w1 / markov_w2 tensors")
         if vd < vocab:
@@ -106,7 +109,10 @@ class SpeculatorsConverter:
                 raise _refuse(model_dir, "a reduced draft vocabulary needs the draft's own lm_head")
         if T_CONF not in tensors:
             md[f"{A}.{KEY_HAS_CONF}"] = False
-        if DC.T_TOKEN_EMBD in tensors or DC.T_OUTPUT in tensors:
+        if backbone == "gemma4_text" and flat.get("tie_word_embeddings") and DC.T_TOKEN_EMBD in tensors \
+                and DC.T_OUTPUT not in tensors:
+            md[f"{A}.{DC.KEY_TIED}"] = True  # a Gemma 4 draft's head is its embedding unless it ships lm_head
+        elif DC.T_TOKEN_EMBD in tensors or DC.T_OUTPUT in tensors:
             md[f"{A}.{DC.KEY_TIED}"] = False
         target = options.get("target")
         if target:
@@ -131,3 +137,27 @@ class DeepSpecConverter(SpeculatorsConverter):
                 d[k] = flat.pop(k)
         flat["dflash_config"] = d
         return flat, keys, int(cfg["vocab_size"])
+
+
+class Gemma4DSparkConverter(DeepSpecConverter):
+    """A Gemma 4 DSpark export (``Gemma4DSparkModel``, as llama.cpp's converter names it): DeepSpec's flat schema
+    over a ``gemma4_text`` backbone config (the Markov keys may also sit in ``dflash_config``);
+    ``sample_from_anchor`` defaults to true, ``confidence_proj.*`` is the confidence head."""
+
+    hf_arch = "Gemma4DSparkModel"
+
+    def flat_config(self, cfg: Mapping[str, Any], model_dir: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
+        cfg = dict(cfg)
+        d = dict(cfg.get("dflash_config") or {})
+        for k in DEEPSPEC_KEYS:
+            if k in d:
+                cfg.setdefault(k, d.pop(k))
+        cfg["dflash_config"] = d
+        mt = cfg.setdefault("model_type", "gemma4_text")
+        if mt != "gemma4_text":
+            raise _refuse(model_dir, f"a Gemma4DSparkModel config with model_type {mt!r} (expected 'gemma4_text')")
+        if int(cfg.get("draft_vocab_size") or cfg["vocab_size"]) != int(cfg["vocab_size"]):
+            raise _refuse(model_dir, "a reduced draft vocabulary on a Gemma 4 DSpark export (llama.cpp's converter "
+                          "refuses it too)")
+        cfg.pop("draft_vocab_size", None)
+        return super().flat_config(cfg, model_dir)

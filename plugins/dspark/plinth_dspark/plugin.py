@@ -9,6 +9,7 @@ plugin = ManifestPlugin(
         drafters={"dspark": "plinth_dspark.drafter:make_dspark"},
         converters={
             "Qwen3DSparkModel": "plinth_dspark.convert:DeepSpecConverter",
+            "Gemma4DSparkModel": "plinth_dspark.convert:Gemma4DSparkConverter",
             "DSparkDraftModel": "plinth_dspark.convert:SpeculatorsConverter",
             "DSparkSpeculator": "plinth_dspark.convert:SpeculatorsConverter",
         },

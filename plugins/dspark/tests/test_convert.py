@@ -123,4 +123,5 @@ def test_plinth_dflash_reads_speculators_format(tmp_path, variant):
     out = tmp_path / f"{variant}.gguf"
     (DFlash2Converter if variant == "dflash2" else DFlashConverter)().convert(str(d), str(out), {})
     f = load_draft(out, NumpyBackend())
-    assert f.hparams.variant == variant and f.hparams.block_size == 8 and f.hparams.target_layers == (1, 2)
+    # speculators' aux ids are hidden-state indices, the GGUF taps themselves (no +1)
+    assert f.hparams.variant == variant and f.hparams.block_size == 8 and f.hparams.target_layers == (0, 1)

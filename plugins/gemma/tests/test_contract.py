@@ -154,7 +154,7 @@ def test_separate_gate_and_up_experts_equal_fused(registry, tmp_path):
 def test_embedding_row_takes_token_0s_per_layer_embedding(registry, tmp_path):
     """An embedding row (no token id) is scaled like a token row and takes token 0's per-layer embedding,
     as llama.cpp does for image rows: the embedding of token 0 as a row equals token 0."""
-    from plinth.context import Batch
+    from plinth.graph import Batch
     from plinth.model import load_model
 
     model = load_model(write_synthetic_gguf(tmp_path / "m.gguf", "gemma4", metadata("all"), registry),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch, KVCache
 from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, random_tensors, tiny_metadata
 
 ARCHS = {

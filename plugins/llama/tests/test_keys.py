@@ -119,7 +119,7 @@ def test_qwen2_lm_head_bias(registry):
     """``output.bias`` (llama.cpp's qwen2 reads it when present) is added to every logit row."""
     import numpy as np
 
-    from plinth.context import Batch, KVCache
+    from plinth.graph import Batch, KVCache
     from plinth.testing import random_tensors
 
     hp = hparams(registry, "qwen2")

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch, KVCache
 from plinth.errors import UserError
 from plinth.testing.drafters import assert_caches_equal
 from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, load_module

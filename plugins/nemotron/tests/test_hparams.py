@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch, KVCache
 from plinth.hparams import HParamsError
 from plinth.testing import load_module
 

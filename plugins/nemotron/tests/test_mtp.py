@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.gguf import GGUFFile
 from plinth.testing import load_module

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch, KVCache
 from plinth.testing import greedy_through_cache, load_golden, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

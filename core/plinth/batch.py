@@ -1,4 +1,4 @@
-"""Batches and the forward output struct (the cache lives in :mod:`plinth.cache`).
+"""What a forward takes and gives: :class:`Batch` (rows in) and :class:`ForwardOutput` (out).
 
 A :class:`Batch` holds rows; each row is a token id or an embedding vector (or
 a mix, per row), with its position, its sequence id and whether it wants an
@@ -11,8 +11,6 @@ from typing import Any, Sequence
 
 import attrs
 import numpy as np
-
-from .cache import Cache, CacheSnapshot, KVCache, run_layers  # noqa: F401  (1.x import path)
 
 POOLING = ("none", "mean", "cls", "last")
 

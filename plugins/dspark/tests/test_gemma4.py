@@ -1,0 +1,112 @@
+"""DSpark drafts on a Gemma 4 backbone: the Gemma4DSparkModel export (llama.cpp's converter name; DeepSpec's
+flat schema over a gemma4_text config) and a speculators export whose transformer_layer_config is gemma4_text,
+converted by ``plinth convert`` and lossless on a tiny gemma4 target."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
+V, E, R = 257, 64, 8
+
+
+@pytest.fixture(scope="module")
+def gemma4_target(tmp_path_factory):
+    pytest.importorskip("plinth_gemma")
+    from plinth_dflash.testkit import tiny_gemma4_target
+
+    return tiny_gemma4_target(tmp_path_factory.mktemp("g4") / "gemma4.gguf")
+
+
+def heads(seed=0, conf_name="confidence_proj"):
+    rng = np.random.default_rng(seed)
+    return {"markov_head.markov_w1.weight": (0.5 * rng.standard_normal((V, R))).astype(np.float32),
+            "markov_head.markov_w2.weight": (0.5 * rng.standard_normal((V, R))).astype(np.float32),
+            f"{conf_name}.weight": (0.3 * rng.standard_normal((1, E + R))).astype(np.float32),
+            f"{conf_name}.bias": np.array([0.1], dtype=np.float32)}
+
+
+def gemma4_dspark_dir(tmp_path, name="g4dspark", *, markov_in_dflash_config=True, **kw):
+    """A Gemma4DSparkModel folder as llama.cpp's converter reads one: full layers with K = V (llama.cpp requires
+    both), the Markov keys in dflash_config, ``confidence_proj.*``, a tied head."""
+    from plinth_dflash.testkit import hf_gemma4_draft_config, hf_gemma4_draft_tensors, write_safetensors
+
+    kw.setdefault("layer_types", ["full_attention", "full_attention"])
+    cfg = hf_gemma4_draft_config(n_vocab=V, mask_token=255, architecture="Gemma4DSparkModel", block_size=6,
+                                 target_layer_ids=(0, 2), **kw)
+    markov = {"markov_rank": R, "markov_head_type": "vanilla", "enable_confidence_head": True}
+    (cfg["dflash_config"] if markov_in_dflash_config else cfg).update(markov)
+    d = tmp_path / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = hf_gemma4_draft_tensors(cfg, seed=4, own_embd=True)
+    t.update(heads())
+    write_safetensors(d / "model.safetensors", t)
+    return d
+
+
+def convert(d, out, cls="Gemma4DSparkConverter"):
+    import plinth_dspark.convert as conv
+
+    getattr(conv, cls)().convert(str(d), str(out), {})
+    return out
+
+
+def test_gemma4_dspark_export_converts_and_is_lossless(tmp_path, gemma4_target):
+    from plinth.backend import NumpyBackend
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.format import load_dspark
+
+    out = convert(gemma4_dspark_dir(tmp_path), tmp_path / "g4.gguf")
+    f = load_dspark(out, NumpyBackend())
+    hp, ds = f.draft.hparams, f.dspark
+    assert hp.tied and hp.target_layers == (1, 3) and hp.kv_heads(0) == 1 and hp.hd(0) == 32
+    assert ds.sample_from_anchor and ds.has_confidence_head and ds.rank == R
+    assert "blk.0.attn_v.weight" not in f.draft.weights and "rope_freqs.weight" in f.draft.weights
+    m = gemma4_target
+    stats = check_drafter_contract(m, lambda: make_dspark(m, {"draft": str(out)}), PROMPTS, max_tokens=20, n_max=5)
+    assert all(s.n_drafts > 0 for s in stats)
+
+
+def test_speculators_dspark_over_a_gemma4_backbone(tmp_path, gemma4_target):
+    """speculators' layout (transformer_layer_config, aux ids) with a gemma4_text backbone: sliding + full layers."""
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dflash.testkit import hf_gemma4_draft_config, hf_gemma4_draft_tensors, write_safetensors
+    from plinth_dspark.drafter import make_dspark
+
+    flat = hf_gemma4_draft_config(n_vocab=V, mask_token=255, block_size=6)
+    dc = flat.pop("dflash_config")
+    cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkDraftModel"],
+           "transformer_layer_config": {k: v for k, v in flat.items() if k != "architectures"},
+           "draft_vocab_size": V, "block_size": 6, "aux_hidden_state_layer_ids": [1, 3],
+           "mask_token_id": 255, "speculators_version": "0.9.0", "markov_rank": R, "markov_head_type": "vanilla",
+           "enable_confidence_head": True, "sample_from_anchor": False}
+    d = tmp_path / "spec"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    t = hf_gemma4_draft_tensors({**flat, "dflash_config": dc}, seed=5)
+    t.update(heads(conf_name="confidence_head.proj"))
+    write_safetensors(d / "model.safetensors", t)
+    out = convert(d, tmp_path / "spec.gguf", "SpeculatorsConverter")
+    m = gemma4_target
+    dr = make_dspark(m, {"draft": str(out)})
+    assert dr.hp.target_layers == (1, 3) and dr.hp.swa_layers == (True, False) and not dr.ds.sample_from_anchor
+    assert dr.head_source == "target"
+    check_drafter_contract(m, lambda: make_dspark(m, {"draft": str(out)}), PROMPTS[:1], max_tokens=16, n_max=5)
+
+
+def test_gemma4_dspark_refusals_are_named(tmp_path):
+    from plinth.errors import UserError
+
+    d = gemma4_dspark_dir(tmp_path, markov_in_dflash_config=False)
+    cfg = json.loads((d / "config.json").read_text())
+    for edit, match in ((dict(markov_head_type="gated"), "markov_head_type = 'gated'"),
+                        (dict(draft_vocab_size=100), "reduced draft vocabulary"),
+                        (dict(model_type="qwen3"), "model_type 'qwen3'")):
+        (d / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(UserError, match=match):
+            convert(d, tmp_path / "x.gguf")
