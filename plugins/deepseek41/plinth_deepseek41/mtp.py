@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from plinth.context import Batch
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.speculative.base import BaseDrafter
 from plinth.speculative.draft_head import HeadDrafter

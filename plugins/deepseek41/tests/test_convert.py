@@ -158,7 +158,7 @@ def test_release_mtp_block_goes_to_a_separate_head_file_by_default(tmp_path):
     ``<out>.mtp.gguf`` in llama.cpp's --mtp layout (the same keys and tensor names as llama.cpp's own head file);
     the mtp drafter takes it with the trunk and gives the inline layout's head logits."""
     import plinth
-    from plinth.context import Batch
+    from plinth.graph import Batch
     from plinth.gguf import GGUFFile
     from plinth_deepseek41.mtp import MtpDrafter
 

@@ -94,7 +94,7 @@ def test_llama_cpp_mtp_head_file_drives_the_mtp_drafter(reg, tmp_path, monkeypat
     from plinth.testing.drafters import check_drafter_contract
     from plinth_deepseek41.mtp import MtpDrafter
 
-    from plinth.context import Batch
+    from plinth.graph import Batch
 
     # every weight dequantized, so the two layouts compute alike (a kept Q8_0 eh_proj quantizes its input)
     monkeypatch.setenv("PLINTH_DEQUANTIZE", "1")

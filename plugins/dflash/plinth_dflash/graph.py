@@ -5,7 +5,7 @@ Two branches, as llama.cpp's dflash decoder has:
 * :meth:`DraftGraph.inject` (the embedding branch): raw target features
   ``f = concat(h_tap0, h_tap1, ...)`` -> ``g = RMSNorm_enc(fc . f)`` -> for every layer
   ``K = RoPE(k_norm(Wk . g))`` at the **target** positions and ``V = Wv . g`` (no norm),
-  written into the draft's :class:`plinth.context.KVCache`. One pass over all layers.
+  written into the draft's :class:`plinth.graph.Cache`. One pass over all layers.
 * :meth:`DraftGraph.forward_block` (the token branch): the block ``[anchor, MASK x n]``
   through the Qwen3-style layers, attending non-causally over cache + block (a
   sliding-window layer sees keys with ``q_pos - k_pos < W``; a layer is causal only
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from plinth import ops
-from plinth.context import KVCache
+from plinth.graph import KVCache
 
 from . import constants as C
 from .format import DFlashHParams

@@ -137,7 +137,7 @@ def reference_rounds(target: Any, draft: Any, prompt: Sequence[int], block: int,
 def plinth_rounds(target: Any, drafter: Any, prompt: Sequence[int], block: int, rounds: int,
                   seq: int = 0) -> list[dict[str, Any]]:
     """The same rounds through plinth's drafter contract (begin / process / draft / accept)."""
-    from plinth.context import Batch
+    from plinth.graph import Batch
     from plinth.speculative.base import TargetOutput
 
     be = target.backend

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from plinth import ops
-from plinth.context import Batch
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.speculative.base import TargetOutput, check_compatible
 
