@@ -63,6 +63,14 @@ class Grammar:
     describe: str
 
 
+def _checked(text: str, what: str) -> Grammar:
+    """A :class:`Grammar` once llguidance has validated it (without a tokenizer): :class:`GrammarError` otherwise."""
+    err = _llg().LLMatcher.validate_grammar(text)
+    if err and not err.startswith("WARNING"):
+        raise GrammarError(f"{what}: {_first_line(err)}")
+    return Grammar(text, what)
+
+
 def json_schema(schema: Any, *, what: str = "json_schema") -> Grammar:
     """JSON conforming to ``schema`` (a dict or its JSON text)."""
     if isinstance(schema, str):
@@ -76,7 +84,7 @@ def json_schema(schema: Any, *, what: str = "json_schema") -> Grammar:
         text = _llg().LLMatcher.grammar_from_json_schema(schema, defaults=dict(JSON_OPTIONS))
     except ValueError as exc:
         raise GrammarError(f"{what}: {exc}") from None
-    return Grammar(text, what)
+    return _checked(text, what)
 
 
 def json_object() -> Grammar:
@@ -88,7 +96,7 @@ def regex(pattern: str, *, what: str = "regex") -> Grammar:
     """Text matching ``pattern`` as a whole (Rust regex syntax, as llguidance reads it)."""
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError(f"{what} must be a non-empty string")
-    return Grammar(_llg().LLMatcher.grammar_from_regex(pattern), what)
+    return _checked(_llg().LLMatcher.grammar_from_regex(pattern), what)
 
 
 def choice(options: Sequence[str], *, what: str = "choice") -> Grammar:
@@ -110,14 +118,14 @@ def gbnf(text: str, *, what: str = "grammar") -> Grammar:
         lark_text = gbnf_to_lark(text)
     except Exception as exc:  # its parser raises several kinds, each with the position
         raise GrammarError(f"{what} is not a GBNF grammar llguidance can read: {exc}") from None
-    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark_text), what)
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark_text), what)
 
 
 def lark(text: str, *, what: str = "lark grammar") -> Grammar:
     """A grammar in llguidance's Lark-like format (``start: ...``; ``%json {schema}`` embeds a schema)."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError(f"{what} must be a non-empty grammar")
-    return Grammar(_llg().LLMatcher.grammar_from_lark(text), what)
+    return _checked(_llg().LLMatcher.grammar_from_lark(text), what)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
