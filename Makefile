@@ -84,5 +84,11 @@ test-ray: install
 bench: install
 	$(BIN)/python benchmarks/bench_plugins.py
 
+# llama.cpp's own llama-server (CPU only) built from the llama-cpp-python 0.3.36 sdist's vendored sources into
+# ~/.cache/plinth/llama-server (PLINTH_LLAMA_SERVER_DIR), for benchmarks/bench_serve_peer.py; ~15 min on 2 cores
+.PHONY: peer-server
+peer-server: install
+	$(BIN)/python benchmarks/build_llama_server.py
+
 clean:
 	rm -rf $(VENV) $(SPEC_VENV) $(MLX_VENV)
