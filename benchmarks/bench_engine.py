@@ -37,10 +37,10 @@ def main() -> None:
     import plinth
     from plinth.generate import time_prefill_decode
 
-    from plinth import quant
+    from plinth import ops, quant
 
     quant.set_threads(args.threads)
-    jit_s = quant.warm_up()
+    jit_s = ops.warm_up()
     t0 = time.perf_counter()
     model = plinth.load_model(args.model)
     load_s = time.perf_counter() - t0

@@ -6,7 +6,7 @@ Usage::
 
 Per run, each in a fresh process with its own empty ``NUMBA_CACHE_DIR``:
 
-* **all kernels**: ``plinth.quant.warm_up()`` (every kept type's products, row gathers, the
+* **all kernels**: ``plinth.ops.warm_up()`` (every kept type's products, row gathers, the
   attention tasks, RMSNorm, RoPE): its seconds, and the process's wall and CPU time;
 * **second process**: the same call again on the cache the first one filled: its seconds (the kernels
   loaded), and the process's wall time (the interpreter's start and numpy's and numba's imports too);
@@ -48,7 +48,7 @@ def _run(cmd: list[str], cache: str, tree: Path | None) -> tuple[float, float, s
 
 
 def one_run(label: str, tree: Path | None, models: list[str]) -> None:
-    warm = [sys.executable, "-c", "import plinth.quant as q; print(round(q.warm_up(), 2))"]
+    warm = [sys.executable, "-c", "import plinth.ops as o; print(round(o.warm_up(), 2))"]
     with tempfile.TemporaryDirectory(prefix="plinth-jit-") as cache:
         wall, cpu, out = _run(warm, cache, tree)
         again, _, out2 = _run(warm, cache, tree)

@@ -78,12 +78,12 @@ def write_model(path: Path, billions: float) -> tuple[Path, int]:
 
 CHILD = r"""
 import json, sys, time
-import plinth, plinth.quant
+import plinth, plinth.ops, plinth.quant
 def rss():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-plinth.quant.warm_up()  # the interpreter, numpy and the compiled kernels: the baseline
+plinth.ops.warm_up()  # the interpreter, numpy and the compiled kernels: the baseline
 base = rss()
 t0 = time.perf_counter()
 model = plinth.load_model(sys.argv[1])

@@ -163,9 +163,9 @@ def speed(name, path, args, llama_cpp):
     import plinth
     from plinth.generate import time_prefill_decode
 
-    import plinth.quant
+    import plinth.ops
 
-    plinth.quant.warm_up()  # the compiled kernels' code in memory: part of the baseline, not of the model
+    plinth.ops.warm_up()  # the compiled kernels' code in memory: part of the baseline, not of the model
     rss0 = _rss_mb()
     t = time.perf_counter()
     model = plinth.load_model(path)

@@ -8,6 +8,7 @@ n_in -> n_out and has array shape [n_out, n_in]; ``linear(x, w)`` is ``x @ w.T``
 from ._xp import array_module, as_f32
 from .activations import (
     ACTIVATIONS,
+    erf,
     gelu,
     gelu_erf,
     get_activation,
@@ -34,6 +35,32 @@ from .rope import (
     yarn_corr_dims,
 )
 
+
+def warm_up() -> float:
+    """Compile (or load from the on-disk cache) every compiled kernel: the quantized products of every
+    kept type (:func:`plinth.quant.warm_up`) and the host ops (decode attention, RMSNorm, RoPE);
+    seconds taken (0 where the compiled kernels are off)."""
+    import time
+
+    import numpy as np
+
+    from .. import quant
+
+    t0 = time.perf_counter()
+    if not quant.warm_up():
+        return 0.0
+    # decode attention (the vector kernel: hd 64; the plain loop: hd 8), RMSNorm, RoPE
+    q64 = np.zeros((1, 1, 64), dtype=np.float32)
+    attention(q64, q64, q64, causal=False)
+    q = np.zeros((1, 1, 8), dtype=np.float32)
+    attention(q, q, q, causal=False)
+    rms_norm(q[0], np.ones(8, dtype=np.float32), 1e-6)
+    cs = np.ones((1, 4), dtype=np.float32)
+    apply_rope(q, cos_sin=(cs, cs))
+    apply_rope(q[:, :, ::2], cos_sin=(cs[:, :2], cs[:, :2]))  # the strided view a fused QKV gives
+    return time.perf_counter() - t0
+
+
 __all__ = [
     "ACTIVATIONS",
     "MoeRoute",
@@ -49,6 +76,7 @@ __all__ = [
     "attention_mask",
     "attention_rows",
     "causal_conv1d",
+    "erf",
     "gated_group_rms_norm",
     "gather_rows",
     "geglu",
@@ -78,6 +106,7 @@ __all__ = [
     "ssm_step",
     "swiglu",
     "top_k",
+    "warm_up",
     "yarn_corr_dim",
     "yarn_corr_dims",
 ]

@@ -49,10 +49,10 @@ def compiled_ops() -> Any:
     """:mod:`plinth.ops.compiled` (the host kernels for decode attention, RMSNorm and RoPE), or None where
     the compiled kernels are off (numba missing, or PLINTH_KERNELS=0)."""
     if _COMPILED["mod"] is None:
-        from .. import quant
+        from .. import runtime
 
         _COMPILED["mod"] = False
-        if quant.compiled() is not None:
+        if runtime.compiled() is not None:
             from . import compiled
 
             _COMPILED["mod"] = compiled

@@ -19,7 +19,8 @@ pass it to :func:`plinth.ops.linear` like a float32 ``[n_out, n_in]`` matrix and
   dequantized on demand: correct, never fast.
 
 Threads: ``PLINTH_THREADS`` (or :func:`set_threads`, the ``--threads`` option) sets the kernel
-threads; default the physical cores this process may run on. The kernels and OpenBLAS take
+threads; default the physical cores this process may run on (:mod:`plinth.runtime`, which loads
+the kernels; its names are re-exported here). The kernels and OpenBLAS take
 turns, never both spinning at once: kernel products run with OpenBLAS held to one thread;
 prompt tiles are dequantized on the calling thread and multiplied by OpenBLAS on the kernel
 threads (:mod:`plinth.quant.blas`).
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -71,139 +71,17 @@ F32_KERNEL_MAX_ROWS = KERNEL_MAX_ROWS
 #: f32 bytes of one dequantized tile in the prompt path
 TILE_BYTES = 4 << 20
 
-_state: dict[str, Any] = {"kernels": None, "i8": None, "threads": None, "note": None}
-
-
-def compiled() -> Any:
-    """The compiled kernel module, or None (numba missing or unusable: numpy fallback, noted once)."""
-    if _state["kernels"] is None:
-        _state["kernels"] = _load_kernels()
-    return _state["kernels"] or None
-
-
-def compiled_i8() -> Any:
-    """The int8-activation kernel module, or None (kernels off, ``PLINTH_INT8=0``, or no AVX2/F16C)."""
-    if compiled() is None:
-        return None
-    if _state["i8"] is None:
-        _state["i8"] = _load_i8()
-    return _state["i8"] or None
-
-
-def _load_i8() -> Any:
-    text = os.environ.get("PLINTH_INT8", "1")
-    if text not in ("0", "1"):
-        from ..errors import UserError
-
-        raise UserError(f"PLINTH_INT8={text!r}: 1 (int8 activations where the CPU has AVX2) or 0 (f32 activations)")
-    if text == "0":
-        return False
-    from . import simd
-
-    if not simd.available():
-        _note("this CPU lacks AVX2/F16C: quantized weights use the f32-activation kernels (slower)")
-        return False
-    from . import kernels_i8
-
-    return kernels_i8
-
-
-def _load_kernels() -> Any:
-    if os.environ.get("PLINTH_KERNELS", "1") == "0":
-        _note("PLINTH_KERNELS=0: quantized weights are multiplied through numpy tiles (slow)")
-        return False
-    try:
-        # OpenMP's pool: a parallel region starts in microseconds (the workqueue layer takes ~50 us, which
-        # a decode step of ~200 products cannot afford). Its threads spin a while after each region, so
-        # only decode-sized products run in parallel regions; prompt tiles dequantize on the calling
-        # thread while BLAS has the cores.
-        os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", "omp tbb workqueue")
-        from . import kernels as k
-    except ImportError as exc:
-        _note(f"numba is not importable ({exc}); quantized weights use numpy tiles (slow): pip install numba")
-        return False
-    if not _cache_warm(k):
-        print("plinth: compiling the quantized-weight kernels (once per machine, about 10-15 s)...",
-              file=sys.stderr, flush=True)
-    _state["kernels"] = k
-    set_threads(_state["threads"] or default_threads())
-    return k
-
-
-def _note(msg: str) -> None:
-    if _state["note"] != msg:
-        _state["note"] = msg
-        print(f"plinth: {msg}", file=sys.stderr)
-
-
-def default_threads() -> int:
-    """PLINTH_THREADS, else the physical cores among the CPUs this process may run on (SMT
-    siblings share one core's SIMD units, which the kernels keep busy)."""
-    env = os.environ.get("PLINTH_THREADS")
-    if env:
-        return parse_threads(env, "PLINTH_THREADS")
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
-    return max(1, physical_cores(cpus))
-
-
-def physical_cores(cpus: list[int], sysfs: str = "/sys/devices/system/cpu") -> int:
-    """How many distinct cores the logical ``cpus`` sit on (by their SMT sibling lists in sysfs);
-    the number of CPUs where sysfs does not say."""
-    cores = set()
-    for c in cpus:
-        try:
-            with open(f"{sysfs}/cpu{c}/topology/thread_siblings_list") as f:
-                cores.add(f.read().strip())
-        except OSError:
-            return len(cpus)
-    return len(cores)
-
-
-def parse_threads(value: Any, where: str) -> int:
-    from ..errors import UserError
-
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise UserError(f"{where}: thread count must be a positive integer, got {value!r}")
-    return n
-
-
-def set_threads(n: int) -> None:
-    """Kernel threads (numba) and the BLAS threads used by prompt tiles."""
-    n = int(n)
-    _state["threads"] = n
-    if _state["kernels"]:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-
-
-def threads() -> int:
-    return int(_state["threads"] or default_threads())
-
-
-def blas_threads() -> int:
-    """OpenBLAS threads for prompt tiles: the kernel threads, or fewer where OPENBLAS_NUM_THREADS says so."""
-    env = os.environ.get("OPENBLAS_NUM_THREADS", "")
-    return min(threads(), int(env)) if env.isdigit() and int(env) > 0 else threads()
-
-
-def _cache_warm(k: Any) -> bool:
-    """Whether numba's on-disk cache already holds the kernels (else the first call compiles)."""
-    from pathlib import Path
-
-    dirs = [Path(k.__file__).parent / "__pycache__"]
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        dirs.append(Path(os.environ["NUMBA_CACHE_DIR"]))
-    return any(all(any(d.rglob(f"{name}-*.nbi")) for name in ("kernels_i8.linear", "simd.kernel_*",
-                                                               "kernels.dequantize_fast_serial"))
-               for d in dirs if d.is_dir())
+from ..runtime import (  # noqa: F401  (the kernel runtime: what the products and plinth.ops run on)
+    _state,
+    blas_threads,
+    compiled,
+    compiled_i8,
+    default_threads,
+    parse_threads,
+    physical_cores,
+    set_threads,
+    threads,
+)
 
 
 class QuantWeight:
@@ -498,8 +376,8 @@ def stack(parts: list[Any]) -> Any:
 
 
 def warm_up() -> float:
-    """Compile (or load from the on-disk cache) every kernel for every kept type, and the compiled
-    host ops (decode attention, RMSNorm, RoPE); seconds taken."""
+    """Compile (or load from the on-disk cache) every kernel for every kept type; seconds taken.
+    (:func:`plinth.ops.warm_up` does this and the compiled host ops.)"""
     from ..gguf.constants import BLOCK_SIZES, GGMLType
 
     t0 = time.perf_counter()
@@ -512,17 +390,6 @@ def warm_up() -> float:
         w = QuantWeight(raw, int(GGMLType[name]), (2, n_in))
         w.matmul(np.zeros((1, n_in), dtype=np.float32))
         w.take([0])
-    from .. import ops
-
-    # the compiled host ops: decode attention (the vector kernel: hd 64; the plain loop: hd 8), RMSNorm, RoPE
-    q64 = np.zeros((1, 1, 64), dtype=np.float32)
-    ops.attention(q64, q64, q64, causal=False)
-    q = np.zeros((1, 1, 8), dtype=np.float32)
-    ops.attention(q, q, q, causal=False)
-    ops.rms_norm(q[0], np.ones(8, dtype=np.float32), 1e-6)
-    cs = np.ones((1, 4), dtype=np.float32)
-    ops.apply_rope(q, cos_sin=(cs, cs))
-    ops.apply_rope(q[:, :, ::2], cos_sin=(cs[:, :2], cs[:, :2]))  # the strided view a fused QKV gives
     return time.perf_counter() - t0
 
 
