@@ -39,6 +39,32 @@ def test_activations_match_scalar_formulas():
         assert f(x).dtype == np.float32
 
 
+def test_erf_is_float32_accurate_everywhere():
+    """ops.erf (elementwise array operations only) within 0.55 float32 ulps of math.erf on a dense grid
+    (the region boundary at |x| = 1 and the flat tails included), and exact GELU built on it."""
+    x = np.concatenate([np.linspace(-7, 7, 400_001, dtype=np.float32),
+                        np.float32([0.0, -0.0, 1e-30, -1e-20, 1.0, -1.0, 4.5, -4.5, 30.0, -30.0])])
+    ref = np.array([math.erf(v) for v in x.astype(float)])
+    got = ops.erf(x)
+    assert got.dtype == np.float32
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(float)
+    assert np.max(np.abs(got - ref) / np.maximum(ulp, 1e-45)) <= 0.55
+    assert np.all(np.abs(got) <= 1.0) and np.isnan(ops.erf(np.float32([np.nan]))).all()
+    np.testing.assert_array_equal(ops.erf(np.float32([np.inf, -np.inf])), [1.0, -1.0])
+    gelu_ref = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(float)])
+    assert np.all(np.abs(ops.gelu(x, "none") - gelu_ref) <= 1.2e-7 * np.maximum(np.abs(x), 1.0))
+    np.testing.assert_array_equal(ops.gelu(x, "none"), ops.gelu_erf(x))
+
+
+def test_exact_gelu_runs_on_the_strict_backend():
+    """Exact GELU on the strict device stand-in (no implicit host conversion) gives the host's bits."""
+    from plinth.testing.strict import module as sxp, to_host
+
+    x = randn(3, 64, scale=3.0)
+    np.testing.assert_array_equal(to_host(ops.gelu(sxp.asarray(x), approximate="none")), ops.gelu(x, "none"))
+    np.testing.assert_array_equal(to_host(ops.erf(sxp.asarray(x))), ops.erf(x))
+
+
 def test_softmax_and_log_softmax():
     x = randn(5, 7, scale=10.0)
     for axis in (0, 1, -1):

@@ -42,16 +42,16 @@ def _exp_neg(x: Any, xp: Any) -> Any:
 
 
 def gelu(x: Any, approximate: str = "tanh") -> Any:
-    """GELU. ``approximate``: "tanh" (Gemma/GPT-2 form) or "none"/"erf" (exact). ``x``: any shape."""
+    """GELU. ``approximate``: "tanh" (Gemma/GPT-2 form) or "none"/"erf" (exact, through :func:`erf`).
+    ``x``: any shape."""
     xp = array_module(x)
     x = as_f32(x, xp)
     if approximate == "tanh":
         inner = F32(_SQRT_2_OVER_PI) * (x + F32(0.044715) * x * x * x)
         return F32(0.5) * x * (F32(1.0) + xp.tanh(inner))
     if approximate in ("none", "erf"):
-        erf = _erf_fn(xp)
         return F32(0.5) * x * (F32(1.0) + erf(x * F32(_INV_SQRT_2)))
-    raise ValueError(f"gelu: unknown approximate={approximate!r}; use 'tanh' or 'erf'")
+    raise ValueError(f"gelu: unknown approximate={approximate!r}; use 'tanh' or 'none' (= 'erf')")
 
 
 def gelu_erf(x: Any) -> Any:
@@ -59,27 +59,61 @@ def gelu_erf(x: Any) -> Any:
     return gelu(x, "erf")
 
 
-def _erf_fn(xp: Any) -> Any:
-    if hasattr(xp, "erf"):
-        return xp.erf
-    if xp.__name__ == "cupy":  # cupy keeps erf under cupyx.scipy.special
-        import cupyx.scipy.special as cupy_special
+# erf(x) / x as a polynomial in x*x for |x| <= 1 (relative error 3.3e-9), and exp(x*x) * erfc(x) for
+# 1 <= x <= 4.5 as a polynomial in u = (2 / (1 + x) - (lo + hi)) / (hi - lo), lo = 1 / 5.5, hi = 1 / 2
+# (relative error 7.6e-11): least-squares fits to math.erf / math.erfc, highest power first. Past 4.5,
+# erfc(x) < 2.2e-10 and erf(x) is 1 in float32.
+_ERF_SMALL = (
+    7.878969797032593e-05,
+    -0.0008014544604171262,
+    0.00518837806827335,
+    -0.026853535474568875,
+    0.11283567883788151,
+    -0.3761262251812757,
+    1.1283791641964451,
+)
+_ERFCX_LARGE = (
+    -1.9782699762123723e-08,
+    -1.0854044128232713e-08,
+    4.6983231849365685e-07,
+    -1.7217126778960746e-06,
+    -2.97784676737189e-06,
+    5.889149869512518e-05,
+    -0.00015851007418486132,
+    -0.0016213059848407085,
+    0.01248930676552054,
+    0.15411353297778196,
+    0.2627059213138824,
+)
+_ERFCX_LO, _ERFCX_HI = 1.0 / 5.5, 0.5
 
-        return cupy_special.erf
-    try:
-        from scipy.special import erf  # type: ignore
-    except ImportError:
-        return _erf_numpy
-    return lambda v: erf(v).astype(F32, copy=False)
+
+def _poly(coeffs: tuple[float, ...], v: Any) -> Any:
+    """``coeffs`` (highest power first) at ``v``, by Horner's rule (in ``v``'s precision)."""
+    r = v * coeffs[0] + coeffs[1]
+    for c in coeffs[2:]:
+        r *= v
+        r += c
+    return r
 
 
-def _erf_numpy(x: Any) -> Any:
-    """Exact erf per element via math.erf (a slow fallback used only when scipy is absent)."""
-    import numpy
-
-    x64 = numpy.asarray(x, dtype=numpy.float64)
-    v = numpy.vectorize(math.erf, otypes=[numpy.float64])(x64)
-    return v.astype(F32)
+def erf(x: Any) -> Any:
+    """The error function in float32, from elementwise array operations only (numpy, cupy and the
+    strict backend alike; float64 inside): within 0.55 float32 ulps of the exact value (checked
+    against ``math.erf``). ``x``: any shape."""
+    xp = array_module(x)
+    x = as_f32(x, xp)
+    x64 = x.astype(xp.float64)
+    a = xp.abs(x64)
+    t = x64 * x64
+    small = _poly(_ERF_SMALL, t)
+    small *= x64
+    span = _ERFCX_HI - _ERFCX_LO
+    u = (2.0 / span) / (xp.clip(a, 1.0, 4.5) + 1.0) - (_ERFCX_LO + _ERFCX_HI) / span
+    tail = xp.exp(-t)
+    tail *= _poly(_ERFCX_LARGE, u)  # erfc(|x|)
+    big = 1.0 - tail
+    return xp.where(a <= 1.0, small, xp.where(x64 < 0.0, -big, big)).astype(F32)
 
 
 def relu2(x: Any) -> Any:
