@@ -126,10 +126,21 @@ class Rows(CacheKind):
     Storage grows by doubling, so appending one token is amortised O(1). Rows written
     by :meth:`append` are visible to the forward that wrote them and become part of the
     cache at commit. Any range of positions can be dropped (rollback "cut").
+
+    Each field is stored in the cache's type for its ``roles`` entry ("k": ``--cache-type-k``,
+    "v": ``--cache-type-v``; :class:`plinth.kvtypes.CacheTypes`): float32 arrays, or uint8 rows in a
+    GGUF block layout ``[capacity, *shape[:-1], row bytes]`` (:attr:`codecs`), turned by the
+    Hadamard rotation where it applies. :meth:`get` returns float32 rows in the model's space
+    either way (unpacked and turned back: a copy for a typed field); the attention of
+    :func:`plinth.graph.attend` reads the stored blocks themselves.
     """
 
     kind = "rows"
     fields: tuple[str, ...] = ("rows",)
+    #: per field, the cache type it takes: "k" or "v" (none: float32 whatever the types)
+    roles: tuple[str, ...] = ()
+    #: whether typed storage turns rows whatever the rotation switch (DeepSeek's indexer keys)
+    always_rotate: ClassVar[bool] = False
 
     def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
         super().bind(xp, layer, cache)
@@ -138,6 +149,28 @@ class Rows(CacheKind):
         self._len: dict[int, int] = {}
         self._pending: dict[int, int] = {}
         self._addr: dict[int, tuple[list[Any], tuple[int, ...]]] = {}  # seq -> (its buffers, their addresses)
+        self.codecs: tuple[Any, ...] | None = None  # per field its kvtypes.Codec (None: float32); set on first rows
+        self.widths: list[int] = []  # per field the values of a row's last axis
+
+    @property
+    def typed(self) -> bool:
+        """Whether some field is stored in another type than float32 (known once rows were written)."""
+        return self.codecs is not None and any(c is not None for c in self.codecs)
+
+    def _codecs(self, shapes: Sequence[tuple[int, ...]]) -> tuple[Any, ...]:
+        if self.codecs is None:
+            types = getattr(self.cache, "types", None)
+            if types is None or types.plain or len(self.roles) != len(shapes):
+                self.codecs = tuple(None for _ in shapes)
+            else:
+                if self.xp is not np:
+                    from .errors import UserError
+
+                    raise UserError(f"a {types.k.name}/{types.v.name} K/V cache is kept on the host only; "
+                                    "use the f32 cache types with this backend")
+                self.codecs = tuple(types.codec(role, tuple(shape), self.always_rotate)
+                                    for role, shape in zip(self.roles, shapes))
+        return self.codecs
 
     def holds(self, seq: int) -> bool:
         return self._len.get(seq, 0) > 0
@@ -146,7 +179,7 @@ class Rows(CacheKind):
         n = self._len.get(seq, 0)
         if seq not in self._buf:
             return ()
-        return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
+        return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)  # (as stored)
 
     def length(self, seq: int) -> int:
         """Committed rows of ``seq``."""
@@ -165,11 +198,18 @@ class Rows(CacheKind):
         return self._pos[seq][:n] if seq in self._pos else np.zeros(0, np.int64)
 
     def get(self, seq: int) -> tuple[Any, ...]:
-        """Every field of ``seq`` (views, including this forward's rows), then positions."""
+        """Every field of ``seq`` (views, including this forward's rows; float32 copies of typed
+        fields), then positions."""
         n = self.n_rows(seq)
         if seq not in self._buf:
             return tuple(None for _ in self.fields) + (np.zeros(0, np.int64),)
-        return tuple(b[:n] for b in self._buf[seq]) + (self._pos[seq][:n],)
+        return self._read(self._buf[seq], n) + (self._pos[seq][:n],)
+
+    def _read(self, bufs: list[Any], n: int) -> tuple[Any, ...]:
+        if not self.typed:
+            return tuple(b[:n] for b in bufs)
+        return tuple(b[:n] if c is None else c.decode(b[:n], self.widths[i]) for i, (b, c) in
+                     enumerate(zip(bufs, self.codecs)))  # type: ignore[arg-type]
 
     def addresses(self, seq: int) -> tuple[int, ...]:
         """The data addresses of ``seq``'s host buffers, one per field (what :meth:`get` and
@@ -184,15 +224,31 @@ class Rows(CacheKind):
     def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
         """Add rows of ``seq`` at ``positions`` ([n]); ``arrays`` one per field, [n, *shape].
 
-        Returns every field's rows so far (views) and their positions.
+        Returns every field's rows so far (views; float32 copies of typed fields) and their positions.
         """
         n_old = self.reserve(seq, len(positions), [a.shape[1:] for a in arrays])
         n_new = n_old + len(positions)
         bufs = self._buf[seq]
-        for b, a in zip(bufs, arrays):
+        for b, a, c in zip(bufs, arrays, self.codecs):  # type: ignore[arg-type]
+            b[n_old:n_new] = a if c is None else c.encode(a)
+        self._pos[seq][n_old:n_new] = positions
+        return (*self._read(bufs, n_new), self._pos[seq][:n_new])
+
+    def append_stored(self, seq: int, positions: np.ndarray, shapes: Sequence[tuple[int, ...]], *stored: Any) -> int:
+        """:meth:`append` of rows already in their stored form (:meth:`encode`'s; ``shapes`` the fields' row
+        shapes before it): returns where they start."""
+        n_old = self.reserve(seq, len(positions), shapes)
+        n_new = n_old + len(positions)
+        bufs = self._buf[seq]
+        for b, a in zip(bufs, stored):
             b[n_old:n_new] = a
         self._pos[seq][n_old:n_new] = positions
-        return (*(b[:n_new] for b in bufs), self._pos[seq][:n_new])
+        return n_old
+
+    def encode(self, *arrays: Any) -> tuple[Any, ...]:
+        """Rows [n, *shape] of each field in their stored form (as they go into the buffers)."""
+        codecs = self._codecs([a.shape[1:] for a in arrays])
+        return tuple(a if c is None else c.encode(a) for a, c in zip(arrays, codecs))
 
     def reserve(self, seq: int, n: int, shapes: Sequence[tuple[int, ...]]) -> int:
         """Make room for ``n`` more rows of ``seq`` (fields of row shapes ``shapes``) and count them
@@ -205,7 +261,10 @@ class Rows(CacheKind):
         if bufs is None or bufs[0].shape[0] < n_new:
             xp = self.xp
             cap = max(n_new, 2 * (bufs[0].shape[0] if bufs is not None else 0), 16)
-            grown = [xp.empty((cap,) + tuple(shape), dtype=xp.float32) for shape in shapes]
+            codecs = self._codecs(shapes)
+            self.widths = [int(shape[-1]) if len(shape) else 1 for shape in shapes]
+            grown = [xp.empty((cap,) + tuple(shape), dtype=xp.float32) if c is None else c.alloc(cap, tuple(shape))
+                     for shape, c in zip(shapes, codecs)]
             pos = np.zeros(cap, np.int64)
             if bufs is not None:
                 for g, b in zip(grown, bufs):
@@ -303,6 +362,7 @@ class KV(Rows):
 
     kind = "kv"
     fields = ("k", "v")
+    roles = ("k", "v")
 
     def update(self, seq: int, positions: np.ndarray, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
         """Append this forward's rows of ``seq``; returns (K [n_total, ...], V [n_total, ...], positions)."""
@@ -314,6 +374,7 @@ class Latent(Rows):
 
     kind = "latent"
     fields = ("c_kv", "k_rope")
+    roles = ("k", "k")  # (llama.cpp keeps an MLA latent in its K cache)
 
     def update(self, seq: int, positions: np.ndarray, c_kv: Any, k_rope: Any) -> tuple[Any, Any, np.ndarray]:
         return self.append(seq, positions, c_kv, k_rope)  # type: ignore[return-value]
@@ -324,6 +385,8 @@ class IndexerKeys(Rows):
 
     kind = "indexer"
     fields = ("k",)
+    roles = ("k",)
+    always_rotate = True  # (llama.cpp turns DeepSeek's indexer keys whatever its switch)
 
     def update(self, seq: int, positions: np.ndarray, k: Any) -> tuple[Any, np.ndarray]:
         return self.append(seq, positions, k)  # type: ignore[return-value]
@@ -640,9 +703,13 @@ class Cache:
     a :class:`KV` and a :class:`Recurrent` on first use (the 1.x behaviour).
     """
 
-    def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None) -> None:
+    def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None, types: Any = None) -> None:
+        from .kvtypes import CacheTypes
+
         self.n_layer = n_layer
         self.xp = xp
+        #: the storage types of the kinds that keep rows (:class:`plinth.kvtypes.CacheTypes`; float32 by default)
+        self.types = types if types is not None else CacheTypes()
         self._lazy = layout is None
         if layout is not None and len(layout) != n_layer:
             raise ValueError(f"the cache layout has {len(layout)} layers, the model {n_layer}")
@@ -701,6 +768,18 @@ class Cache:
 
     def nbytes(self) -> int:
         return sum(self.nbytes_by_kind().values())
+
+    def nbytes_by_role(self) -> dict[str, int]:
+        """Bytes of the stored K and V rows ("k", "v": what ``--cache-type-k`` / ``-v`` decide; keys,
+        latents and indexer keys count as "k"), without positions; empty roles left out."""
+        out: dict[str, int] = {}
+        for k in self.kinds():
+            if isinstance(k, Rows) and k.roles:
+                for seq, bufs in k._buf.items():
+                    n = k._len.get(seq, 0)
+                    for role, b in zip(k.roles, bufs):
+                        out[role] = out.get(role, 0) + int(b[:n].nbytes)
+        return {r: n for r, n in out.items() if n}
 
     # -------------------------------------------------------------- tokens
 

@@ -317,7 +317,7 @@ def attend(il: int, q: Any, k: Any, v: Any, step: Step, *, scale: float, window:
         bias = step.once(("attn_bias", seq, window, len(kpos)),
                          lambda: ops.attention_bias(pos, kpos, causal=True, sliding_window=window or None,
                                                     xp=xp))
-        groups.append((sel, kc, vc, bias, kv.addresses(seq) if host and len(kpos) else None))
+        groups.append((sel, kc, vc, bias, kv.addresses(seq) if host and len(kpos) and not kv.typed else None))
     if all(isinstance(g[0], slice) for g in groups):
         # (a step that mixes prompt chunks with few-row groups: those still go through one compiled call)
         return ops.attention_groups(q, [(sel.start, sel.stop, kc, vc, bias, at) for sel, kc, vc, bias, at in groups],
@@ -353,6 +353,10 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
     cost about a third of the Python of the general path)."""
     from .ops._xp import compiled_ops
 
+    if kv.roles and not kv.cache.types.plain:  # a typed cache (plinth.kvtypes): a kernel that reads its blocks
+        from .ops.attend_q import attend_rows_typed
+
+        return attend_rows_typed(q, k, v, kv, shared, step, scale, window, soft_cap)
     groups = step.groups
     if not shared:
         table = kv.reserve_rows(groups, (k.shape[1:], v.shape[1:]))

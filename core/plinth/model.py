@@ -40,9 +40,13 @@ class LoadStats:
 
 
 class Context:
-    """One inference context: a KV cache and the forward options (taps, pooling)."""
+    """One inference context: a KV cache and the forward options (taps, pooling).
 
-    def __init__(self, model: "Model", *, taps: Iterable[int] = (), pooling: str = "none") -> None:
+    ``cache_types``: the storage types of its K/V rows (:class:`plinth.kvtypes.CacheTypes`; default the
+    model's, from ``load_model(cache_type_k=..., cache_type_v=...)``)."""
+
+    def __init__(self, model: "Model", *, taps: Iterable[int] = (), pooling: str = "none",
+                 cache_types: Any = None) -> None:
         n_layer = model.hparams.n_layer
         self.taps = tuple(sorted(set(int(t) for t in taps)))
         for t in self.taps:
@@ -51,7 +55,8 @@ class Context:
         self.model = model
         self.pooling = pooling
         layout = getattr(model.graph, "cache_layout", None)
-        self.cache = Cache(n_layer, model.backend.xp, layout() if layout is not None else None)
+        types = cache_types if cache_types is not None else getattr(model, "cache_types", None)
+        self.cache = Cache(n_layer, model.backend.xp, layout() if layout is not None else None, types=types)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         return self._run(batch, lambda: self.model.graph.forward(batch, self.cache, taps=self.taps,
@@ -136,6 +141,10 @@ class Model(ModelFile):
         self.stats = stats
         self.n_ctx = int(n_ctx or hparams.n_ctx_train or 4096)
         self._tokenizer: Any = None
+        from .kvtypes import CacheTypes
+
+        #: the K/V cache storage types of its contexts (``load_model(cache_type_k=..., cache_type_v=...)``)
+        self.cache_types = CacheTypes()
 
     def target_view(self) -> Any:
         """What a drafter may use of this model: :class:`plinth.graph.TargetView` (embedding, head, sizes)."""
@@ -146,8 +155,14 @@ class Model(ModelFile):
                             "plinth.graph.BaseGraph or define target_view())")
         return make()
 
-    def new_context(self, *, taps: Iterable[int] = (), pooling: str = "none") -> Context:
-        return Context(self, taps=taps, pooling=pooling)
+    def new_context(self, *, taps: Iterable[int] = (), pooling: str = "none", cache_type_k: str | None = None,
+                    cache_type_v: str | None = None) -> Context:
+        """A fresh context; ``cache_type_k`` / ``cache_type_v`` override the model's cache types for it."""
+        types = None
+        if cache_type_k is not None or cache_type_v is not None:
+            types = attrs.evolve(self.cache_types, k=cache_type_k or self.cache_types.k,
+                                 v=cache_type_v or self.cache_types.v)
+        return Context(self, taps=taps, pooling=pooling, cache_types=types)
 
     def prepare(self) -> float:
         """One forward of one token in a throwaway context, so that a first request does not pay the
@@ -233,7 +248,7 @@ def allow_unused_default() -> bool:
 
 def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, registry: Any = None,
                n_ctx: int | None = None, progress: bool = False, tokenizer: bool = False,
-               allow_unused: bool | None = None) -> Model:
+               allow_unused: bool | None = None, cache_type_k: str = "f32", cache_type_v: str = "f32") -> Model:
     """Load a GGUF file (or a known model name, fetched on first use) with its architecture plugin.
 
     Every problem with the file is a :class:`~plinth.errors.UserError` naming it, raised before
@@ -245,7 +260,13 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     text. ``allow_unused=True`` (default: ``PLINTH_ALLOW_UNUSED``) loads it anyway and lists them in
     ``model.stats.unused`` / ``unused_keys``. Integer tensors (I8..I64) load as integer arrays
     where the architecture's spec allows their type.
+
+    ``cache_type_k`` / ``cache_type_v``: how its contexts store K/V rows (``-ctk`` / ``-ctv``: f32, f16,
+    bf16, q8_0, q4_0, q4_1, q5_0, q5_1; :mod:`plinth.kvtypes`); checked before anything loads.
     """
+    from .kvtypes import CacheTypes
+
+    cache_types = CacheTypes(k=cache_type_k, v=cache_type_v)
     if allow_unused is None:
         allow_unused = allow_unused_default()
     from . import hub
@@ -322,6 +343,7 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
     types = {name: info.type_name for name, info in gf.tensors.items()}
     model = Model(path, arch, plugin, hparams, specs, weights, graph, be, metadata, types, stats, n_ctx=n_ctx)
     model._tokenizer = tok
+    model.cache_types = cache_types
     return model
 
 

@@ -1,0 +1,164 @@
+"""Typed K/V caches (``cache_type_k`` / ``cache_type_v``) on a tiny llama: logits near the float32
+cache's, rows stored in the type's bytes, the bits of a row independent of its batch (a verify batch's
+row against its decode step, several sequences in one step against each alone), rollback / snapshot /
+seq_cp on typed rows, the rotation's switch, and speculative decoding with a random DFlash draft equal
+to plain greedy decoding on a q8_0 cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import plinth
+from plinth.graph import Batch
+from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
+
+N_EMBD, N_HEAD, N_HEAD_KV, N_LAYER = 256, 4, 2, 2  # head size 64: the rotation applies
+HD = N_EMBD // N_HEAD
+
+
+@pytest.fixture(scope="module")
+def registry():
+    from plinth.testing import make_registry
+    from plinth_llama.plugin import plugin
+
+    return make_registry(plugin)
+
+
+@pytest.fixture(scope="module")
+def path(registry, tmp_path_factory):
+    md = tiny_metadata("llama", n_vocab=257, n_embd=N_EMBD, n_head=N_HEAD, n_head_kv=N_HEAD_KV, n_layer=N_LAYER,
+                       n_ff=128, n_ctx=512) | byte_vocab()
+    return write_synthetic_gguf(tmp_path_factory.mktemp("kvt") / "tiny.gguf", "llama", md, registry, seed=5)
+
+
+def _load(path, registry, k="f32", v="f32"):
+    return plinth.load_model(path, registry=registry, cache_type_k=k, cache_type_v=v)
+
+
+PROMPT = list(np.random.default_rng(0).integers(1, 257, 40))
+
+
+def _decode_logits(model, tokens, **types):
+    ctx = model.new_context(**types)
+    out = [np.asarray(ctx.decode(tokens[:8], output="last").logits[-1])]
+    for t in tokens[8:]:
+        out.append(np.asarray(ctx.decode([t]).logits[-1]))
+    return np.stack(out), ctx
+
+
+# (a random tiny model's attention is sharp: rounding K/V moves its logits far more than a trained model's)
+@pytest.mark.parametrize("k,v,tol", [("f16", "f16", 1e-2), ("bf16", "bf16", 0.15), ("q8_0", "q8_0", 0.15),
+                                     ("q4_0", "q4_0", None), ("q5_1", "q8_0", 0.6), ("q8_0", "f32", 0.15)])
+def test_logits_near_f32_and_bytes(path, registry, k, v, tol):
+    model = _load(path, registry)
+    ref, _ = _decode_logits(model, PROMPT)
+    got, ctx = _decode_logits(model, PROMPT, cache_type_k=k, cache_type_v=v)
+    if tol is not None:
+        assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+    from plinth.kvtypes import cache_type
+
+    kt, vt = cache_type(k), cache_type(v)
+    per_layer = N_HEAD_KV * (kt.row_bytes(HD) + vt.row_bytes(HD)) + 8  # (+ the position)
+    assert ctx.cache.nbytes_by_kind() == {"kv": N_LAYER * per_layer * len(PROMPT)}
+
+
+def test_model_default_and_refusals(path, registry):
+    model = _load(path, registry, "q8_0", "q4_0")
+    ctx = model.new_context()
+    ctx.decode(PROMPT[:5])
+    kv = ctx.cache.kv(0)
+    assert kv.typed and [c.type.name for c in kv.codecs] == ["q8_0", "q4_0"]
+    assert [c.rot for c in kv.codecs] == [64, 64]
+    assert ctx.cache.kv(0).buffers(0)[0].dtype == np.uint8
+    with pytest.raises(plinth.UserError, match="unknown cache type 'q3_k'"):
+        _load(path, registry, "q3_k")
+
+
+def test_rotation_switch(path, registry, monkeypatch):
+    model = _load(path, registry, "q4_0", "q4_0")
+    monkeypatch.setenv("PLINTH_ATTN_ROT_DISABLE", "1")
+    ctx = model.new_context()
+    ctx.decode(PROMPT[:5])
+    assert [c.rot for c in ctx.cache.kv(0).codecs] == [0, 0]
+
+
+@pytest.mark.parametrize("k", ["q8_0", "q4_0", "f16"])
+def test_verify_rows_and_server_rows_give_the_decode_bits(path, registry, k):
+    """Row 0 of a verify batch (1 + m rows) against the lone decode step; a step of three sequences
+    against each alone: the logits' bits."""
+    model = _load(path, registry, k, k)
+    base = model.new_context()
+    base.decode(PROMPT[:20])
+    lone = np.asarray(base.decode([PROMPT[20]]).logits[-1])
+    for m in (1, 3, 8):
+        ctx = model.new_context()
+        ctx.decode(PROMPT[:20])
+        out = ctx.decode(PROMPT[20:21] + PROMPT[21:21 + m], output="all")
+        np.testing.assert_array_equal(np.asarray(out.logits[0]).view(np.uint32), lone.view(np.uint32))
+    # three sequences with other histories in one step
+    ctx = model.new_context()
+    for s, n in ((0, 20), (1, 7), (2, 31)):
+        ctx.decode(PROMPT[:n] if s == 0 else PROMPT[s:s + n], seq=s)
+    toks = [PROMPT[20], PROMPT[9], PROMPT[33]]
+    pos = [20, 7, 31]
+    b = Batch(tokens=np.array(toks), positions=np.array(pos), seq_ids=np.arange(3), output=np.ones(3, bool))
+    out = ctx.forward(b)
+    np.testing.assert_array_equal(np.asarray(out.logits[0]).view(np.uint32), lone.view(np.uint32))
+
+
+def test_rollback_snapshot_copy(path, registry):
+    model = _load(path, registry, "q8_0", "q4_1")
+    ctx = model.new_context()
+    ctx.decode(PROMPT[:12])
+    want = np.asarray(ctx.decode(PROMPT[12:14], output="all").logits)
+    snap = ctx.cache.snapshot(0)
+    ctx.cache.seq_cp(0, 3)
+    ctx.decode(PROMPT[14:20])
+    ctx.cache.seq_rm(0, 12)  # cut the last 8
+    again = np.asarray(ctx.decode(PROMPT[12:14], output="all").logits)
+    np.testing.assert_array_equal(again, want)
+    ctx.decode(PROMPT[14:18])
+    ctx.cache.restore(snap)
+    assert ctx.cache.n_cached(0) == 14
+    nxt = np.asarray(ctx.decode([PROMPT[14]]).logits[-1])
+    other = np.asarray(ctx.decode([PROMPT[14]], seq=3).logits[-1])  # the copy made at the snapshot
+    np.testing.assert_array_equal(nxt, other)
+
+
+def test_long_prompt_path_reads_the_same_rows(path, registry, monkeypatch):
+    """A prompt past the kernels' row bound takes the general path (unpacked rows, BLAS): its logits stay
+    near the rows path's (the same stored blocks)."""
+    import sys
+
+    att = sys.modules["plinth.ops.attention"]
+
+    model = _load(path, registry, "q8_0", "q8_0")
+    a = np.asarray(model.new_context().decode(PROMPT, output="all").logits)
+    monkeypatch.setattr(att, "KERNEL_MAX_Q", 4)
+    import plinth.graph as g
+
+    monkeypatch.setattr(g, "_rows_path", lambda kv, shared, step: False)
+    b = np.asarray(model.new_context().decode(PROMPT, output="all").logits)
+    np.testing.assert_allclose(a, b, atol=2e-4 * np.abs(a).max())
+
+
+def test_dflash_random_draft_lossless_on_q8_0(path, registry, tmp_path):
+    pytest.importorskip("plinth_dflash")
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import write_tiny_draft
+
+    from plinth.generate import Generator
+    from plinth.sampling import Sampler, SamplerConfig
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+
+    model = _load(path, registry, "q8_0", "q8_0")
+    draft = write_tiny_draft(tmp_path / "d.gguf", "dflash", n_embd=N_EMBD, n_vocab=model.n_vocab, n_layer=1, n_head=4,
+                             n_head_kv=2, head_dim=64, n_ff=128, taps=[0, 1], block_size=5, mask_token=0, scale=0.05)
+    greedy = SamplerConfig(temperature=0.0)
+    prompt = [int(t) for t in PROMPT[:10]]
+    want = Generator(model, Sampler(greedy)).generate(prompt, 30)
+    for n_max in (2, 4):
+        gen = SpeculativeGenerator(model, [make_dflash(model, {"draft": str(draft)})],
+                                   config=SpecConfig(n_max=n_max, verifier="greedy"), sampler=greedy)
+        assert gen.generate(prompt, 30) == want
