@@ -162,3 +162,21 @@ def test_dflash_random_draft_lossless_on_q8_0(path, registry, tmp_path):
         gen = SpeculativeGenerator(model, [make_dflash(model, {"draft": str(draft)})],
                                    config=SpecConfig(n_max=n_max, verifier="greedy"), sampler=greedy)
         assert gen.generate(prompt, 30) == want
+
+
+def test_cli_flags(path, capsys):
+    """-ctk / -ctv on info --cache (bytes of the rows a token), generate and bench; an unknown type is
+    refused by argparse before anything loads."""
+    from plinth.cli import main
+
+    assert main(["--plugins", "llama", "info", str(path), "--cache", "-ctk", "q8_0", "-ctv", "q4_0"]) == 0
+    out = capsys.readouterr().out
+    k, v = N_LAYER * N_HEAD_KV * HD // 32 * 34, N_LAYER * N_HEAD_KV * HD // 32 * 18
+    assert f"k q8_0, v q4_0: K {k} bytes, V {v} bytes a token" in out
+    assert main(["--plugins", "llama", "generate", "-m", str(path), "-n", "4", "--temperature", "0",
+                 "--cache-type-k", "q5_0", "--cache-type-v", "bf16", "hi"]) == 0
+    assert main(["--plugins", "llama", "bench", "-m", str(path), "--prompt-tokens", "8", "--decode-tokens", "2",
+                 "--runs", "1", "-ctk", "f16", "-ctv", "q8_0"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--plugins", "llama", "generate", "-m", str(path), "-ctk", "q2_k", "hi"])
+    assert "'q2_k' is not a cache type" in capsys.readouterr().err

@@ -10,8 +10,8 @@ from typing import Any
 
 from .argtypes import int_range, nonempty
 from .models import MODEL_HELP
-from .options import (check_args, pipeline_args, sampling_args, set_threads, spec_args, spec_names,
-                      threads_arg)
+from .options import (cache_type_args, cache_types, check_args, pipeline_args, sampling_args, set_threads, spec_args,
+                      spec_names, threads_arg)
 
 def clean_text(text: str, what: str) -> str:
     """``text`` from argv or stdin as valid UTF-8: undecodable bytes (kept by surrogateescape) become U+FFFD."""
@@ -91,6 +91,7 @@ def register(sub: Any) -> None:
     p.add_argument("--mmproj", default=None, metavar="FILE",
                    help="the vision tower's own GGUF, for models that keep it apart (llama.cpp's mmproj convention)")
     threads_arg(p)
+    cache_type_args(p)
     sampling_args(p)
     spec_args(p)
     pipeline_args(p)
@@ -105,6 +106,7 @@ def register(sub: Any) -> None:
     p.add_argument("--stats", action="store_true", help="print tokens/s after each reply")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     threads_arg(p)
+    cache_type_args(p)
     sampling_args(p)
     spec_args(p)
     pipeline_args(p)
@@ -128,6 +130,7 @@ def register(sub: Any) -> None:
     p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
     threads_arg(p)
+    cache_type_args(p)
     pipeline_args(p)
     p.set_defaults(func=run_bench, check_args=check_args)
 
@@ -153,7 +156,7 @@ def _load(args: argparse.Namespace, tokenizer: bool = True) -> Any:
             print(f"[loaded {model.describe()} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
         return model
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=getattr(args, "backend", "numpy"),
-                       registry=args.registry, progress=True, tokenizer=tokenizer)
+                       registry=args.registry, progress=True, tokenizer=tokenizer, **cache_types(args))
     model.prepare()  # the weights' one-time repacking belongs to the load, not to the prompt's speed
     if getattr(args, "stats", False):
         print(f"[loaded {model.path.name} ({model.arch}) in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)

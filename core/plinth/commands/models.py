@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .options import cache_type_args, cache_types
+
 MODEL_HELP = "a path to a .gguf file or a known model name (default: smollm2-135m-instruct; see `plinth pull --list`)"
 
 
@@ -26,6 +28,7 @@ def register(sub: Any) -> None:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--cache", action="store_true",
                    help="also load the model and report its cache layout and bytes per token per cache kind")
+    cache_type_args(p)
     p.set_defaults(func=run_info)
 
 
@@ -105,20 +108,25 @@ def run_info(args: argparse.Namespace) -> int:
     if args.cache:
         if arch not in registry.names("architectures"):
             raise UserError(f"{path}: --cache needs a target model; '{arch}' is a draft format")
-        _print_cache(path, registry)
+        _print_cache(path, registry, args)
     return 0
 
 
-def _print_cache(path: Any, registry: Any) -> None:
+def _print_cache(path: Any, registry: Any, args: Any) -> None:
     """The cache kinds of every layer, and the bytes one token adds to each kind (one measured forward)."""
     import collections
 
     from ..cache import format_bytes_by_kind
     from ..model import load_model
 
-    model = load_model(path, registry=registry)
+    model = load_model(path, registry=registry, **cache_types(args))
     ctx = model.new_context()
     ctx.decode([0])
     layout = collections.Counter("+".join(k.kind for k in kinds) or "none" for kinds in ctx.cache.layers)
     print("cache:        " + ", ".join(f"{n} x {kinds}" for kinds, n in layout.items()) + " (layers)")
     print(f"  per token:  {format_bytes_by_kind(ctx.cache.nbytes_by_kind())}")
+    rows = ctx.cache.nbytes_by_role()
+    if rows:
+        t = model.cache_types
+        print(f"  K/V rows:   k {t.k.name}, v {t.v.name}: " + ", ".join(f"{role.upper()} {n} bytes" for role, n in rows.items())
+              + " a token (without positions)")

@@ -57,6 +57,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     sub = subparser_of(parser, args)
     if hasattr(args, "ray_stages"):
         _check_pipeline_args(sub, args)
+        require(sub, not args.ray_stages or (getattr(args, "cache_type_k", "f32") == "f32"
+                                             and getattr(args, "cache_type_v", "f32") == "f32"),
+                "--cache-type-k / --cache-type-v are not carried to --ray-stages pipeline stages yet (f32 only)")
     if hasattr(args, "spec_n_max"):
         require(sub, args.spec_n_min <= args.spec_n_max,
                 f"--spec-n-min {args.spec_n_min} is larger than --spec-n-max {args.spec_n_max}")
@@ -132,6 +135,31 @@ def _int_list(text: str) -> list[int]:
 def threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int_range(1), default=None, metavar="N",
                    help="threads for the quantized-weight kernels (default: $PLINTH_THREADS, else the physical cores)")
+
+
+def _cache_type(text: str) -> str:
+    from ..kvtypes import CACHE_TYPES
+
+    if text.lower() not in CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cache type (choose from {', '.join(CACHE_TYPES)})")
+    return text.lower()
+
+
+def cache_type_args(p: argparse.ArgumentParser) -> None:
+    """``-ctk`` / ``--cache-type-k`` and ``-ctv`` / ``--cache-type-v``: the K/V cache's storage types."""
+    from ..kvtypes import CACHE_TYPES
+
+    names = ", ".join(CACHE_TYPES)
+    p.add_argument("-ctk", "--cache-type-k", type=_cache_type, default="f32", metavar="TYPE",
+                   help=f"how the cache stores keys (and MLA latents, indexer keys): {names} (default f32). The "
+                   "q types are GGUF blocks, turned by a Hadamard rotation first (PLINTH_ATTN_ROT_DISABLE=1: off)")
+    p.add_argument("-ctv", "--cache-type-v", type=_cache_type, default="f32", metavar="TYPE",
+                   help=f"how the cache stores values: {names} (default f32)")
+
+
+def cache_types(args: argparse.Namespace) -> dict[str, str]:
+    """``load_model``'s cache type keywords from the parsed options."""
+    return {"cache_type_k": getattr(args, "cache_type_k", "f32"), "cache_type_v": getattr(args, "cache_type_v", "f32")}
 
 
 def set_threads(args: argparse.Namespace) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from .argtypes import float_range, require, subparser_of
 from .models import MODEL_HELP
-from .options import check_args, plugin_selection, spec_args
+from .options import cache_type_args, check_args, plugin_selection, spec_args
 
 
 def _int_in(lo: int, hi: int | None = None) -> Any:
@@ -51,6 +51,7 @@ def register(sub: Any) -> None:
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
+    cache_type_args(p)
     spec_args(p)
     g = p.add_argument_group("Ray Serve", "run replicas of this server on a Ray cluster behind Ray Serve's HTTP "
                              "proxy (needs `pip install 'plinth[ray]'`; see docs/scale-out.md)")

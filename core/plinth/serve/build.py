@@ -29,7 +29,8 @@ def build_server(args: Any, *, progress: bool = False) -> Any:
 
     names = drafter_names(args.spec, args.registry)
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
-                       n_ctx=args.n_ctx, progress=progress)
+                       n_ctx=args.n_ctx, progress=progress, cache_type_k=getattr(args, "cache_type_k", "f32"),
+                       cache_type_v=getattr(args, "cache_type_v", "f32"))
     drafters = []
     if names:
         options = {"draft": args.draft, "n_max": args.spec_n_max, "n_min": args.spec_n_min, "p_min": args.spec_p_min,
