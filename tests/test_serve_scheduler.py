@@ -379,3 +379,112 @@ def test_mailbox_wakes_the_loop_once_a_burst_and_settles_after_the_streams():
     # one a step of four events (a thread switch forced in the middle of a burst, on a loaded machine,
     # can split one; one per event would be 12)
     assert 3 <= len(drains) <= 6
+
+
+# ---------------------------------------------------------------------------- the shared step, its parts
+
+
+def test_greedy_rule_at_temperature_above_zero_is_refused_alike_in_both_loops(tiny):
+    """One rule (plinth.speculative.step): 'greedy' verification of a sampled request is refused by the
+    solo loop and by the scheduler alike, never switched to another rule."""
+    from plinth.speculative.step import GreedyNeedsTemperatureZero
+
+    hot = SamplerConfig(temperature=0.7, seed=1)
+    with pytest.raises(GreedyNeedsTemperatureZero, match="rejection"):
+        SpeculativeGenerator(tiny, [NgramDrafter()], config=SpecConfig(verifier="greedy"), sampler=Sampler(hot))
+    sched = Scheduler(tiny, drafters=[NgramDrafter()], spec=SpecConfig(verifier="greedy"))
+    with pytest.raises(GreedyNeedsTemperatureZero, match="rejection"):
+        sched.submit(Request(prompt_ids=[1, 2], max_tokens=2, sampling=hot, emit=lambda ev: None))
+    # the same request without speculation, or at temperature 0, is taken
+    sched.submit(Request(prompt_ids=[1, 2], max_tokens=2, sampling=hot, emit=lambda ev: None, speculative=False))
+    sched.submit(Request(prompt_ids=[1, 2], max_tokens=2, sampling=GREEDY, emit=lambda ev: None))
+    assert sched.queue_depth == 2
+
+
+def test_greedy_verification_keeps_the_samplers_own_choice_with_a_penalty(tiny, started):
+    """The greedy rule compares drafts with the sampler's choice (its logit transforms included), so a
+    repetition penalty gives the bits of plain penalised decoding in the server and the solo loop."""
+    pen = SamplerConfig(temperature=0.0, repetition_penalty=1.3)
+    sched = started(tiny, drafters=[OracleDrafter(tiny, horizon=64, n_draft=4)], spec=SpecConfig(n_max=4))
+    specs = [(ids(p), 20, pen) for p in PROMPTS[:3]]
+    got = run(sched, specs)
+    for (p, n, s), toks in zip(specs, got):
+        plain = Generator(tiny, Sampler(s)).generate(p, n)
+        assert toks == plain
+        solo = SpeculativeGenerator(tiny, [OracleDrafter(tiny, horizon=64, n_draft=4)], config=SpecConfig(n_max=4),
+                                    sampler=Sampler(s))
+        assert solo.generate(p, n) == plain
+
+
+def test_followers_share_the_leaders_prefill(tiny):
+    """The choices of one request (n > 1): followers copy the leader's rows and last logits, no prefill of
+    their own, and give what a lone run gives (greedy: the same tokens; seeded: each its own seed's)."""
+    sched = Scheduler(tiny, max_batch=4, prompt_cache=0)
+    out: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    prompt = ids(b"The sea is the sea is")
+    cfgs = [GREEDY, SamplerConfig(temperature=0.9, seed=5), SamplerConfig(temperature=0.9, seed=6)]
+    lead = Request(prompt_ids=prompt, max_tokens=12, sampling=cfgs[0], emit=lambda ev: out[0].extend(
+        t.token for t in ev.tokens), followed=True)
+    reqs = [lead] + [Request(prompt_ids=prompt, max_tokens=12, sampling=c, leader=lead,
+                             emit=lambda ev, i=i: out[i].extend(t.token for t in ev.tokens))
+                     for i, c in enumerate(cfgs[1:], 1)]
+    for r in reqs:
+        sched.submit(r)
+    with sched._cond:
+        sched._admit()
+    sched._step()  # the leader's prefill; the followers wait for it
+    assert [r.n_prefilled for r in reqs] == [len(prompt), 0, 0]
+    for _ in range(40):
+        if not sched.n_active:
+            break
+        sched._step()
+    assert sched.metrics.tokens_in == 3 * len(prompt)
+    for i, c in enumerate(cfgs):
+        assert out[i] == Generator(tiny, Sampler(c)).generate(prompt, 12)
+    assert sched.cache_tokens() == 0
+
+
+def test_prompt_logprobs_are_those_of_the_prompt_rows(tiny):
+    events: list[Event] = []
+    sched = Scheduler(tiny, prefill_chunk=5)  # the prompt in chunks
+    prompt = ids(b"Hello there, sea")
+    drive(sched, Request(prompt_ids=prompt, max_tokens=3, sampling=GREEDY, emit=events.append, prompt_logprobs=2))
+    infos = events[0].prompt
+    assert [t.token for t in infos] == prompt and infos[0].logprob is None
+    logits = tiny.logits(prompt)
+    from plinth.serve.emission import log_softmax
+
+    for j in range(1, len(prompt)):
+        lp = log_softmax(logits[j - 1])
+        assert infos[j].logprob == pytest.approx(lp[prompt[j]], abs=1e-4)
+        assert [i for i, _ in infos[j].top] == list(np.argsort(-lp, kind="stable")[:2])
+    assert all(e.prompt is None for e in events[1:])
+
+
+def test_text_never_ends_mid_character(tiny):
+    """max_tokens cutting a multi-byte character: the server's and plinth generate's text end before it."""
+    from plinth.generate import TextStream
+
+    euro = list("€".encode())  # three byte tokens
+    out = TextStream(tiny.tokenizer)
+    text = "".join(out.feed(t) for t in [ord("a")] + euro[:2]) + out.finish()
+    assert text == "a"
+    out = TextStream(tiny.tokenizer, stop=["b€"])
+    assert "".join(out.feed(t) for t in [ord("a"), ord("b")] + euro) == "a" and out.stopped
+
+
+def test_generator_decodes_token_ids_without_a_tokenizer(registry, tmp_path):
+    """A tokenizer-less file: Generator greedy-decodes from token ids (to max_tokens: no end token)."""
+    md = tiny_metadata("llama", n_vocab=257, n_ctx=64)
+    path = write_synthetic_gguf(tmp_path / "notok.gguf", "llama", md, registry, seed=4)
+    bare = plinth.load_model(path, registry=registry)
+    assert "tokenizer.ggml.model" not in bare.metadata
+    gen = Generator(bare)
+    toks = gen.generate([1, 2, 3], 10)
+    assert len(toks) == 10 and gen.stats.stop_reason == "max tokens"
+    ref = [1, 2, 3]
+    for _ in range(10):
+        ref.append(int(np.argmax(bare.logits(ref)[-1])))
+    assert toks == ref[3:]
+    with pytest.raises(Exception, match="tokenizer"):
+        list(gen.stream([1, 2, 3], 2))

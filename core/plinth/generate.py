@@ -97,7 +97,10 @@ class Generator:
         """``prefix_embeddings``: [n, n_embd] rows (an image's, from the architecture's image encoder)
         run before the prompt tokens, at positions 0..n-1, as embedding rows of the batch."""
         self.model = model
-        self.tokenizer = model.tokenizer
+        metadata = getattr(model, "metadata", None)
+        has_tokenizer = metadata is None or "tokenizer.ggml.model" in metadata
+        #: the model's tokenizer, or None for a tokenizer-less file
+        self.tokenizer = model.tokenizer if has_tokenizer else None
         self.sampler = sampler or Sampler(SamplerConfig(temperature=0.0))
         self.stats = GenerationStats()
         self.tokens_out: list[int] = []
@@ -162,7 +165,7 @@ class Generator:
         """Take a decided token: None for an end-of-generation token (not recorded: stop now);
         True once the budget or the context is full (stop after yielding it); False otherwise."""
         stats = self.stats
-        if self.tokenizer.is_eog(token):
+        if self.tokenizer is not None and self.tokenizer.is_eog(token):
             stats.stop_reason = "end of generation token"
             return None
         self.tokens_out.append(token)
@@ -185,36 +188,57 @@ class Generator:
         With stop strings, text that could be the start of one is held back until the
         next tokens show it is not, so no part of a stop string is ever yielded.
         """
-        decoder = self.tokenizer.incremental_decoder(skip_special=True)
-        text = ""
-        sent = 0  # characters of ``text`` already yielded
+        out = TextStream(self.tokenizer if self.tokenizer is not None else self.model.tokenizer, stop)
         gen = self.tokens(prompt_ids, max_tokens)
         for token in gen:
-            chunk = decoder.feed(token)
-            if not stop:
-                if chunk:
-                    yield chunk
-                continue
-            text += chunk
-            hit = min((text.find(s) for s in stop if s in text), default=-1)
-            if hit >= 0:
-                if hit > sent:
-                    yield text[sent:hit]
+            chunk = out.feed(token)
+            if chunk:
+                yield chunk
+            if out.stopped:
                 self.stats.stop_reason = "stop string"
                 gen.close()
                 return
-            safe = len(text) - _stop_prefix_len(text, stop)
-            if safe > sent:
-                yield text[sent:safe]
-                sent = safe
-        text += decoder.flush()
-        if stop:
-            hit = min((text.find(s) for s in stop if s in text), default=-1)
-            if hit >= 0:
-                self.stats.stop_reason = "stop string"
-                text = text[:hit]
-        if len(text) > sent:
-            yield text[sent:]
+        rest = out.finish()
+        if rest:
+            yield rest
+
+
+class TextStream:
+    """The text of generated tokens as it may be sent: decoded incrementally (never half a UTF-8
+    character), ending at the first stop string (which is never sent, nor any part of it).
+
+    :meth:`feed` takes one token and returns the text that can be sent now: text that could be
+    the start of a stop string is held back until the next tokens show it is not. At a stop
+    string it returns the text before it and sets :attr:`stopped`; later tokens give nothing.
+    :meth:`finish` returns what is still held back at the end. The bytes of a character the last
+    token left unfinished (``max_tokens`` cut it) are dropped there, so the text never ends in the
+    middle of a character (nor in a U+FFFD standing for one).
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+        self.decoder = tokenizer.incremental_decoder(skip_special=True)
+        self.stop = tuple(stop)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        text = self.held + self.decoder.feed(token)
+        if not self.stop:
+            return text
+        hit = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            self.stopped, self.held = True, ""
+            return text[:hit]
+        cut = len(text) - _stop_prefix_len(text, self.stop)
+        self.held = text[cut:]
+        return text[:cut]
+
+    def finish(self) -> str:
+        self.decoder.flush()  # (an unfinished character's bytes: dropped)
+        text, self.held = self.held, ""
+        return text
 
 
 def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:

@@ -32,7 +32,9 @@ from ..errors import UserError
 from ..sampling import SamplerConfig
 from .metrics import render_metrics
 from .protocol import APIError, Params, chat_params, completion_params
-from .scheduler import Event, QueueFull, Request, Scheduler, ShuttingDown
+from ..speculative.step import GreedyNeedsTemperatureZero
+from .request import Event, QueueFull, Request, ShuttingDown
+from .scheduler import Scheduler
 
 PAGE = Path(__file__).with_name("static") / "chat.html"
 MAX_BODY = 16 * 1024 * 1024  # bytes; a larger body is refused before it is parsed
@@ -224,18 +226,22 @@ class Mailbox:
         done.wait(timeout)
 
 
-def build_app(server: Server) -> Starlette:
-    """The ASGI app; starting it starts the scheduler thread, stopping it stops the thread."""
-    sched = server.scheduler
-    boxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # (one per loop that serves requests: usually one)
+class Handlers:
+    """The routes of one app, as methods sharing the server and the event loops' mailboxes."""
 
-    def settle() -> None:
-        for box in list(boxes.values()):
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.sched = server.scheduler
+        self.boxes: dict[asyncio.AbstractEventLoop, Mailbox] = {}  # (one per loop serving requests: usually one)
+
+    def settle(self) -> None:
+        for box in list(self.boxes.values()):
             box.settle()
 
     @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        sched.after_step = settle
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        sched = self.sched
+        sched.after_step = self.settle
         sched.start()
         try:
             yield
@@ -243,31 +249,44 @@ def build_app(server: Server) -> Starlette:
             sched.stop()
             sched.after_step = None
 
-    async def page(request: HTTPRequest) -> Response:
+    def routes(self) -> list[Route]:
+        return [
+            Route("/", self.page, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ]
+
+    async def page(self, request: HTTPRequest) -> Response:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
-    async def health(request: HTTPRequest) -> Response:
+    async def health(self, request: HTTPRequest) -> Response:
+        server, sched = self.server, self.sched
         return JSONResponse({"status": "ok", "model": server.model_id, "active": sched.n_active,
                              "queued": sched.queue_depth, "cache_tokens": sched.cache_tokens(),
                              "cache_sequences": sched.cache_seqs(), "plugins": list(server.plugins),
                              "pid": os.getpid()})
 
-    async def metrics(request: HTTPRequest) -> Response:
-        return PlainTextResponse(render_metrics(server), media_type="text/plain; version=0.0.4")
+    async def metrics(self, request: HTTPRequest) -> Response:
+        return PlainTextResponse(render_metrics(self.server), media_type="text/plain; version=0.0.4")
 
-    async def models(request: HTTPRequest) -> Response:
+    async def models(self, request: HTTPRequest) -> Response:
+        server = self.server
         m = server.model
         return JSONResponse({"object": "list", "data": [{
             "id": server.model_id, "object": "model", "created": server.created, "owned_by": "plinth",
             "arch": m.arch, "n_ctx": m.n_ctx, "speculative": list(server.spec_names)}]})
 
-    async def completions(request: HTTPRequest) -> Response:
-        return await _generate(request, chat=False)
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, chat=False)
 
-    async def chat(request: HTTPRequest) -> Response:
-        return await _generate(request, chat=True)
+    async def chat(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, chat=True)
 
-    async def _generate(request: HTTPRequest, chat: bool) -> Response:
+    async def _generate(self, request: HTTPRequest, chat: bool) -> Response:
+        server, sched = self.server, self.sched
         endpoint = "chat" if chat else "completions"
         try:
             body = await _body(request)
@@ -287,7 +306,7 @@ def build_app(server: Server) -> Starlette:
                                      repetition_penalty=p.repetition_penalty, seed=p.seed)
             queue: asyncio.Queue[Event] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-            box = boxes.get(loop) or boxes.setdefault(loop, Mailbox(loop))
+            box = self.boxes.get(loop) or self.boxes.setdefault(loop, Mailbox(loop))
 
             def emit(ev: Event) -> None:
                 box.post(queue, ev)
@@ -299,6 +318,9 @@ def build_app(server: Server) -> Starlette:
             except QueueFull as exc:
                 raise APIError(429, f"the server is busy: {exc}; retry later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"}) from None
+            except GreedyNeedsTemperatureZero as exc:
+                raise APIError(400, f"'temperature': {exc}; or send 'speculative': false", param="temperature",
+                               code="invalid_value") from None
             except ShuttingDown as exc:
                 raise APIError(503, str(exc), type="server_error", code="unavailable",
                                headers={"Retry-After": "5"}) from None
@@ -309,11 +331,11 @@ def build_app(server: Server) -> Starlette:
         usage = {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
         server.count(endpoint, 200)
         if p.stream:
-            return StreamingResponse(_stream(req, queue, fmt, usage, p.include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._stream(req, queue, fmt, usage, p.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, req, queue, fmt, usage)
+        return await self._collect(request, req, queue, fmt, usage)
 
-    async def _collect(request: HTTPRequest, req: Request, queue: asyncio.Queue, fmt: _Formatter,
+    async def _collect(self, request: HTTPRequest, req: Request, queue: asyncio.Queue, fmt: _Formatter,
                        usage: dict[str, int]) -> Response:
         events: list[Event] = []
         try:
@@ -322,7 +344,7 @@ def build_app(server: Server) -> Starlette:
                     ev = await asyncio.wait_for(queue.get(), 1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        sched.cancel(req)
+                        self.sched.cancel(req)
                         return Response(status_code=499)
                     continue
                 events.append(ev)
@@ -331,14 +353,14 @@ def build_app(server: Server) -> Starlette:
                     break
         finally:
             if not req.done:
-                sched.cancel(req)
+                self.sched.cancel(req)
         if ev.finish == "error" or (ev.finish == "cancelled" and ev.error):
             return _error(APIError(500 if ev.finish == "error" else 503, ev.error or "generation failed",
                                    type="server_error"))
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return JSONResponse(fmt.whole(events, _openai_finish(ev.finish), usage, ev.stats))
 
-    async def _stream(req: Request, queue: asyncio.Queue, fmt: _Formatter, usage: dict[str, int],
+    async def _stream(self, req: Request, queue: asyncio.Queue, fmt: _Formatter, usage: dict[str, int],
                       include_usage: bool) -> AsyncIterator[str]:
         finished = False
         try:
@@ -367,14 +389,10 @@ def build_app(server: Server) -> Starlette:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
-                sched.cancel(req)
+                self.sched.cancel(req)
 
-    routes = [
-        Route("/", page, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-    ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+def build_app(server: Server) -> Starlette:
+    """The ASGI app; starting it starts the scheduler thread, stopping it stops the thread."""
+    handlers = Handlers(server)
+    return Starlette(routes=handlers.routes(), lifespan=handlers.lifespan)

@@ -2,11 +2,48 @@
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any
 
+import attrs
 import numpy as np
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@attrs.define
+class Metrics:
+    """Counters the /metrics endpoint reads (written by the scheduler thread only)."""
+
+    requests_finished: collections.Counter = attrs.field(factory=collections.Counter)  # finish reason -> n
+    tokens_in: int = 0
+    tokens_out: int = 0
+    steps: int = 0
+    forward_s: float = 0.0
+    ttft: list[float] = attrs.field(factory=list)  # recent times to first token (bounded)
+    itl: list[float] = attrs.field(factory=list)  # recent inter-token latencies (bounded)
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    spec: dict[str, list[int]] = attrs.field(factory=dict)  # drafter -> [drafts, drafted, accepted]
+    recent: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))  # (time, n_out)
+
+    def observe_ttft(self, s: float) -> None:
+        self.ttft_sum += s
+        self.ttft_count += 1
+        self.ttft.append(s)
+        del self.ttft[:-1024]
+
+    def observe_itl(self, s: float) -> None:
+        self.itl.append(s)
+        del self.itl[:-4096]
+
+    def decode_tps(self, window: float = 10.0) -> float:
+        now = time.perf_counter()
+        n = sum(k for t, k in list(self.recent) if now - t <= window)
+        return n / window
 
 
 def _quantiles(values: list[float]) -> dict[str, float]:

@@ -15,15 +15,14 @@ end-of-generation token, its token budget, the context limit, a stop string or a
 cancel (client gone), and its cache rows are freed at once. New requests wait in a bounded
 queue and join the running batch at the next step.
 
-A prompt seen recently is not prefilled again (the prompt cache, ``prompt_cache`` entries): when a
-request's prefill ends, its cache rows (every cache kind of every layer, recurrent states
-included) are copied to a parked sequence with the logits of its last prompt token, and a later
-request with the same prompt tokens copies them back and samples its first token from those
-logits, with no forward. Only whole prompts are reused: the rest of a prompt prefilled after a
-shared part would not go through the arithmetic a lone run gives it (another batch shape, and the
-int8 kernels turn last-bit differences into other tokens at near-ties), so a hit gives exactly
-the tokens a fresh prefill gives. Speculative requests always prefill (their drafters read the
-prompt's features).
+A prompt seen recently is not prefilled again (:mod:`.prompt_cache`, ``prompt_cache`` entries);
+speculative requests always prefill (their drafters read the prompt's features). The choices of
+one request (``n`` > 1) share one prefill: the followers copy the leader's rows and last logits.
+
+The parts: :mod:`.request` (what a request is), :mod:`.prompt_cache`, the speculative step
+(:mod:`plinth.speculative.step`, shared with the solo loop: the verification rule, the decision
+over a step's rows, the rollback), :mod:`.emission` (tokens to text and events) and this loop,
+which plans each step, runs it and hands each request's rows to those parts.
 
 Greedy output equals a solo :class:`plinth.generate.Generator` run: a request's rows see
 only its own cache (the sequence id keeps them apart), and verification keeps exactly the
@@ -33,39 +32,24 @@ tokens greedy decoding would have produced.
 from __future__ import annotations
 
 import collections
-import itertools
+import concurrent.futures
 import threading
 import time
 from typing import Any, Callable, Sequence
 
-import attrs
 import numpy as np
 
 from ..batch import Batch
 from ..errors import UserError
-from ..generate import _stop_prefix_len
-from ..sampling import Sampler, SamplerConfig
+from ..generate import TextStream
+from ..sampling import Sampler
 from ..speculative.base import Draft, TargetOutput, check_compatible
 from ..speculative.engine import SpecConfig, SpecStats, propose
-from ..speculative.verify import GreedyVerifier, make_verifier
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound; the client should retry later."""
-
-
-class ShuttingDown(Exception):
-    """The scheduler is stopping and takes no new requests."""
-
-
-@attrs.frozen
-class TokenInfo:
-    """One emitted token: its id and, when asked for, its log-probability and the top alternatives."""
-
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
+from ..speculative.step import decide, make_step_verifier, rollback, target_batch, verifier_name
+from .emission import Emitter, log_softmax, token_info
+from .metrics import Metrics
+from .prompt_cache import PromptCache
+from .request import Event, QueueFull, Request, ShuttingDown, TokenInfo
 
 __all__ = ["Event", "Metrics", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TokenInfo", "log_softmax"]
 
@@ -123,12 +107,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._cache_usage = (0, 0)
         self.prepare = bool(prepare)
-        self.prompt_cache = max(0, int(prompt_cache))
-        self.prompt_cache_tokens = max(0, int(prompt_cache_tokens))
-        # prompt tokens -> (parked sequence id, logits of the last prompt token), least recent first
-        self._prompts: collections.OrderedDict[tuple[int, ...], tuple[int, Any]] = collections.OrderedDict()
-        self._parked_free = list(range(self.max_batch, self.max_batch + self.prompt_cache))
-        self._parked_tokens = 0
+        self.prompt_cache = PromptCache(self.ctx.cache, self.max_batch, prompt_cache, prompt_cache_tokens)
+        self.emitter = Emitter(self.tokenizer, model.n_ctx, self.metrics, self._finish)
+        self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         #: called on the scheduler thread after each step (the HTTP app lets its event loop send the
         #: step's events there: :class:`plinth.serve.app.Mailbox`)
         self.after_step: Callable[[], None] | None = None
@@ -150,7 +131,11 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, req: Request) -> None:
-        """Queue ``req``; raises :class:`QueueFull` past the bound."""
+        """Queue ``req``; raises :class:`QueueFull` past the bound, and
+        :class:`plinth.speculative.step.GreedyNeedsTemperatureZero` for a sampled speculative request
+        under the greedy rule (:mod:`plinth.speculative.step`)."""
+        if req.speculative and self.drafters:
+            verifier_name(self.spec.verifier, req.sampling.temperature)
         with self._cond:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
@@ -160,6 +145,18 @@ class Scheduler:
                                 f"{len(self._waiting)} waiting (the bound is {self.max_queue})")
             self._waiting.append(req)
             self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn()`` on the scheduler thread between two steps (work on the model, such as an
+        embeddings forward, belongs on the thread whose kernel threads run every forward); its result
+        or exception comes back through the future."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            self._calls.append((fn, fut))
+            self._cond.notify_all()
+        return fut
 
     def cancel(self, req: Request) -> None:
         """Ask for ``req`` to end (its client went away); its rows are freed at the next step."""
@@ -185,7 +182,7 @@ class Scheduler:
 
     def prompt_cache_usage(self) -> tuple[int, int]:
         """(prompts, tokens) held by the prompt cache."""
-        return len(self._prompts), self._parked_tokens
+        return len(self.prompt_cache), self.prompt_cache.n_tokens
 
     def _note_cache(self) -> None:
         """Record the cache's size for other threads (only the scheduler thread reads the cache itself):
@@ -194,50 +191,53 @@ class Scheduler:
         seqs = [s for s in cache.seqs() if s < self.max_batch]
         self._cache_usage = (int(sum(cache.n_cached(s) for s in seqs)), len(seqs))
 
-    # ------------------------------------------------------------------ prompt cache
+    # ------------------------------------------------------------------ prefill shortcuts
 
     def _reuse_prompt(self, req: Request) -> bool:
         """A request whose whole prompt is cached: its rows copied in and its first token sampled from the
         kept logits (no forward). False: not cached (or not eligible)."""
-        if not self.prompt_cache or req.speculative or req.n_prefilled or req.prompt_looked_up:
+        if (not self.prompt_cache.size or req.speculative or req.n_prefilled or req.prompt_looked_up
+                or req.prompt_logprobs is not None):
             return False
         req.prompt_looked_up = True
-        key = tuple(req.prompt_ids)
-        hit = self._prompts.get(key)
-        if hit is None:
+        lg = self.prompt_cache.restore(req.prompt_ids, req.seq)
+        if lg is None:
             self.metrics.prompt_cache_misses += 1
             return False
-        self._prompts.move_to_end(key)
-        parked, lg = hit
-        self.ctx.cache.seq_cp(parked, req.seq)
         self.metrics.prompt_cache_hits += 1
         req.n_prefilled = len(req.prompt_ids)
         self._first_token(req, lg)
         return True
 
+    def _follow(self, req: Request) -> bool | None:
+        """A request sharing its leader's prompt: True once it took the leader's rows and logits (its
+        first token sampled, no forward), None while the leader is still prefilling (it waits), False
+        when it must prefill itself (the leader ended without a prefill)."""
+        lead = req.leader
+        if lead is None or req.n_prefilled:
+            return False
+        if lead.prompt_logits is not None:
+            self.ctx.cache.seq_cp(lead.seq, req.seq)
+            req.n_prefilled = len(req.prompt_ids)
+            req.prompt_infos = list(lead.prompt_infos)
+            self._first_token(req, lead.prompt_logits)
+            return True
+        if lead.done or lead.seq < 0 and lead.cancelled:
+            req.leader = None
+            return False
+        return None
+
     def _first_token(self, req: Request, lg: Any) -> None:
         """Sample and send ``req``'s first token from the logits ``lg`` of its last prompt token."""
-        req.pending = [(req.sampler.token(lg, req.history), lg)]
-        self._emit_pending(req)
+        self.emitter.emit(req, [(req.sampler.token(lg, req.history), lg)])
 
-    def _keep_prompt(self, req: Request, lg: Any) -> None:
-        """Park a copy of ``req``'s rows (its prefill just ended) and its last logits for later requests."""
-        n = len(req.prompt_ids)
-        if not self.prompt_cache or req.speculative or n > self.prompt_cache_tokens:
-            return
-        key = tuple(req.prompt_ids)
-        if key in self._prompts:
-            self._prompts.move_to_end(key)
-            return
-        while self._prompts and (not self._parked_free or self._parked_tokens + n > self.prompt_cache_tokens):
-            old, (seq, _) = self._prompts.popitem(last=False)
-            self.ctx.cache.clear(seq)
-            self._parked_free.append(seq)
-            self._parked_tokens -= len(old)
-        seq = self._parked_free.pop()
-        self.ctx.cache.seq_cp(req.seq, seq)
-        self._prompts[key] = (seq, np.array(lg, dtype=np.float32, copy=True))
-        self._parked_tokens += n
+    def _prefilled(self, req: Request, lg: Any) -> None:
+        """``req``'s prompt is in the cache and ``lg`` are its last token's logits."""
+        if req.followed:
+            req.prompt_logits = np.array(lg, dtype=np.float32, copy=True)
+        if not req.speculative and req.prompt_logprobs is None:
+            self.prompt_cache.keep(req.prompt_ids, req.seq, lg)
+        self._first_token(req, lg)
 
     # ------------------------------------------------------------------ loop
 
@@ -254,11 +254,18 @@ class Scheduler:
                 ready.set()
         while True:
             with self._cond:
-                while not self._stop and not self._active and not self._waiting:
+                while not self._stop and not self._active and not self._waiting and not self._calls:
                     self._cond.wait(1.0)
                 if self._stop:
                     break
                 self._admit()
+                calls, self._calls = list(self._calls), collections.deque()
+            for fn, fut in calls:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # (handed to the caller)
+                        fut.set_exception(exc)
             self._reap()
             if self._active:
                 try:
@@ -271,6 +278,10 @@ class Scheduler:
                 self.after_step()
         for req in list(self._active) + list(self._waiting):
             self._finish(req, "cancelled", error="the server is shutting down")
+        with self._cond:
+            calls, self._calls = list(self._calls), collections.deque()
+        for _, fut in calls:
+            fut.cancel()
 
     def _admit(self) -> None:
         """Move waiting requests into free sequences (called with the lock held)."""
@@ -284,15 +295,13 @@ class Scheduler:
             req.history = list(req.prompt_ids)
             req.sampler = Sampler(req.sampling)
             req.rng = np.random.default_rng(req.sampling.seed)
-            req.decoder = self.tokenizer.incremental_decoder(skip_special=True)
+            req.text = TextStream(self.tokenizer, req.stop)
             req.stats = SpecStats(n_prompt=len(req.prompt_ids))
-            use_spec = req.speculative and bool(self.drafters)
+            # (a follower of a shared prompt never runs it, so its drafters could not read it)
+            use_spec = req.speculative and bool(self.drafters) and req.leader is None
             req.speculative = use_spec
             if use_spec:
-                name = self.spec.verifier
-                if name == "auto" or (name == "greedy" and not req.sampling.greedy):
-                    name = "greedy" if req.sampling.greedy else "rejection"
-                req.verifier = make_verifier(name, self.registry if name not in ("greedy", "rejection") else None)
+                req.verifier = make_step_verifier(self.spec.verifier, req.sampling.temperature, self.registry)
                 for d in self.drafters:
                     d.begin(req.seq, list(req.prompt_ids))
             self.metrics.tokens_in += len(req.prompt_ids)
@@ -310,6 +319,10 @@ class Scheduler:
         row = 0
         budget = self._prefill_budget()
         for req in list(self._active):
+            if req.prefilling and req.leader is not None:
+                took = self._follow(req)
+                if took is None or (took and req.done):
+                    continue
             if req.prefilling and self._reuse_prompt(req) and req.done:  # (a hit decodes in this step)
                 continue
             if req.prefilling:
@@ -329,8 +342,9 @@ class Scheduler:
                 budget -= n
                 start = req.n_prefilled
                 last = start + n == len(req.prompt_ids)
+                every = req.prompt_logprobs is not None  # (every prompt row's logits)
                 b = Batch.from_tokens(req.prompt_ids[start:start + n], start=start, seq=req.seq,
-                                      output="last" if last else "none")
+                                      output="all" if every else "last" if last else "none")
                 plan.append((req, "prefill", row, n))
             else:
                 pos = cache.next_position(req.seq)
@@ -341,12 +355,7 @@ class Scheduler:
                     who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history, pos,
                                          n_max)
                     req.stats.draft_s += time.perf_counter() - t0
-                k = len(draft)
-                b = Batch.from_tokens([req.history[-1], *draft.tokens], start=pos, seq=req.seq,
-                                      output="all" if k else "last")
-                # rows that cannot simply be cut again later (recurrent state, ...) need a snapshot
-                snap = cache.snapshot(req.seq) if k and self.ctx.rollback_plan(req.seq, pos, pos + k + 1) == \
-                    "snapshot" else None
+                b, snap = target_batch(self.ctx, req.seq, req.history[-1], draft, pos)
                 plan.append((req, "decode", row, (pos, who, draft, snap)))
             parts.append(b)
             row += b.n_rows
@@ -366,16 +375,27 @@ class Scheduler:
             if kind == "prefill":
                 n = detail
                 self._show(req, "prefill", batch, out, first, n, where)
+                if req.prompt_logprobs is not None:
+                    self._prompt_infos(req, logits, where, first, n)
                 req.n_prefilled += n
                 if not req.prefilling:
-                    lg = logits[where[first + n - 1]]
-                    self._keep_prompt(req, lg)
-                    self._first_token(req, lg)
+                    self._prefilled(req, logits[where[first + n - 1]])
             else:
                 self._verify(req, batch, out, logits, where, first, *detail)
         now = time.perf_counter()
         self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
         self._note_cache()
+
+    def _prompt_infos(self, req: Request, logits: np.ndarray, where: dict[int, int], first: int, n: int) -> None:
+        """The log-probabilities of ``req``'s prompt tokens a prefill chunk of ``n`` rows predicts (row
+        ``i`` predicts the token after it; the prompt's first token has none)."""
+        start = req.n_prefilled
+        if start == 0:
+            req.prompt_infos.append(TokenInfo(req.prompt_ids[0]))
+        for i in range(n):
+            p = start + i + 1
+            if p < len(req.prompt_ids):
+                req.prompt_infos.append(token_info(req.prompt_ids[p], logits[where[first + i]], req.prompt_logprobs))
 
     def _prefill_budget(self) -> int:
         """Prompt rows this step may take: ``prefill_chunk``, less where the decode and verify rows leave
@@ -414,23 +434,17 @@ class Scheduler:
         k = len(draft)
         if not req.speculative:
             lg0 = logits[where[first]]  # (a view: the step's logits are not written again)
-            req.pending = [(req.sampler.token(lg0, req.history), lg0)]
             req.stats.n_steps += 1
-            self._emit_pending(req)
+            self.emitter.emit(req, [(req.sampler.token(lg0, req.history), lg0)])
             return
         lg = logits[[where[first + i] for i in range(k + 1)]]
         t0 = time.perf_counter()
-        if isinstance(req.verifier, GreedyVerifier) and req.sampling.repetition_penalty == 1.0:
-            res = GreedyVerifier.verify_argmax(draft.tokens, lg.argmax(axis=-1))
-        else:
-            probs = np.stack([req.sampler.probs(lg[i], req.history + list(draft.tokens[:i])) for i in range(k + 1)])
-            res = req.verifier.verify(list(draft.tokens), draft.probs, probs, req.rng)
-        a, nxt = int(res.n_accepted), int(res.next_token)
+        a, nxt = decide(req.verifier, req.sampler, draft, lg, req.history, req.rng)
         req.stats.verify_s += time.perf_counter() - t0
         self._show(req, "verify", batch, out, first, k + 1, where)
         t0 = time.perf_counter()
         if a < k:
-            self._rollback(req, pos, [req.history[-1], *draft.tokens[:a]], snap)
+            rollback(self.ctx, req.seq, pos, [req.history[-1], *draft.tokens[:a]], snap)
         for d in self.drafters:
             d.accept(req.seq, a)
         req.stats.rollback_s += time.perf_counter() - t0
@@ -440,7 +454,6 @@ class Scheduler:
             row[0] += 1
             row[1] += k
             row[2] += a
-        req.pending = [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])]
         req.stats.n_steps += 1
         self.emitter.emit(req, [(t, lg[i]) for i, t in enumerate(draft.tokens[:a])] + [(nxt, lg[a])])
 

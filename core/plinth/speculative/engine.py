@@ -14,7 +14,8 @@ One step for a sequence whose last committed token ``t`` sits at position ``n``:
 
 With no draft the step is a plain one-token decode, so speculation never costs
 correctness: with the ``greedy`` rule the output equals greedy decoding, with
-``rejection`` it has the distribution of plain sampling.
+``rejection`` it has the distribution of plain sampling. Steps 2-4 and the choice of
+rule are :mod:`.step`'s, shared with the server's scheduler.
 
 ``SpecConfig.synthetic_accept`` replaces step 3 by a draw (each drafted position
 kept with that probability, in order): the cost of drafting and verifying is
@@ -34,7 +35,7 @@ from ..batch import Batch
 from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible
-from .verify import GreedyVerifier, make_verifier
+from .step import decide, make_step_verifier, rollback, target_batch
 
 
 def _nonneg_int(_inst: Any, attr: Any, value: int) -> None:
@@ -203,13 +204,7 @@ class SpeculativeGenerator(Generator):
         self.drafters = list(drafters)
         self.requirements = [check_compatible(model, d) for d in self.drafters]
         self.names = [str(getattr(d, "name", type(d).__name__)) for d in self.drafters]
-        vname = self.config.verifier
-        if vname == "auto":
-            vname = "greedy" if self.sampler.config.greedy else "rejection"
-        if vname == "greedy" and not self.sampler.config.greedy:
-            raise UserError("greedy verification only reproduces temperature-0 decoding; with temperature "
-                            f"{self.sampler.config.temperature} use the 'rejection' verifier")
-        self.verifier = make_verifier(vname, registry)
+        self.verifier = make_step_verifier(self.config.verifier, self.sampler.config.temperature, registry)
         self.rng = np.random.default_rng(self.config.seed)
         self.taps = tuple(sorted({int(t) for r in self.requirements for t in r.taps}))
         self.context: Any = None
@@ -236,10 +231,6 @@ class SpeculativeGenerator(Generator):
         """The first drafter's non-empty draft after the controls; (-1, empty) when none drafts."""
         return propose(self.drafters, self.requirements, self.config, self.seq, history, pos, n_max)
 
-    def _target_probs(self, logits: np.ndarray, history: list[int], draft: Sequence[int]) -> np.ndarray:
-        rows = [self.sampler.probs(logits[i], history + list(draft[:i])) for i in range(len(draft) + 1)]
-        return np.stack(rows)
-
     def _drop_after_eog(self, ctx: Any, history: list[int], step: tuple[Any, int, int] | None) -> None:
         """An accepted draft ran past an end-of-generation token: drop the target rows after it.
 
@@ -265,7 +256,6 @@ class SpeculativeGenerator(Generator):
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
         self.tokens_out = []
-        greedy_rule = isinstance(self.verifier, GreedyVerifier)
         for d in self.drafters:
             d.begin(seq, list(prompt_ids))
         t_start = time.perf_counter()
@@ -299,10 +289,7 @@ class SpeculativeGenerator(Generator):
                 t_draft = time.perf_counter() - t0
                 k = len(draft)
                 t0 = time.perf_counter()
-                batch = Batch.from_tokens([last, *draft.tokens], start=pos, seq=seq,
-                                          output="all" if k else "last")
-                snap = ctx.cache.snapshot(seq) if k and ctx.rollback_plan(seq, pos, pos + k + 1) == "snapshot" \
-                    else None
+                batch, snap = target_batch(ctx, seq, last, draft, pos)
                 out = ctx.forward(batch)
                 logits = np.asarray(model.backend.to_numpy(out.logits))
                 if cfg.synthetic_accept is not None and k:
@@ -311,13 +298,8 @@ class SpeculativeGenerator(Generator):
                         a += 1
                     nxt = int(np.argmax(logits[a])) if self.sampler.config.greedy else \
                         self.sampler.token(logits[a], history + list(draft.tokens[:a]))
-                elif greedy_rule and self.sampler.config.repetition_penalty == 1.0:  # argmax is enough
-                    res = GreedyVerifier.verify_argmax(draft.tokens, logits.argmax(axis=-1))
-                    a, nxt = res.n_accepted, res.next_token
                 else:
-                    probs = self._target_probs(logits, history, draft.tokens)
-                    res = self.verifier.verify(list(draft.tokens), draft.probs, probs, self.rng)
-                    a, nxt = int(res.n_accepted), int(res.next_token)
+                    a, nxt = decide(self.verifier, self.sampler, draft, logits, history, self.rng)
                 stats.verify_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._show("verify", batch, out)
@@ -325,12 +307,7 @@ class SpeculativeGenerator(Generator):
                 stats.draft_s += t_draft
                 t0 = time.perf_counter()
                 if a < k:
-                    if snap is not None:
-                        ctx.cache.restore(snap)
-                        ctx.forward(Batch.from_tokens([last, *draft.tokens[:a]], start=pos, seq=seq,
-                                                      output="none"))
-                    else:
-                        ctx.cache.seq_rm(seq, pos + a + 1)
+                    rollback(ctx, seq, pos, [last, *draft.tokens[:a]], snap)
                 for d in self.drafters:
                     d.accept(seq, a)
                 stats.rollback_s += time.perf_counter() - t0

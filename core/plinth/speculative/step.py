@@ -1,0 +1,90 @@
+"""One speculative step, shared by the solo loop (:mod:`.engine`) and the server's scheduler
+(:mod:`plinth.serve.scheduler`): which verification rule a request gets, the target batch of a
+drafted step, the decision over its rows, and the rollback of the rows it did not keep.
+
+The verification rule (``--spec-verify``):
+
+* ``auto``: ``greedy`` at temperature 0, ``rejection`` otherwise;
+* ``greedy``: keep the drafted tokens the target would have chosen itself. It reproduces
+  temperature-0 decoding only, so a sampled request (temperature > 0) with ``greedy`` is
+  refused (:class:`GreedyNeedsTemperatureZero`): ``plinth generate`` exits with the error,
+  the server answers 400 naming ``temperature``. It is never switched to another rule;
+* ``rejection`` (or a plugin's rule): the verifier's own test against the sampler's
+  distribution of every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..batch import Batch
+from ..errors import UserError
+from .base import Draft
+from .verify import GreedyVerifier, make_verifier
+
+
+class GreedyNeedsTemperatureZero(UserError):
+    """The greedy rule was asked for a sampled request."""
+
+
+def verifier_name(rule: str, temperature: float) -> str:
+    """The verification rule a request at ``temperature`` gets under ``rule`` (``auto``, ``greedy``,
+    ``rejection`` or a registered name); ``greedy`` at temperature > 0 raises
+    :class:`GreedyNeedsTemperatureZero`."""
+    if rule == "auto":
+        return "greedy" if temperature == 0.0 else "rejection"
+    if rule == "greedy" and temperature != 0.0:
+        raise GreedyNeedsTemperatureZero(
+            f"greedy verification only reproduces temperature-0 decoding; with temperature {temperature:g} use the "
+            "'rejection' verifier (or 'auto')")
+    return rule
+
+
+def make_step_verifier(rule: str, temperature: float, registry: Any = None) -> Any:
+    """The verifier object for :func:`verifier_name` (``registry`` for a plugin's rule)."""
+    name = verifier_name(rule, temperature)
+    return make_verifier(name, registry if name not in ("greedy", "rejection") else None)
+
+
+def target_batch(ctx: Any, seq: int, last: int, draft: Draft, pos: int) -> tuple[Batch, Any]:
+    """The target's rows of one step, ``[last, d_1..d_k]`` at positions ``pos..pos+k``, and the
+    snapshot a rollback will need (None where a crop is enough: no draft, or rows that can be cut)."""
+    k = len(draft)
+    batch = Batch.from_tokens([last, *draft.tokens], start=pos, seq=seq, output="all" if k else "last")
+    snap = ctx.cache.snapshot(seq) if k and ctx.rollback_plan(seq, pos, pos + k + 1) == "snapshot" else None
+    return batch, snap
+
+
+def decide(verifier: Any, sampler: Any, draft: Draft, logits: np.ndarray, history: Sequence[int],
+           rng: Any) -> tuple[int, int]:
+    """(drafted tokens kept, next token) from the target's ``logits`` rows [k + 1, n_vocab] of a step.
+
+    The greedy rule compares each draft token with the sampler's own choice at its row (with every
+    logit transform the sampler applies: penalties, biases), so it keeps exactly what greedy decoding
+    would have produced; other rules test the drafts against the sampler's distributions.
+    """
+    k = len(draft)
+    if isinstance(verifier, GreedyVerifier):
+        hist = list(history)
+        for i in range(k):
+            t = int(sampler.token(logits[i], hist))
+            if t != int(draft.tokens[i]):
+                return i, t
+            hist.append(t)
+        return k, int(sampler.token(logits[k], hist))
+    hist = list(history)
+    probs = np.stack([sampler.probs(logits[i], hist + list(draft.tokens[:i])) for i in range(k + 1)])
+    res = verifier.verify(list(draft.tokens), draft.probs, probs, rng)
+    return int(res.n_accepted), int(res.next_token)
+
+
+def rollback(ctx: Any, seq: int, pos: int, kept: Sequence[int], snap: Any) -> None:
+    """Drop ``seq``'s rows past the ``kept`` ones of a step that started at ``pos``: a crop, or, with a
+    snapshot (recurrent state, ...), its restore and a replay of the kept rows."""
+    if snap is None:
+        ctx.cache.seq_rm(seq, pos + len(kept))
+        return
+    ctx.cache.restore(snap)
+    ctx.forward(Batch.from_tokens(list(kept), start=pos, seq=seq, output="none"))
