@@ -199,7 +199,8 @@ def gemma4_backbone(cfg: Mapping[str, Any], d: Mapping[str, Any], model_dir: Any
     """GGUF keys of a Gemma 4 draft backbone (``model_type = "gemma4_text"``): each layer as transformers'
     Gemma4TextDecoderLayer computes it (post norms, layer scale, V norm, K = V on full layers with
     ``attention_k_eq_v``, tanh GELU, attention scale 1, embeddings times sqrt(hidden_size)), sliding layers
-    with their head size and default RoPE, full ones with the default or proportional RoPE (written as
+    with their head size and default RoPE, full ones with the default RoPE (the whole head, as transformers'
+    Gemma 4 computes it) or the proportional one (written as
     llama.cpp's Gemma 4 draft converter does: ``rope_freqs`` 1e30 for the pairs that do not turn). Also
     returns ``n_kv`` (scalar or per layer), ``head_dim`` and ``theta`` for the common keys."""
     for key, what in GEMMA4_REFUSED.items():
@@ -257,8 +258,8 @@ def gemma4_backbone(cfg: Mapping[str, Any], d: Mapping[str, Any], model_dir: Any
     if rtype == "proportional":
         out[GEMMA4_ROPE_FREQS] = np.array([1.0] * n_rot + [1e30] * (hd // 2 - n_rot), dtype=np.float32)
         out[f"{A}.rope.dimension_count"] = hd
-    elif rtype == "default":
-        out[f"{A}.rope.dimension_count"] = 2 * n_rot
+    elif rtype == "default":  # transformers' Gemma 4 default RoPE turns the whole head (no partial factor)
+        out[f"{A}.rope.dimension_count"] = hd
     else:
         raise _refuse(model_dir, f"full layers' rope_type {rtype!r}; Gemma 4 drafts take 'default' or 'proportional'")
     out.update(head_dim=hd, theta=float(full["rope_theta"]))

@@ -7,6 +7,11 @@ For DFlash and DFlash2 drafts (converted by plinth's converter from the HF folde
 reference loads), 5 prompts and block sizes 4, 8, 16, 3 draft/verify rounds each: the
 reference's draft logits, drafted tokens and accepted lengths. The default test suite
 replays the same rounds in plinth and compares (logits to 1e-4, tokens exactly).
+
+    python plugins/dflash/scripts/make_golden.py --gemma4
+
+writes tests/golden/gemma4_reference.npz instead: the Gemma 4 backbone cases of
+``plinth_dflash.reference_gemma4`` (transformers' Gemma 4 modules; needs plinth-gemma for the target).
 """
 
 from __future__ import annotations
@@ -20,7 +25,29 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 
 
+def gemma4() -> int:
+    from plinth_dflash.reference_gemma4 import (BLOCKS, CASES, Gemma4DraftReference, build_case, reference_rounds,
+                                                rounds_inputs)
+    from plinth_dflash.testkit import tiny_gemma4_target
+
+    path = HERE.parent / "tests" / "golden" / "gemma4_reference.npz"
+    arrays: dict[str, np.ndarray] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        target = tiny_gemma4_target(Path(tmp) / "gemma4.gguf")
+        for name, cfg_kw, extra in CASES:
+            hf, _ = build_case(Path(tmp), name, cfg_kw, extra)
+            ref = Gemma4DraftReference(hf)
+            for bi, block in enumerate(BLOCKS):
+                for r, logits in enumerate(reference_rounds(ref, target, block, rounds_inputs(100 * bi + len(name)))):
+                    arrays[f"{name}/b{block}/r{r}"] = logits.astype(np.float32)
+    np.savez_compressed(path, **arrays)
+    print(f"{path}: {len(arrays)} arrays, {path.stat().st_size} bytes")
+    return 0
+
+
 def main() -> int:
+    if "--gemma4" in sys.argv[1:]:
+        return gemma4()
     import plinth
     from plinth.testing import make_registry
     from plinth_dflash.reference import hf_draft, hf_target, reference_rounds

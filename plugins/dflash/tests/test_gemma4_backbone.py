@@ -174,7 +174,8 @@ def test_gemma4_variants_convert(tmp_path, gemma4_target):
                              layer_types=["full_attention", "sliding_attention", "full_attention"],
                              target_layer_ids=(0, 2), tie_word_embeddings=False, own_head=True)
     md = gf.metadata
-    assert "rope_freqs.weight" not in gf.tensors and int(md["dflash.rope.dimension_count"]) == 16
+    # transformers' Gemma 4 "default" RoPE turns the whole head: the partial factor only shapes "proportional"
+    assert "rope_freqs.weight" not in gf.tensors and int(md["dflash.rope.dimension_count"]) == 32
     assert np.asarray(md["dflash.attention.head_count_kv"]).tolist() == 2  # one count: no k_eq_v override
     assert all(f"blk.{il}.attn_v.weight" in gf.tensors for il in range(3))
     m = gemma4_target
