@@ -21,7 +21,7 @@ from plinth.quant import QuantWeight, simd
 from plinth.testing import quantized_rows
 
 N_OUT, N_IN = 70, 512  # 70 rows: not a multiple of any thread split
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16", "BF16"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "NVFP4", "F16", "BF16"]
 
 
 def _packed(type_name: str, seed: int = 0) -> np.ndarray:

@@ -9,7 +9,7 @@ pass it to :func:`plinth.ops.linear` like a float32 ``[n_out, n_in]`` matrix and
   once for all rows. On CPUs with AVX2 the activation rows are quantized per 32 values to int8
   and meet the blocks in integer SIMD dot products (:mod:`plinth.quant.kernels_i8`, as llama.cpp
   does); elsewhere, or with ``PLINTH_INT8=0``, f32 activations multiply the dequantized values
-  (:func:`plinth.quant.kernels.matmul_deq`; also MXFP4, F16 and BF16 always). Either way a
+  (:func:`plinth.quant.kernels.matmul_deq`; also MXFP4, NVFP4, F16 and BF16 always). Either way a
   row's result bits do not depend on the other rows of the batch (docs/performance.md).
 - Longer batches (long prompts): tiles of output
   rows are dequantized on the fly into a small f32 buffer and multiplied with BLAS; no f32 copy
@@ -400,4 +400,4 @@ def block_values(type_name: str) -> int:
     return max(32, BLOCK_SIZES[GGMLType[type_name]][0])
 
 
-KEPT_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+KEPT_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "NVFP4")

@@ -12,7 +12,9 @@ Block layouts (ggml): Q4_0 ``d:f16, qs[16]``; Q4_1 ``d, m, qs[16]``; Q5_0 ``d, q
 qs[16]``; Q5_1 ``d, m, qh, qs[16]``; Q8_0 ``d, qs:i8[32]``; Q4_K ``d, dmin, scales[12],
 qs[128]``; Q5_K ``d, dmin, scales[12], qh[32], qs[128]``; Q6_K ``ql[128], qh[64],
 scales:i8[16], d``; MXFP4 ``e:e8m0, qs[16]``. 4-bit values: the low nibbles of
-``qs`` are elements 0..15 of the 32-block, the high nibbles 16..31.
+``qs`` are elements 0..15 of the 32-block, the high nibbles 16..31. NVFP4 (64 values):
+``d:ue4m3[4], qs[32]``, one scale per 16 values, sub-block s's low nibbles its values 0..7,
+the high nibbles 8..15.
 
 The compiled code is cached on disk (``cache=True``): the first process on a machine
 pays the compile, later ones load it.
@@ -29,12 +31,12 @@ from .jitcache import address_call, cfunc_address, drop_stale, f32_at, u8_at, u1
 
 # ggml type codes (plinth.gguf.constants.GGMLType)
 F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 1, 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K, BF16, MXFP4 = 12, 13, 14, 30, 39
+Q4_K, Q5_K, Q6_K, BF16, MXFP4, NVFP4 = 12, 13, 14, 30, 39, 40
 
 #: type code -> (values per block, bytes per block) for the types the kernels decode
 KERNEL_TYPES = {F16: (32, 64), BF16: (32, 64), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
                 Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176),
-                Q6_K: (256, 210), MXFP4: (32, 17)}
+                Q6_K: (256, 210), MXFP4: (32, 17), NVFP4: (64, 36)}
 
 #: f16 bit pattern -> float32 value (256 KiB, stays in cache)
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -55,9 +57,25 @@ def _k_scale_min(sc: np.ndarray, base: int, j: int) -> tuple[int, int]:
 @njit(cache=True, inline="always")
 def _decode_block(t: int, row: np.ndarray, row16: np.ndarray, ib: int, f16: np.ndarray,
                   fp4: np.ndarray, buf: np.ndarray, bufu: np.ndarray) -> None:
-    """Decode 32-value block ``ib`` of one MXFP4, F16 or BF16 weight row into ``buf``
+    """Decode block ``ib`` (32 values; NVFP4 64) of one MXFP4, NVFP4, F16 or BF16 weight row into ``buf``
     (the other types have their own vectorised loops below)."""
-    if t == MXFP4:
+    if t == NVFP4:
+        o = ib * 36
+        for s in range(4):
+            e = np.int32(row[o + s])  # unsigned E4M3, halved for the doubled E2M1 table (gguf-py's values)
+            ex = (e >> 3) & 0xF
+            mn = np.float32(e & 7)
+            if e == 0 or e == 0x7F:
+                d = np.float32(0.0)
+            elif ex == 0:
+                d = mn * np.float32(2.0 ** -10)
+            else:
+                d = (np.float32(1.0) + mn / np.float32(8.0)) * np.float32(np.ldexp(1.0, ex - 8))
+            for j in range(8):
+                v = row[o + 4 + s * 8 + j]
+                buf[s * 16 + j] = fp4[v & 0xF] * d
+                buf[s * 16 + 8 + j] = fp4[v >> 4] * d
+    elif t == MXFP4:
         o = ib * 17
         e = np.int32(row[o])
         d = np.float32(2.0 ** -128) if e == 0 else np.float32(np.ldexp(1.0, e - 128))
