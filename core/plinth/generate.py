@@ -93,7 +93,8 @@ class Generator:
     end-of-generation token); :meth:`stream` needs text, and raises the tokenizer's error.
     """
 
-    def __init__(self, model: Any, sampler: Sampler | None = None, prefix_embeddings: Any = None) -> None:
+    def __init__(self, model: Any, sampler: Sampler | None = None, prefix_embeddings: Any = None,
+                 constraint: Any = None) -> None:
         """``prefix_embeddings``: [n, n_embd] rows (an image's, from the architecture's image encoder)
         run before the prompt tokens, at positions 0..n-1, as embedding rows of the batch."""
         self.model = model
@@ -105,6 +106,10 @@ class Generator:
         self.stats = GenerationStats()
         self.tokens_out: list[int] = []
         self.prefix_embeddings = prefix_embeddings
+        #: a :class:`plinth.grammar.Constraint` the output must follow (each generation starts its own state,
+        #: :attr:`grammar`), or None
+        self.constraint = constraint
+        self.grammar: Any = None
 
     @property
     def n_prefix(self) -> int:
@@ -124,9 +129,18 @@ class Generator:
     def _new_stats(self, n_prompt: int) -> GenerationStats:
         return GenerationStats(n_prompt=n_prompt)
 
+    def _choose(self, logits: Any, history: Sequence[int]) -> int:
+        """The sampler's token, under the grammar when there is one (its state then takes the token)."""
+        token = self.sampler.token(logits, history, self.grammar)
+        if self.grammar is not None:
+            self.grammar.advance(token)
+        return token
+
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
         """Generated token ids, one at a time (end-of-generation tokens are not yielded)."""
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
+        self.sampler.n_prompt = len(prompt_ids)  # (frequency / presence penalties count the output only)
+        self.grammar = self.constraint.start() if self.constraint is not None else None
         ctx = self.context = self.model.new_context()
         stats = self.stats = self._new_stats(len(prompt_ids))
         history = list(prompt_ids)
@@ -149,7 +163,7 @@ class Generator:
         while True:
             t1 = time.perf_counter()
             logits = np.asarray(model.backend.to_numpy(out.logits[-1]))
-            token = self.sampler.token(logits, history)
+            token = self._choose(logits, history)
             stats.sample_s += time.perf_counter() - t1
             done = self._record(token, history, max_tokens)
             if done is None:

@@ -293,7 +293,7 @@ class Scheduler:
                 continue
             req.seq = self._free.pop(0)
             req.history = list(req.prompt_ids)
-            req.sampler = Sampler(req.sampling)
+            req.sampler = Sampler(req.sampling, n_prompt=len(req.prompt_ids))
             req.rng = np.random.default_rng(req.sampling.seed)
             req.text = TextStream(self.tokenizer, req.stop)
             req.stats = SpecStats(n_prompt=len(req.prompt_ids))

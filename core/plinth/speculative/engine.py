@@ -32,6 +32,7 @@ import attrs
 import numpy as np
 
 from ..batch import Batch
+from ..errors import UserError
 from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible
@@ -251,6 +252,10 @@ class SpeculativeGenerator(Generator):
     def tokens(self, prompt_ids: Sequence[int], max_tokens: int = 128) -> Iterator[int]:
         model, cfg = self.model, self.config
         prompt_ids, max_tokens = self._check_prompt(prompt_ids, max_tokens)
+        self.sampler.n_prompt = len(prompt_ids)  # (frequency / presence penalties count the output only)
+        self.grammar = self.constraint.start() if self.constraint is not None else None
+        if self.grammar is not None and cfg.synthetic_accept is not None:
+            raise UserError("synthetic acceptance (a benchmark of the verify path) cannot follow a grammar")
         seq = self.seq
         ctx = self.context = model.new_context(taps=self.taps)
         stats = self.stats = self._new_stats(len(prompt_ids))
@@ -266,7 +271,7 @@ class SpeculativeGenerator(Generator):
             self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time
             stats.prompt_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            token = self.sampler.token(np.asarray(model.backend.to_numpy(out.logits[-1])), history)
+            token = self._choose(np.asarray(model.backend.to_numpy(out.logits[-1])), history)
             stats.sample_s += time.perf_counter() - t1
             pending = [token]  # tokens decided but not yet yielded (the last one not yet run)
             step: tuple[Any, int, int] | None = None  # (snapshot, last token, its position) of the last step
@@ -299,7 +304,7 @@ class SpeculativeGenerator(Generator):
                     nxt = int(np.argmax(logits[a])) if self.sampler.config.greedy else \
                         self.sampler.token(logits[a], history + list(draft.tokens[:a]))
                 else:
-                    a, nxt = decide(self.verifier, self.sampler, draft, logits, history, self.rng)
+                    a, nxt = decide(self.verifier, self.sampler, draft, logits, history, self.rng, self.grammar)
                 stats.verify_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self._show("verify", batch, out)

@@ -22,7 +22,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import UserError
 from .base import Draft
-from .verify import GreedyVerifier, make_verifier
+from .verify import make_verifier, verify_draft
 
 
 class GreedyNeedsTemperatureZero(UserError):
@@ -58,25 +58,13 @@ def target_batch(ctx: Any, seq: int, last: int, draft: Draft, pos: int) -> tuple
 
 
 def decide(verifier: Any, sampler: Any, draft: Draft, logits: np.ndarray, history: Sequence[int],
-           rng: Any) -> tuple[int, int]:
-    """(drafted tokens kept, next token) from the target's ``logits`` rows [k + 1, n_vocab] of a step.
-
-    The greedy rule compares each draft token with the sampler's own choice at its row (with every
-    logit transform the sampler applies: penalties, biases), so it keeps exactly what greedy decoding
-    would have produced; other rules test the drafts against the sampler's distributions.
-    """
-    k = len(draft)
-    if isinstance(verifier, GreedyVerifier):
-        hist = list(history)
-        for i in range(k):
-            t = int(sampler.token(logits[i], hist))
-            if t != int(draft.tokens[i]):
-                return i, t
-            hist.append(t)
-        return k, int(sampler.token(logits[k], hist))
-    hist = list(history)
-    probs = np.stack([sampler.probs(logits[i], hist + list(draft.tokens[:i])) for i in range(k + 1)])
-    res = verifier.verify(list(draft.tokens), draft.probs, probs, rng)
+           rng: Any, constraint: Any = None) -> tuple[int, int]:
+    """(drafted tokens kept, next token) from the target's ``logits`` rows [k + 1, n_vocab] of a step:
+    :func:`plinth.speculative.verify.verify_draft` (the greedy rule compares each draft token with the
+    sampler's own choice at its row, with every logit transform the sampler applies and the grammar's
+    mask under a ``constraint``, so it keeps exactly what greedy decoding would have produced; other
+    rules test the drafts against the sampler's distributions)."""
+    res = verify_draft(verifier, sampler, draft.tokens, draft.probs, logits, history, rng, constraint)
     return int(res.n_accepted), int(res.next_token)
 
 
