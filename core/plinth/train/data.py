@@ -1,0 +1,219 @@
+"""Self-distilled training data: the target answers the training prompts through plinth's batched scheduler.
+
+Each prompt (:mod:`plinth.train.prompts`) is rendered with the target's chat template and answered
+by the target itself (sampled, DeepSpec's temperature 0.7 / top-p 0.8 by default) through a
+:class:`plinth.serve.scheduler.Scheduler`, so many answers share each forward. What the drafter has
+to learn is exactly what the target says.
+
+Shards: ``shard-NNNNN.npz`` in the data directory, shard ``i`` holding the answers to training
+prompts ``i*S .. (i+1)*S - 1`` (``S`` = ``shard_prompts``), as
+
+* ``tokens`` int32: every sequence (prompt then answer) one after the other,
+* ``offsets`` int64 [n+1]: where each sequence starts,
+* ``n_prompt`` int32 [n]: how many of its tokens are the prompt (the rest is the target's answer),
+* ``prompt_index`` int64 [n]: the prompt's index in the training prompt list.
+
+``recipe.json`` records how they were made (target file, sampling, prompt seed); a run with
+another recipe in the same directory is refused. Shards are written whole (a temporary name, then a
+rename), so an interrupted run loses at most the shards it was making, and the same command
+continues from the first missing shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from ..errors import UserError
+
+RECIPE = "recipe.json"
+
+
+def shard_path(data_dir: Path, i: int) -> Path:
+    return Path(data_dir) / f"shard-{i:05d}.npz"
+
+
+def list_shards(data_dir: str | os.PathLike[str]) -> list[Path]:
+    d = Path(data_dir)
+    return sorted(d.glob("shard-*.npz")) if d.is_dir() else []
+
+
+def file_digest(path: str | os.PathLike[str], n: int = 1 << 20) -> str:
+    """sha1 of a file's first MiB and its size (enough to tell models apart, fast)."""
+    p = Path(path)
+    h = hashlib.sha1()
+    with open(p, "rb") as f:
+        h.update(f.read(n))
+    h.update(str(p.stat().st_size).encode())
+    return h.hexdigest()[:16]
+
+
+def data_tokens(data_dir: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """(sequences, answer tokens, all tokens) over the shards present."""
+    n = a = t = 0
+    for p in list_shards(data_dir):
+        with np.load(p) as z:
+            off, npr = z["offsets"], z["n_prompt"]
+            n += len(npr)
+            t += int(off[-1])
+            a += int(off[-1]) - int(npr.sum())
+    return n, a, t
+
+
+def check_recipe(data_dir: Path, recipe: dict[str, Any]) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / RECIPE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = {k: (old.get(k), v) for k, v in recipe.items() if old.get(k) != v}
+        if diff:
+            raise UserError(f"{data_dir}: its shards were made with another recipe ({diff}); use another --data "
+                            "directory or remove this one")
+    else:
+        path.write_text(json.dumps(recipe, indent=1, sort_keys=True))
+
+
+def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *, answer_tokens: int,
+             shard_prompts: int = 64, max_tokens: int = 320, temperature: float = 0.7, top_p: float = 0.8,
+             max_batch: int = 16, n_ctx: int = 1024, seed: int = 0, progress: bool = True,
+             deadline: float | None = None, log: Any = None, registry: Any = None,
+             prompts: Any = None) -> tuple[int, int]:
+    """Extend the shards in ``data_dir`` until they hold ``answer_tokens`` answer tokens (or prompts run out).
+
+    Returns (sequences, answer tokens) present at the end. ``deadline`` (a ``time.time()``) stops
+    starting new shards after it.
+    """
+    from ..generate import render_chat
+    from ..model import load_model
+    from ..sampling import SamplerConfig
+    from ..serve.scheduler import Request, Scheduler
+    from . import prompts as P
+
+    data_dir = Path(data_dir)
+    recipe = {"target_digest": file_digest(target), "temperature": float(temperature), "top_p": float(top_p),
+              "max_tokens": int(max_tokens), "shard_prompts": int(shard_prompts), "prompt_seed": int(seed),
+              "prompt_set": P.VERSION}
+    check_recipe(data_dir, recipe)
+    n_have, a_have, _ = data_tokens(data_dir)
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if a_have >= answer_tokens:
+        log(f"data: {n_have} answers, {a_have} tokens in {data_dir} (>= {answer_tokens} asked): nothing to make")
+        return n_have, a_have
+    prompts = P.train_prompts(seed) if prompts is None else list(prompts)
+    model = load_model(target, n_ctx=n_ctx, registry=registry)
+    tok = model.tokenizer
+    sched = Scheduler(model, max_batch=max_batch, max_queue=4 * max_batch, prompt_cache=0, prepare=True)
+    sched.start()
+    n_shards = (len(prompts) + shard_prompts - 1) // shard_prompts
+    done_shards = {int(p.stem.split("-")[1]) for p in list_shards(data_dir)}
+    todo = [i for i in range(n_shards) if i not in done_shards]
+    lock = threading.Condition()
+    results: dict[int, tuple[list[int], list[int], str]] = {}
+    count = {"submitted": 0, "finished": 0}
+    t0 = time.time()
+    made = 0
+
+    def submit(idx: int) -> None:
+        if tok.chat_template:
+            text = render_chat(tok.chat_template, [{"role": "user", "content": prompts[idx].text}], tok)
+            ids = tok.encode(text, add_special=False, parse_special=True)
+        else:  # a base model: the prompt as plain text
+            ids = tok.encode(prompts[idx].text, add_special=True)
+        ids = ids[: n_ctx - max_tokens - 1]
+        out: list[int] = []
+
+        def emit(ev: Any) -> None:
+            out.extend(t.token for t in ev.tokens)
+            if ev.finish is not None:
+                with lock:
+                    results[idx] = (ids, out, ev.finish)
+                    count["finished"] += 1
+                    lock.notify_all()
+
+        cfg = SamplerConfig(temperature=temperature, top_p=top_p, seed=seed * 1_000_003 + idx)
+        sched.submit(Request(prompt_ids=list(ids), max_tokens=max_tokens, sampling=cfg, emit=emit))
+        count["submitted"] += 1
+
+    def indices() -> Iterator[int]:
+        for s in todo:
+            yield from range(s * shard_prompts, min((s + 1) * shard_prompts, len(prompts)))
+
+    it = indices()
+    window = 3 * max_batch
+    eos = getattr(tok, "eos_id", None)
+    try:
+        for s in todo:
+            if a_have >= answer_tokens or (deadline is not None and time.time() > deadline):
+                break
+            lo, hi = s * shard_prompts, min((s + 1) * shard_prompts, len(prompts))
+            while True:
+                with lock:
+                    if all(i in results for i in range(lo, hi)):
+                        break
+                    while count["submitted"] - count["finished"] < window:
+                        nxt = next(it, None)
+                        if nxt is None:
+                            break
+                        submit(nxt)
+                    lock.wait(1.0)
+            seqs, npr, pidx = [], [], []
+            for i in range(lo, hi):
+                ids, out, finish = results.pop(i)
+                if finish == "stop" and eos is not None and (not out or out[-1] != eos):
+                    out = out + [int(eos)]  # the end of the answer is a token the drafter must predict too
+                seqs.append(np.asarray(list(ids) + list(out), dtype=np.int32))
+                npr.append(len(ids))
+                pidx.append(i)
+                a_have += len(out)
+            n_have += len(seqs)
+            offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+            offsets[1:] = np.cumsum([len(x) for x in seqs])
+            tmp = data_dir / f".tmp-{s:05d}.npz"
+            np.savez(tmp, tokens=np.concatenate(seqs), offsets=offsets, n_prompt=np.asarray(npr, np.int32),
+                     prompt_index=np.asarray(pidx, np.int64))
+            os.replace(tmp, shard_path(data_dir, s))
+            made += 1
+            el = time.time() - t0
+            if progress:
+                log(f"data: shard {s} written; {n_have} answers, {a_have}/{answer_tokens} answer tokens; "
+                    f"{made} shards in {el:.0f} s ({sum(len(x) for x in seqs) / max(1, hi - lo):.0f} tok/seq)")
+    finally:
+        sched.stop()
+    return n_have, a_have
+
+
+def iter_sequences(data_dir: str | os.PathLike[str]) -> Iterator[tuple[np.ndarray, int, int]]:
+    """(tokens, n_prompt, prompt_index) of every stored sequence, shard by shard."""
+    for p in list_shards(data_dir):
+        with np.load(p) as z:
+            toks, off, npr, pidx = z["tokens"], z["offsets"], z["n_prompt"], z["prompt_index"]
+        for j in range(len(npr)):
+            yield toks[off[j]:off[j + 1]], int(npr[j]), int(pidx[j])
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the CLI's data step, also runnable alone
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m plinth.train.data", description=__doc__.split("\n")[0])
+    ap.add_argument("target")
+    ap.add_argument("data_dir")
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--shard-prompts", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    a = ap.parse_args(argv)
+    generate(a.target, a.data_dir, answer_tokens=a.tokens, max_tokens=a.max_tokens, shard_prompts=a.shard_prompts,
+             max_batch=a.max_batch)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

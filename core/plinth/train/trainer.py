@@ -1,0 +1,389 @@
+"""Training a block drafter (DSpark, or plain DFlash) for one target GGUF, resumably.
+
+One step: ``seqs`` sequences from the data shards; for each, the target's features and next-token
+logits come from plinth's own forward (:class:`plinth.train.features.TargetFeatures`), ``anchors``
+block starts are drawn among its answer tokens, and every block ``[anchor, MASK x (B-1)]`` is
+predicted in one draft forward (the blocks of a sequence share its context rows).
+
+Objective (DSpark; speculators' ``dspark`` loss and DeepSpec's recipe): per prediction row ``i`` of a
+block, with ``p`` the target's next-token distribution over the draft vocabulary and ``q`` the
+draft's (Markov-biased) one,
+
+    L = sum_i w_i (0.1 CE(p, q) + 0.9 TV(p, q)) / sum_i w_i  +  1.0 BCE(conf_i, 1 - TV(p, q))
+
+with ``w_i = exp(-i / gamma)`` (gamma 4 for B = 8; rows past the sequence end weigh 0) and the
+Markov head fed the previous token of the sequence (teacher forcing). ``objective="dflash"``:
+no Markov / confidence head, the 1+N block (rows 1..B-1 predict), and the weighted CE alone.
+
+Checkpoints (``<out>.ckpt/state.pt``): the weights, the optimiser, the data position, the step and
+a history of figures; the same command continues an interrupted run. The GGUF ``-o`` file is
+rewritten at every checkpoint, and a copy named by its training tokens is kept for curves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from ..errors import UserError
+
+
+@attrs.define
+class TrainOptions:
+    target: str
+    out: str
+    data: str
+    objective: str = "dspark"  # or "dflash"
+    n_layer: int = 2
+    taps: tuple[int, ...] = ()  # () = spread over the target
+    block_size: int = 8
+    draft_vocab: int = 8192
+    markov_rank: int = 64
+    init: str = "target"  # "target": the draft layers start from the target's last layers; "random"
+    anchors: int = 32  # blocks per sequence
+    seqs: int = 4  # sequences per optimiser step
+    lr: float = 6e-4
+    warmup: int = 50
+    steps: int = 4000
+    minutes: float = 0.0  # stop after this long in this run (0: no limit)
+    run_steps: int = 0  # stop after this many steps in this run (0: no limit); the schedule is unchanged
+    gamma: float = 4.0
+    save_every: float = 300.0  # seconds between checkpoints
+    threads: int = 2
+    seed: int = 0
+    quant: str = "q8_0"  # "q8_0" or "f16" or "f32" for the exported matrices
+    max_len: int = 1024
+    eval_tau_seqs: int = 0
+
+    def recipe(self) -> dict[str, Any]:
+        """What defines the run (a resumed run must match it)."""
+        keys = ("objective", "n_layer", "taps", "block_size", "draft_vocab", "markov_rank", "init", "anchors",
+                "seqs", "lr", "warmup", "steps", "gamma", "seed")
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self).items() if k in keys}
+
+
+def default_taps(n_layer: int, n: int = 4) -> tuple[int, ...]:
+    """n taps spread over the target: DFlash's rule over layer outputs 1..L-3 (+1: plinth taps are layer
+    inputs), with the last one moved to the residual before the final norm (it carries the next token)."""
+    ids = [round(1 + i * (n_layer - 4) / (n - 1)) + 1 for i in range(n)]
+    ids[-1] = n_layer
+    return tuple(sorted(set(ids)))
+
+
+def corpus_d2t(data_dir: str, n_vocab: int, size: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """The ``size`` most frequent target tokens of the answers in ``data_dir`` (ascending ids), plus ``always``."""
+    from .data import iter_sequences
+
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for toks, npr, _ in iter_sequences(data_dir):
+        np.add.at(counts, toks[npr:].astype(np.int64), 1)
+    if not counts.any():
+        raise UserError(f"{data_dir}: no training answers yet; generate data first")
+    for t in always:
+        counts[t] = counts.max() + 1
+    order = np.argsort(-counts, kind="stable")[:size]
+    return np.sort(order).astype(np.int64)
+
+
+class Progress:
+    """One stderr line, rewritten: step, tokens, loss, estimated acceptance, speed."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.enabled = total, enabled and sys.stderr.isatty()
+        self.t0 = time.time()
+        self.last = 0.0
+
+    def update(self, step: int, fig: dict[str, float], force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.last < 2.0:
+            return
+        self.last = now
+        rate = fig.get("pos_per_s", 0.0)
+        left = (self.total - step) * fig.get("s_per_step", 0.0)
+        line = (f"step {step}/{self.total} | {fig.get('tokens', 0) / 1e3:.0f}k tok | loss {fig.get('loss', 0):.3f} | "
+                f"acc@1 {fig.get('acc1', 0):.2f} | est tau {fig.get('tau', 0):.2f} | {rate:.0f} pos/s | "
+                f"eta {left / 60:.0f} min")
+        if self.enabled:
+            sys.stderr.write("\r" + line[:150].ljust(150))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run (or continue) the training ``opt`` describes; returns the last figures."""
+    import torch
+
+    from ..model import load_model
+    from . import features as FT
+    from .data import iter_sequences, list_shards
+    from .export import export_gguf
+    from .model import DraftConfig, DraftNet, block_targets
+
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    torch.set_num_threads(max(1, int(opt.threads)))
+    if opt.objective not in ("dspark", "dflash"):
+        raise UserError(f"--objective must be dspark or dflash, not {opt.objective!r}")
+    out = Path(opt.out)
+    ckdir = Path(str(out) + ".ckpt")
+    ckdir.mkdir(parents=True, exist_ok=True)
+    state_path = ckdir / "state.pt"
+    model = load_model(opt.target)
+    hp = model.hparams
+    n_layer_t = int(hp.n_layer)
+    taps = tuple(opt.taps) or default_taps(n_layer_t)
+    opt.taps = taps
+    n_vocab = int(model.n_vocab)
+    tok = model.tokenizer
+    state = None
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        if state["recipe"] != opt.recipe():
+            diff = {k: (state["recipe"].get(k), v) for k, v in opt.recipe().items() if state["recipe"].get(k) != v}
+            raise UserError(f"{ckdir}: the checkpoint was made with other settings {diff}; pass the same options "
+                            f"to continue it, or another -o to start afresh")
+        d2t = np.asarray(state["d2t"], dtype=np.int64)
+        log(f"train: continuing {ckdir} at step {state['step']} ({state['tokens']} answer tokens trained)")
+    else:
+        always = tuple(t for t in (getattr(tok, "eos_id", None),) if t is not None)
+        if opt.objective == "dflash":  # plinth-dflash drafts over the full vocabulary (no d2t)
+            d2t = np.arange(n_vocab, dtype=np.int64)
+        else:
+            d2t = corpus_d2t(opt.data, n_vocab, min(opt.draft_vocab, n_vocab), always)
+    dspark = opt.objective == "dspark"
+    n_head = int(hp.n_head[0] if isinstance(hp.n_head, (tuple, list)) else hp.n_head)
+    n_head_kv = int(hp.n_head_kv[0] if isinstance(hp.n_head_kv, (tuple, list)) else hp.n_head_kv)
+    n_ff = int(hp.n_ff[0] if isinstance(hp.n_ff, (tuple, list)) else hp.n_ff)
+    mask = mask_token(tok, n_vocab)
+    cfg = DraftConfig(n_vocab=n_vocab, draft_vocab=int(d2t.size), n_embd=int(hp.n_embd), n_layer=opt.n_layer,
+                      n_head=n_head, n_head_kv=n_head_kv, head_dim=int(hp.head_dim), n_ff=n_ff, taps=taps,
+                      block_size=opt.block_size, mask_token=mask, rope_base=float(hp.rope_base),
+                      norm_eps=float(hp.norm_eps), markov_rank=opt.markov_rank if dspark else 0,
+                      confidence=dspark, sample_from_anchor=dspark)
+    torch.manual_seed(opt.seed)
+    net = DraftNet(cfg)
+    net.d2t.copy_(torch.from_numpy(d2t))
+    emb_np = FT.embed_table(model)
+    embed = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb_np), freeze=True)
+    if state is None:
+        with torch.no_grad():
+            net.output.copy_(torch.from_numpy(FT.head_table(model)[d2t]))
+            if opt.init == "target":
+                init_from_target(net, model, n_layer_t)
+            elif opt.init != "random":
+                raise UserError(f"--init must be target or random, not {opt.init!r}")
+    params = [p for p in net.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, tokens, positions = 0, 0, 0
+    history: list[dict[str, Any]] = []
+    data_pos = {"epoch": 0, "index": 0, "order": None}
+    if state is not None:
+        net.load_state_dict(state["model"])
+        optim.load_state_dict(state["optim"])
+        step, tokens, positions = state["step"], state["tokens"], state["positions"]
+        history, data_pos = state["history"], state["data"]
+    feats_of = FT.TargetFeatures(model, taps, d2t)
+    rng = np.random.default_rng(opt.seed * 7919 + step)
+
+    def epoch_order(epoch: int) -> list[tuple[str, int]]:
+        items = []
+        for p in list_shards(opt.data):
+            with np.load(p) as z:
+                items += [(p.name, j) for j in range(len(z["n_prompt"]))]
+        r = np.random.default_rng(opt.seed + 1000 * epoch)
+        idx = r.permutation(len(items))
+        return [items[i] for i in idx]
+
+    if data_pos["order"] is None:
+        data_pos["order"] = epoch_order(0)
+    if not data_pos["order"]:
+        raise UserError(f"{opt.data}: no data shards; generate data first")
+    cache: dict[str, Any] = {}
+
+    def load_seq(name: str, j: int) -> tuple[np.ndarray, int]:
+        if name not in cache:
+            cache.clear()
+            with np.load(Path(opt.data) / name) as z:
+                cache[name] = (z["tokens"], z["offsets"], z["n_prompt"])
+        toks, off, npr = cache[name]
+        return np.array(toks[off[j]:off[j + 1]], dtype=np.int64), int(npr[j])
+
+    def next_seq() -> tuple[np.ndarray, int]:
+        while True:
+            if data_pos["index"] >= len(data_pos["order"]):
+                data_pos["epoch"] += 1
+                data_pos["index"] = 0
+                data_pos["order"] = epoch_order(data_pos["epoch"])
+                log(f"\ntrain: epoch {data_pos['epoch']} over {len(data_pos['order'])} sequences")
+            name, j = data_pos["order"][data_pos["index"]]
+            data_pos["index"] += 1
+            toks, npr = load_seq(name, j)
+            toks = toks[: opt.max_len]
+            if toks.size - npr >= 3:
+                return toks, npr
+
+    def lr_at(s: int) -> float:
+        if s < opt.warmup:
+            return opt.lr * (s + 1) / opt.warmup
+        frac = min(1.0, (s - opt.warmup) / max(1, opt.steps - opt.warmup))
+        return opt.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    b = cfg.block_size
+    s0 = net.first_row
+    m = b - s0
+    wpos = torch.exp(-torch.arange(m, dtype=torch.float32) / opt.gamma)
+    bar = Progress(opt.steps, enabled=progress)
+    t_start = time.time()
+    t_save = time.time()
+    ema: dict[str, float] = {}
+    t_step = time.time()
+
+    def save() -> None:
+        torch.save({"model": net.state_dict(), "optim": optim.state_dict(), "step": step, "tokens": tokens,
+                    "positions": positions, "history": history, "data": data_pos, "recipe": opt.recipe(),
+                    "d2t": d2t, "config": attrs.asdict(cfg)}, ckdir / "state.tmp")
+        os.replace(ckdir / "state.tmp", state_path)
+        meta = recipe_metadata(opt, step, tokens, positions, history, time.time() - t_start)
+        export_gguf(net, cfg, out, meta, quant=opt.quant)
+        export_gguf(net, cfg, ckdir / f"draft-{tokens // 1000:07d}k.gguf", meta, quant=opt.quant)  # for curves
+
+    step_first = step
+    while step < opt.steps:
+        if opt.run_steps and step - step_first >= opt.run_steps:
+            break
+        if opt.minutes and time.time() - t_start > opt.minutes * 60:
+            log(f"\ntrain: --minutes {opt.minutes} reached at step {step}")
+            break
+        for g in optim.param_groups:
+            g["lr"] = lr_at(step)
+        optim.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "acc1": 0.0, "tau": 0.0, "n": 0.0, "pos": 0.0}
+        n_tok_step = 0
+        t_feat = 0.0
+        for _ in range(opt.seqs):
+            toks, npr = next_seq()
+            t0 = time.time()
+            f_np, lg_np = feats_of(toks)
+            t_feat += time.time() - t0
+            T = toks.size
+            cand = np.arange(npr, T - 1)
+            k = min(opt.anchors, cand.size)
+            anchors = torch.from_numpy(np.sort(rng.choice(cand, size=k, replace=False)))
+            t_toks = torch.from_numpy(toks)
+            ctx = net.context(torch.from_numpy(f_np))
+            hidden = net.blocks(embed, t_toks, anchors, ctx)[:, s0:]  # [nb, m, E]
+            lab, prev, valid = block_targets(t_toks, anchors, b, s0)
+            z, conf = net.heads(hidden, t_toks[prev] if dspark else None)
+            tl = torch.from_numpy(lg_np)[prev]  # the target's distribution for the label position
+            p = torch.softmax(tl, dim=-1)
+            logq = torch.log_softmax(z, dim=-1)
+            ce = -(p * logq).sum(-1)
+            w = wpos[None, :] * valid.float()
+            wsum = w.sum().clamp_min(1e-6)
+            if dspark:
+                tv = 1.0 - torch.minimum(p, logq.exp()).sum(-1)
+                loss = (w * (0.1 * ce + 0.9 * tv)).sum() / wsum
+                if conf is not None:
+                    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, (1.0 - tv).detach(),
+                                                                               reduction="none")
+                    loss = loss + (w * bce).sum() / wsum
+            else:
+                loss = (w * ce).sum() / wsum
+            (loss / opt.seqs).backward()
+            with torch.no_grad():
+                # greedy acceptance estimate: the draft's pick against the target's argmax (in the draft vocabulary)
+                hit = (z.argmax(-1) == tl.argmax(-1)) & valid
+                run = torch.cumprod(hit.float(), dim=1)
+                sums["loss"] += float(loss)
+                sums["acc1"] += float(hit[:, 0].float().mean())
+                sums["tau"] += float((1.0 + run.sum(1)).mean())
+                sums["n"] += 1
+                sums["pos"] += float(valid.sum())
+            n_tok_step += T - npr
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+        tokens += n_tok_step
+        positions += int(sums["pos"])
+        dt = time.time() - t_step
+        t_step = time.time()
+        fig = {k: sums[k] / sums["n"] for k in ("loss", "acc1", "tau")}
+        for k, v in fig.items():
+            ema[k] = v if k not in ema else 0.95 * ema[k] + 0.05 * v
+        shown = dict(ema, tokens=tokens, pos_per_s=sums["pos"] / max(dt, 1e-6), s_per_step=dt,
+                     feat_share=t_feat / max(dt, 1e-6))
+        bar.update(step, shown)
+        if time.time() - t_save > opt.save_every or step == opt.steps:
+            history.append({"step": step, "tokens": tokens, "positions": positions, "loss": ema["loss"],
+                            "acc1": ema["acc1"], "est_tau": ema["tau"], "time": time.time() - t_start,
+                            "epoch": data_pos["epoch"]})
+            save()
+            t_save = time.time()
+            log(f"\ntrain: checkpoint at step {step}: {tokens} answer tokens, loss {ema['loss']:.3f}, "
+                f"est tau {ema['tau']:.2f} -> {out}")
+    if not history or history[-1]["step"] != step:
+        history.append({"step": step, "tokens": tokens, "positions": positions, "loss": ema.get("loss"),
+                        "acc1": ema.get("acc1"), "est_tau": ema.get("tau"), "time": time.time() - t_start,
+                        "epoch": data_pos["epoch"]})
+        save()
+    bar.update(step, dict(ema, tokens=tokens), force=True)
+    if progress:
+        sys.stderr.write("\n")
+    return history[-1]
+
+
+def mask_token(tok: Any, n_vocab: int) -> int:
+    """A token id that never occurs in chat text: the tokenizer's mask / pad / unknown token, else the last
+    special token of the vocabulary that is not BOS / EOS."""
+    for attr in ("mask_id", "pad_id", "unk_id"):
+        t = getattr(tok, attr, None)
+        if t is not None and 0 <= int(t) < n_vocab and t not in (getattr(tok, "bos_id", None),
+                                                                   getattr(tok, "eos_id", None)):
+            return int(t)
+    special = [i for i in range(min(n_vocab, 64)) if str(tok.tokens[i]).startswith("<")
+               and i not in (getattr(tok, "bos_id", None), getattr(tok, "eos_id", None))]
+    if not special:
+        return n_vocab - 1
+    return special[-1]
+
+
+def init_from_target(net: Any, model: Any, n_layer_t: int) -> None:
+    """Draft layer i starts from target layer ``L - n + i`` (the last ones: closest to next-token prediction).
+    q_norm / k_norm stay at 1 (the target has none); the copies are exact float32 dequantisations."""
+    import torch
+
+    from .features import layer_weights
+
+    n = len(net.layers)
+    for i, layer in enumerate(net.layers):
+        w = layer_weights(model, n_layer_t - n + i)
+        for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                     "ffn_down"):
+            if name in w and tuple(w[name].shape) == tuple(getattr(layer, name).shape):
+                getattr(layer, name).copy_(torch.from_numpy(w[name]))
+
+
+def recipe_metadata(opt: TrainOptions, step: int, tokens: int, positions: int, history: list[dict[str, Any]],
+                    seconds: float) -> dict[str, Any]:
+    from .data import RECIPE, data_tokens
+
+    d = Path(opt.data)
+    data_recipe = json.loads((d / RECIPE).read_text()) if (d / RECIPE).is_file() else {}
+    n_seq, n_ans, _ = data_tokens(d)
+    return {
+        "plinth.train.recipe": json.dumps(opt.recipe(), sort_keys=True),
+        "plinth.train.data": json.dumps(dict(data_recipe, sequences=n_seq, answer_tokens=n_ans), sort_keys=True),
+        "plinth.train.steps": int(step),
+        "plinth.train.tokens": int(tokens),
+        "plinth.train.positions": int(positions),
+        "plinth.train.seconds": float(round(seconds, 1)),
+        "plinth.train.est_tau": float(history[-1]["est_tau"]) if history and history[-1].get("est_tau") else 0.0,
+    }

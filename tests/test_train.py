@@ -1,0 +1,154 @@
+"""plinth train-drafter: the prompt set, the data shards, the torch draft against the plugin's forward,
+a short resumable training run and its export (torch pieces skip without torch)."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from plinth.train import prompts as P
+
+
+def test_held_out_subjects_never_trained():
+    train = P.train_prompts()
+    trained = {p.subject for p in train}
+    for kind in ("chat", "code", "summarise"):
+        ev = P.eval_prompts(kind, n=24)
+        assert len(ev) == 24
+        assert all(P.held_out(p.subject) and p.subject not in trained for p in ev)
+        texts = {p.text for p in train}
+        assert not any(p.text in texts for p in ev)
+    assert {p.kind for p in P.eval_prompts("chat")} == {"chat"}
+    assert all(p.text.startswith(("Summarize", "Rewrite")) for p in P.eval_prompts("summarise"))
+
+
+def test_prompt_set_is_deterministic_and_mixed():
+    a = P.all_prompts(0)
+    P.all_prompts.cache_clear()
+    b = P.all_prompts(0)
+    assert [p.text for p in a[:200]] == [p.text for p in b[:200]]
+    head = a[:1000]
+    share = {k: sum(p.kind == k for p in head) / len(head) for k in P.MIX}
+    for k, want in P.MIX.items():
+        assert abs(share[k] - want) < 0.02, (k, share)
+    assert len(a) > 10000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from plinth_dflash.testkit import tiny_target
+
+    d = tmp_path_factory.mktemp("train")
+    model = tiny_target(d / "target.gguf", "llama", n_layer=3)
+    return d, model
+
+
+def test_generated_shards_extend_and_resume(tiny):
+    from plinth.train.data import data_tokens, generate, iter_sequences, list_shards
+
+    d, model = tiny
+    prompts = [P.Prompt("chat", f"t{i}", f"hello number {i}") for i in range(12)]
+    data = d / "data"
+    n, a = generate(model.path, data, answer_tokens=40, shard_prompts=4, max_tokens=12, max_batch=4,
+                    prompts=prompts, progress=False)
+    first = list_shards(data)
+    assert 1 <= len(first) < 3 and a >= 40
+    n2, a2 = generate(model.path, data, answer_tokens=10_000, shard_prompts=4, max_tokens=12, max_batch=4,
+                      prompts=prompts, progress=False)
+    assert len(list_shards(data)) == 3 and n2 == 12 and a2 > a
+    assert data_tokens(data)[:2] == (12, a2)
+    for toks, npr, idx in iter_sequences(data):
+        assert 0 < npr < toks.size <= npr + 13
+    from plinth.errors import UserError
+
+    with pytest.raises(UserError, match="another recipe"):
+        generate(model.path, data, answer_tokens=10_000, shard_prompts=4, max_tokens=12, max_batch=4,
+                 temperature=0.5, prompts=prompts, progress=False)
+
+
+def test_torch_draft_equals_plugin_forward(tiny, tmp_path):
+    torch = pytest.importorskip("torch")
+    from plinth.speculative.base import TargetOutput
+    from plinth.train.export import export_gguf
+    from plinth.train.features import TargetFeatures, embed_table
+    from plinth.train.model import DraftConfig, DraftNet
+    from plinth_dspark.drafter import DSparkDrafter
+    from plinth_dspark.format import load_dspark
+
+    _, tgt = tiny
+    hp = tgt.hparams
+    v = tgt.n_vocab
+    d2t = np.sort(np.random.default_rng(0).choice(v, 100, replace=False))
+    c = DraftConfig(n_vocab=v, draft_vocab=100, n_embd=hp.n_embd, n_layer=2, n_head=hp.n_head[0],
+                    n_head_kv=hp.n_head_kv[0], head_dim=hp.head_dim, n_ff=hp.n_ff[0], taps=(1, 3), block_size=8,
+                    mask_token=5, rope_base=float(hp.rope_base), norm_eps=float(hp.norm_eps), markov_rank=16)
+    torch.manual_seed(0)
+    net = DraftNet(c)
+    with torch.no_grad():  # norms away from 1, heads big enough to move the chain
+        for p in net.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+        net.markov_w1.mul_(30)
+        net.conf_w.mul_(30)
+        net.d2t.copy_(torch.from_numpy(d2t))
+    path = export_gguf(net, c, tmp_path / "d.gguf", quant="f32")
+    toks = np.random.default_rng(1).integers(10, 200, size=40)
+    feats, _ = TargetFeatures(tgt, c.taps, d2t)(toks)
+    pos = 30
+    dr = DSparkDrafter(tgt, load_dspark(path, tgt.backend))
+    dr.begin(0, toks[:pos].tolist())
+    e = hp.n_embd
+    dr.process(TargetOutput(seq=0, kind="prefill", tokens=toks[:pos], positions=np.arange(pos),
+                            features={t: feats[:pos, i * e:(i + 1) * e] for i, t in enumerate(c.taps)}))
+    out = dr.block_outputs(0, int(toks[pos]), pos, 8)
+    embed = torch.nn.Embedding.from_pretrained(torch.from_numpy(embed_table(tgt)))
+    with torch.no_grad():
+        ctx = net.context(torch.from_numpy(feats[:pos]))
+        hid = net.blocks(embed, torch.from_numpy(toks[:pos + 1]), torch.tensor([pos]), ctx)[0]
+        prev = torch.tensor([int(toks[pos])] + [int(t) for t in out["tokens"][:-1]])
+        z, conf = net.heads(hid, prev)
+    assert np.abs(z.numpy() - out["logits"]).max() < 1e-4 * max(1.0, np.abs(out["logits"]).max())
+    np.testing.assert_allclose(torch.sigmoid(conf).numpy(), out["conf"], atol=1e-5)
+    assert list(d2t[z.argmax(-1).numpy()]) == list(out["tokens"])
+    assert len(set(out["tokens"].tolist())) > 1  # the chain is not trivially constant
+
+
+@pytest.mark.parametrize("objective", ["dspark", "dflash"])
+def test_training_resumes_and_exports(tiny, tmp_path, objective):
+    pytest.importorskip("torch")
+    from plinth.train.data import generate
+    from plinth.train.trainer import TrainOptions, train
+
+    d, model = tiny
+    data = d / "data-train"
+    prompts = [P.Prompt("chat", f"t{i}", f"tell me about {i}") for i in range(8)]
+    generate(model.path, data, answer_tokens=10_000, shard_prompts=4, max_tokens=24, max_batch=4, prompts=prompts,
+             progress=False, temperature=1.0, top_p=1.0)
+    out = tmp_path / "draft.gguf"
+    opt = TrainOptions(target=str(model.path), out=str(out), data=str(data), objective=objective, n_layer=1,
+                       block_size=4, draft_vocab=64, markov_rank=8, anchors=4, seqs=2, steps=6, warmup=2,
+                       save_every=1e9, threads=1, quant="f32")
+    quiet = {"progress": False, "log": lambda s: None}
+    first = train(attrs.evolve(opt, run_steps=3), **quiet)  # "interrupted" after 3 steps
+    assert first["step"] == 3 and first["tokens"] > 0
+    import torch
+
+    st = torch.load(str(out) + ".ckpt/state.pt", weights_only=False)
+    assert st["step"] == 3 and st["d2t"].size == (64 if objective == "dspark" else model.n_vocab)
+    from plinth.errors import UserError
+
+    with pytest.raises(UserError, match="other settings"):  # another schedule is another run
+        train(attrs.evolve(opt, steps=8), **quiet)
+    again = train(opt, **quiet)  # the same command continues where it stopped
+    assert again["step"] == 6 and again["tokens"] > first["tokens"]
+    assert [h["step"] for h in torch.load(str(out) + ".ckpt/state.pt", weights_only=False)["history"]] == [3, 6]
+    from plinth.gguf import GGUFFile
+
+    md = GGUFFile(out).metadata
+    assert md["plinth.train.steps"] == 6 and "objective" in md["plinth.train.recipe"]
+    kind = "dspark" if objective == "dspark" else "dflash"
+    from plinth.plugins import default_registry
+
+    drafter = default_registry().make_drafter(kind, model, {"draft": str(out)})
+    assert drafter.requirements().taps
