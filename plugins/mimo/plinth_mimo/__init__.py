@@ -1,0 +1,1 @@
+"""plinth-mimo: MiMo-V2-Flash text models (GGUF architecture ``mimo2``)."""
