@@ -291,3 +291,35 @@ class ConstraintState:
 def _first_line(s: str) -> str:
     s = (s or "").strip()
     return s.splitlines()[0] if s else "unknown error"
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def add_cli_args(p: Any) -> None:
+    """``--json-schema FILE`` / ``--grammar FILE`` (one of them) for ``plinth generate``."""
+    g = p.add_argument_group("constrained output", "the output follows a grammar: every token it would break is "
+                             "masked out before sampling (needs the 'grammar' extra: llguidance)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="a JSON schema file: the output is compact JSON conforming to it")
+    x.add_argument("--grammar", default=None, metavar="FILE",
+                   help="a GBNF grammar file (llama.cpp's format, root ::= ...): the output is a sentence of it")
+
+
+def constraint_from_args(args: Any, tokenizer: Any, n_vocab: int | None = None) -> Constraint | None:
+    """The :class:`Constraint` asked for by :func:`add_cli_args`'s options (None without them)."""
+    path = getattr(args, "json_schema", None) or getattr(args, "grammar", None)
+    if path is None:
+        return None
+    flag = "--json-schema" if getattr(args, "json_schema", None) else "--grammar"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise GrammarError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise GrammarError(f"{flag} {path}: not UTF-8 text") from None
+    what = f"{flag} {path}"
+    g = json_schema(text, what=what) if flag == "--json-schema" else gbnf(text, what=what)
+    return Constraint(g, tokenizer, n_vocab)

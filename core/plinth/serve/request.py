@@ -68,6 +68,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     speculative: bool = True
+    constraint: Any = None  # the grammar state (plinth.grammar.ConstraintState) its tokens must follow, or None
     leader: Request | None = None
     followed: bool = False  # some request's leader: keeps its prompt's last logits for the followers
     id: int = attrs.field(factory=itertools.count().__next__)

@@ -229,7 +229,15 @@ class Scheduler:
 
     def _first_token(self, req: Request, lg: Any) -> None:
         """Sample and send ``req``'s first token from the logits ``lg`` of its last prompt token."""
-        self.emitter.emit(req, [(req.sampler.token(lg, req.history), lg)])
+        self.emitter.emit(req, [(self._choose(req, lg), lg)])
+
+    @staticmethod
+    def _choose(req: Request, lg: Any) -> int:
+        """``req``'s sampler's token from one logits row, under its grammar (whose state then takes it)."""
+        token = req.sampler.token(lg, req.history, req.constraint)
+        if req.constraint is not None:
+            req.constraint.advance(token)
+        return token
 
     def _prefilled(self, req: Request, lg: Any) -> None:
         """``req``'s prompt is in the cache and ``lg`` are its last token's logits."""
@@ -435,11 +443,11 @@ class Scheduler:
         if not req.speculative:
             lg0 = logits[where[first]]  # (a view: the step's logits are not written again)
             req.stats.n_steps += 1
-            self.emitter.emit(req, [(req.sampler.token(lg0, req.history), lg0)])
+            self.emitter.emit(req, [(self._choose(req, lg0), lg0)])
             return
         lg = logits[[where[first + i] for i in range(k + 1)]]
         t0 = time.perf_counter()
-        a, nxt = decide(req.verifier, req.sampler, draft, lg, req.history, req.rng)
+        a, nxt = decide(req.verifier, req.sampler, draft, lg, req.history, req.rng, req.constraint)
         req.stats.verify_s += time.perf_counter() - t0
         self._show(req, "verify", batch, out, first, k + 1, where)
         t0 = time.perf_counter()
