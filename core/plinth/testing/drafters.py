@@ -9,6 +9,8 @@
   target: greedy output identical with and without the drafter, metrics
   consistent, and the target's cache after speculation identical to the cache
   of plain decoding.
+* :func:`check_one_line_refusal`: a drafter that cannot run on a target says so
+  in one line that names it (never a numpy error from deep inside a product).
 """
 
 from __future__ import annotations
@@ -214,3 +216,26 @@ def check_drafter_contract(model: Any, make_drafter: Callable[[], Any], prompts:
         assert_caches_equal(gen.context.cache, ref.cache, atol=atol, rtol=rtol)
         all_stats.append(st)
     return all_stats
+
+
+def check_one_line_refusal(make: Callable[[], Any], match: str, name: str) -> str:
+    """``make()`` (building a drafter for a target, or its first ``process``) must raise a
+    :class:`plinth.errors.UserError` of one line that names ``name`` (the draft file or drafter) and matches
+    the regular expression ``match``. Returns the message."""
+    import re
+
+    from ..errors import UserError
+
+    try:
+        make()
+    except UserError as e:
+        msg = str(e)
+    except Exception as e:  # noqa: BLE001 - the point: anything else is the failure
+        raise AssertionError(f"expected a one-line UserError matching {match!r}, got {type(e).__name__}: {e}") from e
+    else:
+        raise AssertionError(f"expected a UserError matching {match!r}; nothing was raised")
+    assert "\n" not in msg, f"the refusal spans lines: {msg!r}"
+    assert name in msg, f"the refusal does not name {name!r}: {msg!r}"
+    assert re.search(match, msg), f"the refusal {msg!r} does not match {match!r}"
+    return msg
+

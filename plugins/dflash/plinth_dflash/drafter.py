@@ -93,6 +93,9 @@ class DFlashDrafter(BaseDrafter):
         for name in (C.T_SEL_PRED, C.T_SEL_SUCC):
             if name in w and int(w[name].shape[0]) != n_vocab:
                 raise UserError(f"{src}: '{name}' has {w[name].shape[0]} rows, the target's vocabulary {n_vocab}")
+        if hp.n_vocab is not None and hp.n_vocab != n_vocab and head_rows is None:
+            raise UserError(f"{src}: the draft was made for a vocabulary of {hp.n_vocab} tokens, the target "
+                            f"({target.arch}) has {n_vocab}; a DFlash draft proposes target ids (wrong target?)")
         if not 0 <= hp.mask_token < n_vocab:
             raise UserError(f"{src}: mask token {hp.mask_token} is outside the vocabulary (0..{n_vocab - 1})")
         self.target_embed = view.embed_table
@@ -126,6 +129,13 @@ class DFlashDrafter(BaseDrafter):
         if missing:
             raise UserError(f"{self.name} drafter: the target output lacks feature taps {missing} "
                             f"(asked for {list(self.hp.target_layers)})")
+        for t in self.hp.target_layers:
+            shape = tuple(out.features[t].shape)
+            if len(shape) != 2 or shape[1] != self.hp.n_embd:
+                raise UserError(f"{self.name} drafter ({self.draft_file.path.name}): the target ({self.target.arch}) "
+                                f"gives tap {t} as rows of shape {list(shape)}, the draft's fc reads "
+                                f"{self.hp.n_taps} taps of width E = {self.hp.n_embd} each; this target's taps are "
+                                "not hidden states this draft can read")
         f = xp.concatenate([xp.asarray(out.features[t], dtype=xp.float32) for t in self.hp.target_layers], axis=1)
         f, changed = sanitize_features(f, xp)
         if changed:

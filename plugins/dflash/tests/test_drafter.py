@@ -311,3 +311,30 @@ def test_drafter_registered_through_the_plugin(plinth_registry, targets, draft_f
         assert reg.owner("drafters", name) == "dflash"
     dr = reg.make_drafter("dflash", targets["llama"], {"draft": str(draft_file("dflash2", taps=(1, 3)))})
     assert dr.name == "dflash2"
+
+
+def test_every_misfit_is_one_named_line(tmp_path, targets, draft_file):
+    """A draft that cannot run on a target says so in one line naming the draft and the mismatch, before any
+    draft compute: hidden size, tap range, vocabulary (own tensors or the vocab_size key), mask token, and a
+    target whose tap rows are not n_embd wide (e.g. hyper-connection streams handed over flattened)."""
+    from plinth.testing.drafters import check_one_line_refusal
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import tiny_target
+
+    t = targets["qwen3"]
+    t48 = tiny_target(tmp_path / "t48.gguf", "qwen3", n_embd=48, n_layer=3)
+    cases = [
+        (t48, dict(taps=(1, 3)), "n_embd = 48"),
+        (t, dict(taps=(1, 4)), r"taps \[4\] outside the target's 0..3"),
+        (t, dict(taps=(1, 3), n_vocab=300, mask_token=5, own_head=True), "output head has 300 rows"),
+        (t, dict(taps=(1, 3), n_vocab=300, mask_token=5), "made for a vocabulary of 300 tokens"),
+        (t, dict(taps=(1, 3), mask_token=400), "mask token 400 is outside"),
+    ]
+    for target, kw, match in cases:
+        path = draft_file(**kw)
+        check_one_line_refusal(lambda: make_dflash(target, {"draft": str(path)}), match, path.name)
+    dr = make_dflash(t, {"draft": str(draft_file(taps=(1, 3)))})
+    wide = TargetOutput(seq=0, kind="prefill", tokens=np.arange(4), positions=np.arange(4),
+                        features={1: np.zeros((4, 128), np.float32), 3: np.zeros((4, 128), np.float32)})
+    check_one_line_refusal(lambda: dr.process(wide), r"tap 1 as rows of shape \[4, 128\].*width E = 64", "dflash")
+    assert dr.stats["injected_rows"] == 0 and not dr.cache.positions(0).size

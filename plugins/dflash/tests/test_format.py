@@ -132,7 +132,7 @@ def test_llama_cpp_style_file_loads(tmp_path, targets):
 
     from plinth_dflash.drafter import make_dflash
 
-    md = tiny_draft_metadata(taps=(1, 3), mask_key="mask_token_id")
+    md = tiny_draft_metadata(taps=(1, 3), mask_key="mask_token_id", n_vocab=257)
     t = random_draft_tensors(md, "dflash")
     w = gguf.GGUFWriter(str(tmp_path / "lcpp.gguf"), "dflash")
     for k, v in md.items():
@@ -154,7 +154,7 @@ def test_llama_cpp_style_file_loads(tmp_path, targets):
     w.write_tensors_to_file()
     w.close()
     dr = make_dflash(targets["qwen3"], {"draft": str(tmp_path / "lcpp.gguf")})
-    assert dr.hp.target_layers == (1, 3) and dr.hp.mask_token == 95
+    assert dr.hp.target_layers == (1, 3) and dr.hp.mask_token == 256
     assert dr.draft_file.tensor_types["fc.weight"] == "F16"
 
 

@@ -38,13 +38,13 @@ class DSparkDrafter(DFlashDrafter):
         if float(p_min or 0.0) > 0.0 and not ds.has_confidence_head:
             raise DSparkFormatError(f"{src}: the draft declares no confidence head ('dflash.has_confidence_head' = "
                                     "false), so --spec-p-min has no confidence to compare; set --spec-p-min 0")
+        n_vocab = int(target.n_vocab)
+        if ds.n_vocab != n_vocab:  # first: the backbone's head check would blame the head for the same misfit
+            raise DSparkFormatError(f"{src}: '{T_W1}' has {ds.n_vocab} rows, the target's vocabulary {n_vocab}; the "
+                                    "Markov head is indexed by target token ids (wrong target for this draft?)")
         super().__init__(target, draft, n_min=n_min, p_min=p_min, n_max=None, head_rows=ds.draft_vocab)
         self.name = "dspark"
         self.ds = ds
-        n_vocab = int(target.n_vocab)
-        if ds.n_vocab != n_vocab:
-            raise DSparkFormatError(f"{src}: '{T_W1}' has {ds.n_vocab} rows, the target's vocabulary {n_vocab}; the "
-                                    "Markov head is indexed by target token ids (wrong target for this draft?)")
         w = draft.weights
         xp = self.xp
         self.w1, self.w2 = w[T_W1], w[T_W2]
@@ -152,9 +152,9 @@ class DSparkDrafter(DFlashDrafter):
 
 def make_dspark(target: Any, options: Mapping[str, Any]) -> DSparkDrafter:
     """``--spec dspark --draft FILE``: a dflash GGUF with DSpark heads."""
-    path = options.get("draft")
-    if not path:
-        raise UserError("the dspark drafter needs a draft GGUF: pass --draft FILE.gguf (option 'draft')")
+    from .drafters import resolve
+
+    path = resolve(options.get("draft"), target)  # a file, a shipped drafter's name, or the one for this target
     be = options.get("backend")
     if isinstance(be, str) and be != getattr(target.backend, "name", be):
         raise UserError(f"the draft runs on the target's backend ({target.backend.name}); backend {be!r} was asked for")

@@ -194,3 +194,24 @@ def test_plinth_info_dspark_without_confidence_head_full_vocab(dspark_file, caps
     assert "dflash draft with DSpark heads" in out
     assert "confidence_head  no\n" in out and "reduced_vocab    no (full vocabulary, 257)" in out
     assert "sample_from_anchor true" in out
+
+
+def test_every_misfit_is_one_named_line(tmp_path, targets, dspark_file):
+    """DSpark drafts on targets they do not fit: one line naming the draft file, before any draft compute."""
+    from plinth.speculative.base import TargetOutput
+    from plinth.testing.drafters import check_one_line_refusal
+    from plinth_dflash.testkit import tiny_target
+    from plinth_dspark.drafter import make_dspark
+
+    t = targets["qwen3"]
+    t48 = tiny_target(tmp_path / "t48.gguf", "qwen3", n_embd=48, n_layer=3)
+    for target, kw, match in ((t48, {}, "n_embd = 48"),
+                              (t, dict(taps=(2, 7)), r"taps \[7\] outside"),
+                              (t, dict(n_vocab=300, mask_token=5), "'markov_w1.weight' has 300 rows"),
+                              (t, dict(mask_token=300, n_vocab=257), "mask token 300 is outside")):
+        path = dspark_file(**kw)
+        check_one_line_refusal(lambda: make_dspark(target, {"draft": str(path)}), match, path.name)
+    dr = make_dspark(t, {"draft": str(dspark_file())})
+    wide = TargetOutput(seq=0, kind="prefill", tokens=np.arange(3), positions=np.arange(3),
+                        features={1: np.zeros((3, 64), np.float32), 3: np.zeros((3, 256), np.float32)})
+    check_one_line_refusal(lambda: dr.process(wide), r"tap 3 as rows of shape \[3, 256\]", "dspark")
