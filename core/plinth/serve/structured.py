@@ -49,7 +49,8 @@ import attrs
 
 from .. import grammar as G
 
-__all__ = ["StructuredError", "Tool", "Structured", "parse", "chat_messages", "constraint_for", "ToolCallStream",
+__all__ = ["StructuredError", "Tool", "Structured", "parse", "chat_messages", "compile_for", "constraint_for",
+           "ToolCallStream",
            "TOOL_MARKER", "GRAMMAR_FIELDS"]
 
 TOOL_MARKER = "<tool_call>"
@@ -296,6 +297,17 @@ def parse(body: dict[str, Any], *, chat: bool) -> Structured:
     if asked:
         return Structured(asked[0][1], tools, choice, name, parallel, asked[0][0])
     return Structured(None, tools, choice, name, parallel, None)
+
+
+def compile_for(s: Structured, tokenizer: Any, n_vocab: int | None = None) -> G.Constraint | None:
+    """The request's grammar compiled once for the model (None: free text); each choice then takes its own
+    state with ``.start()``. A grammar the engine refuses raises :class:`StructuredError` naming the field."""
+    if s.grammar is None:
+        return None
+    try:
+        return G.Constraint(s.grammar, tokenizer, n_vocab)
+    except G.GrammarError as exc:
+        raise StructuredError(s.source or "grammar", str(exc).removeprefix(f"{s.grammar.describe}: ")) from None
 
 
 def constraint_for(s: Structured, tokenizer: Any, n_vocab: int | None = None) -> G.ConstraintState | None:
