@@ -163,3 +163,31 @@ def test_scheduler_batched_constrained_requests_equal_lone_runs(model, constrain
     for (prompt, constrained, _), out in zip(cases, outs):
         want, _ = plain(model, constraint if constrained else None, prompt)
         assert out == want, (prompt, constrained)
+
+
+def test_generate_cli_json_schema_and_grammar(model, tmp_path, capsys):
+    from plinth.cli import main as plinth_main
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= "answer: " ("yes" | "no") "."\n')
+    path = str(model.path)
+    for extra in ([], ["--spec", "ngram", "--spec-n-max", "4"]):
+        capsys.readouterr()
+        assert plinth_main(["generate", "-m", path, PROMPTS[0].decode(), "-n", "200", "--json-schema", str(schema),
+                            *extra]) == 0
+        out = capsys.readouterr().out[:-1]
+        v = json.loads(out)
+        assert set(v) == {"a", "b", "c"}
+        assert plinth_main(["generate", "-m", path, "Hi", "-n", "50", "--grammar", str(gbnf), "--temperature", "0.8",
+                            "--seed", "2", *extra]) == 0
+        assert capsys.readouterr().out[:-1] in ("answer: yes.", "answer: no.")
+    assert plinth_main(["generate", "-m", path, "Hi", "--json-schema", str(tmp_path / "missing.json")]) != 0
+    assert "missing.json" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "array", "uniqueItems": true}')
+    assert plinth_main(["generate", "-m", path, "Hi", "--json-schema", str(bad)]) != 0
+    assert "uniqueItems" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plinth_main(["generate", "-m", path, "Hi", "--json-schema", str(schema), "--grammar", str(gbnf)])

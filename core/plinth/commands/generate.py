@@ -93,6 +93,9 @@ def register(sub: Any) -> None:
     threads_arg(p)
     cache_type_args(p)
     sampling_args(p)
+    from ..grammar import add_cli_args as grammar_args
+
+    grammar_args(p)
     spec_args(p)
     pipeline_args(p)
     p.set_defaults(func=run_generate, check_args=check_args)
@@ -183,6 +186,10 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         ids = tok.encode(prompt, add_special=True)
     gen = make_generator(args, model)
+    if args.json_schema or args.grammar:
+        from ..grammar import constraint_from_args
+
+        gen.constraint = constraint_from_args(args, tok, model.n_vocab)
     for chunk in gen.stream(ids, max_tokens=args.max_tokens, stop=args.stop):
         sys.stdout.write(chunk)
         sys.stdout.flush()
