@@ -242,9 +242,10 @@ def test_openai_errors(server):
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="tiny", prompt="x" * (N_CTX + 5), max_tokens=2)
-    assert f"{N_CTX + 5} tokens" in e.value.message and f"holds {N_CTX}" in e.value.message
+    assert f"{N_CTX + 5} tokens" in e.value.message and f"maximum context length is {N_CTX} tokens" in e.value.message
+    assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.UnprocessableEntityError):
-        c.completions.create(model="tiny", prompt="x", max_tokens=2, n=2)
+        c.completions.create(model="tiny", prompt="x", max_tokens=2, n=0)
     with pytest.raises(openai.UnprocessableEntityError):
         c.chat.completions.create(model="tiny", messages=[], max_tokens=2)
 

@@ -17,7 +17,7 @@ import sys
 from ._version import PLUGIN_API_VERSION, __version__
 
 #: Modules under plinth.commands, each with ``register(subparsers)``.
-CORE_COMMANDS = ["plugins", "models", "generate", "convert", "serve", "train_drafter"]
+CORE_COMMANDS = ["plugins", "models", "generate", "convert", "serve", "embed", "train_drafter"]
 
 
 def _global_parser(add_help: bool) -> argparse.ArgumentParser:  # noqa: F821

@@ -8,7 +8,7 @@ from typing import Any
 
 from .argtypes import float_range, require, subparser_of
 from .models import MODEL_HELP
-from .options import cache_type_args, check_args, plugin_selection, spec_args
+from .options import cache_type_args, check_args, plugin_selection, spec_args, threads_arg
 
 
 def _int_in(lo: int, hi: int | None = None) -> Any:
@@ -26,7 +26,8 @@ def _int_in(lo: int, hi: int | None = None) -> Any:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with a chat page",
-                       description="Serve MODEL at http://HOST:PORT/: /v1/completions, /v1/chat/completions "
+                       description="Serve MODEL at http://HOST:PORT/: /v1/completions, /v1/chat/completions, /v1/embeddings, "
+                       "/tokenize, /detokenize, /v1/models[/ID] "
                        "(SSE streaming), /v1/models, /health, /metrics (Prometheus) and a chat page at /. "
                        "Concurrent requests decode together in one batch. Needs `pip install 'plinth[serve]'`.")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
@@ -49,6 +50,16 @@ def register(sub: Any) -> None:
     p.add_argument("--prompt-cache-tokens", type=_int_in(0), default=16384, metavar="N",
                    help="prompt tokens the prompt cache keeps over all its prompts (default 16384)")
     p.add_argument("--backend", default="numpy", help="compute backend (numpy or cupy)")
+    p.add_argument("--lenient", action="store_true",
+                   help="log and drop request fields the server does not know (default: a 400 naming the field); a "
+                        "known field the server does not serve is refused either way")
+    p.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="origins a browser page may call the API from (CORS), e.g. http://localhost:3000; '*' for any "
+                        "(default: none, CORS off)")
+    p.add_argument("--pooling", default="model", choices=["model", "mean", "cls", "last"],
+                   help="the pooling of /v1/embeddings: the model file's own (default; mean where it declares none), "
+                        "or mean, cls, last")
+    threads_arg(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
     cache_type_args(p)
@@ -91,7 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..serve.app import build_app
     from ..serve.build import build_server
 
-    server = build_server(args, progress=True)
+    server = build_server(args, progress=True)  # (--threads: set there, and taken by the scheduler thread)
     print(f"plinth serve: {describe(server, args)} on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5)

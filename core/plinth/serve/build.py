@@ -27,6 +27,10 @@ def build_server(args: Any, *, progress: bool = False) -> Any:
     from ..speculative.engine import SpecConfig, drafter_names
     from .scheduler import Scheduler
 
+    if getattr(args, "threads", None) is not None:  # (a Ray Serve replica sets its own)
+        from .. import quant
+
+        quant.set_threads(args.threads)
     names = drafter_names(args.spec, args.registry)
     model = load_model(args.model or hub.DEFAULT_MODEL, backend=args.backend, registry=args.registry,
                        n_ctx=args.n_ctx, progress=progress, cache_type_k=getattr(args, "cache_type_k", "f32"),
@@ -45,5 +49,7 @@ def build_server(args: Any, *, progress: bool = False) -> Any:
     stem = Path(str(model.path)).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem
     aliases = tuple(a for a in (stem, args.model or hub.DEFAULT_MODEL) if a)
+    origins = [o.strip() for o in (getattr(args, "allowed_origins", None) or "").split(",") if o.strip()]
     return Server(model, sched, args.model_alias or stem, aliases=aliases, spec_names=tuple(names),
-                  plugins=tuple(r.name for r in args.registry.loaded))
+                  plugins=tuple(r.name for r in args.registry.loaded), lenient=getattr(args, "lenient", False),
+                  pooling=getattr(args, "pooling", "model"), allowed_origins=origins)
