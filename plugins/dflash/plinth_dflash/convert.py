@@ -506,7 +506,7 @@ class DFlashConverter:
         from plinth.gguf import GGUFFile
 
         from .format import load_hparams, tensor_specs
-        from plinth.tensors import check_tensors
+        from plinth.graph import check_tensors
 
         gf = GGUFFile(out_path)
         hp = load_hparams(dict(gf.metadata), str(out_path), gf.tensors.keys())

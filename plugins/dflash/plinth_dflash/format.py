@@ -22,8 +22,7 @@ import attrs
 import numpy as np
 
 from plinth.errors import UserError
-from plinth.hparams import HParamsError, KeyReader
-from plinth.tensors import TensorSpec, check_tensors, scale_name
+from plinth.graph import HParamsError, KeyReader, TensorSpec, check_tensors, scale_name
 
 from . import constants as C
 

@@ -4,10 +4,12 @@ Two branches, as llama.cpp's dflash decoder has:
 
 * :meth:`DraftGraph.inject` (the embedding branch): raw target features
   ``f = concat(h_tap0, h_tap1, ...)`` -> ``g = RMSNorm_enc(fc . f)`` -> for every layer
-  ``K = RoPE(k_norm(Wk . g))`` at the **target** positions and ``V = Wv . g`` (no norm),
+  ``K = RoPE(k_norm(Wk . g))`` at the **target** positions and ``V = Wv . g`` (through a weightless
+  RMSNorm on Gemma 4 layers; a layer without ``attn_v`` uses its raw K projection as V),
   written into the draft's :class:`plinth.graph.Cache`. One pass over all layers.
 * :meth:`DraftGraph.forward_block` (the token branch): the block ``[anchor, MASK x n]``
-  through the Qwen3-style layers, attending non-causally over cache + block (a
+  through the layers (Qwen3-style, or Gemma 4's with post norms, a layer scale and per-type
+  head sizes and RoPE), attending non-causally over cache + block (a
   sliding-window layer sees keys with ``q_pos - k_pos < W``; a layer is causal only
   when the file says so). The block's own K/V are appended for the attention and then
   rolled back, so they never persist. DFlash2 wraps both sublayers in the block-local
@@ -24,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from plinth import ops
-from plinth.graph import KVCache
+from plinth.graph import Batch, KVCache
 
 from . import constants as C
 from .format import DFlashHParams
@@ -116,15 +118,16 @@ class DraftGraph:
         return self.kv(il, g, self.ropes[il](positions))
 
     def inject(self, cache: KVCache, seq: int, positions: np.ndarray, g: Any) -> None:
-        """Write the context K/V of fused rows g: [n, E] at target ``positions`` into every layer."""
-        try:
+        """Write the context K/V of fused rows g: [n, E] at target ``positions`` into every layer: one cache
+        transaction (all layers' rows land together, or none if a layer raises)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        n = positions.size
+        rows = Batch(tokens=np.zeros(n, dtype=np.int64), positions=positions, seq_ids=np.full(n, seq, dtype=np.int64),
+                     output=np.zeros(n, dtype=bool))
+        with cache.forward(rows):
             for il in range(self.hp.n_layer):
                 k, v = self.context_kv(il, g, positions)
-                cache.update(il, seq, np.asarray(positions, dtype=np.int64), k, v)
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
+                cache.update(il, seq, positions, k, v)
 
     # ------------------------------------------------------------------ token branch
 

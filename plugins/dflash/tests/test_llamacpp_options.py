@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from plinth import ops
-from plinth.hparams import HParamsError
-from plinth.tensors import TensorCheckError
+from plinth import HParamsError, TensorCheckError
 
 E, HD = 64, 16
 

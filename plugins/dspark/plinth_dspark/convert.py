@@ -118,7 +118,7 @@ class SpeculatorsConverter:
         if target:
             md.update(DFlashConverter._from_target(target, md, model_dir))
         write_gguf(out_path, md, tensors)
-        from plinth.backend import NumpyBackend
+        from plinth.graph import NumpyBackend
 
         load_dspark(out_path, NumpyBackend())  # a converted file must load: checked now, not at first use
 

@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 
 from plinth.errors import UserError
-from plinth.tensors import TensorSpec
+from plinth.graph import TensorSpec
 from plinth_dflash import constants as DC
 from plinth_dflash.format import DFlashHParams, DraftFile, load_draft
 

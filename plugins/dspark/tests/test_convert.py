@@ -31,7 +31,7 @@ def deepspec_dir(tmp_path, **cfg_kw):
 
 
 def test_deepspec_flat_config(tmp_path):
-    from plinth.backend import NumpyBackend
+    from plinth.graph import NumpyBackend
     from plinth_dspark.convert import DeepSpecConverter
     from plinth_dspark.format import load_dspark
 
@@ -88,7 +88,7 @@ def speculators_dir(tmp_path, *, draft_vocab=96, sample_from_anchor=None, varian
 
 @pytest.mark.parametrize("draft_vocab", [96, 40])
 def test_speculators_dspark(tmp_path, draft_vocab):
-    from plinth.backend import NumpyBackend
+    from plinth.graph import NumpyBackend
     from plinth_dspark.convert import SpeculatorsConverter
     from plinth_dspark.format import load_dspark
 
@@ -103,7 +103,7 @@ def test_speculators_dspark(tmp_path, draft_vocab):
 
 
 def test_specforge_flat_schema_defaults_to_bonus_anchor(tmp_path):
-    from plinth.backend import NumpyBackend
+    from plinth.graph import NumpyBackend
     from plinth_dspark.convert import SpeculatorsConverter
     from plinth_dspark.format import load_dspark
 
@@ -117,7 +117,7 @@ def test_specforge_flat_schema_defaults_to_bonus_anchor(tmp_path):
 def test_plinth_dflash_reads_speculators_format(tmp_path, variant):
     from plinth_dflash.convert import DFlash2Converter, DFlashConverter
     from plinth_dflash.format import load_draft
-    from plinth.backend import NumpyBackend
+    from plinth.graph import NumpyBackend
 
     d, _ = speculators_dir(tmp_path, variant=variant, sample_from_anchor=False)
     out = tmp_path / f"{variant}.gguf"

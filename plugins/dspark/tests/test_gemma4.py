@@ -56,7 +56,7 @@ def convert(d, out, cls="Gemma4DSparkConverter"):
 
 
 def test_gemma4_dspark_export_converts_and_is_lossless(tmp_path, gemma4_target):
-    from plinth.backend import NumpyBackend
+    from plinth.graph import NumpyBackend
     from plinth.testing.drafters import check_drafter_contract
     from plinth_dspark.drafter import make_dspark
     from plinth_dspark.format import load_dspark
