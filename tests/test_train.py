@@ -152,3 +152,36 @@ def test_training_resumes_and_exports(tiny, tmp_path, objective):
 
     drafter = default_registry().make_drafter(kind, model, {"draft": str(out)})
     assert drafter.requirements().taps
+
+
+def test_shipped_drafter_lookup(tiny, tmp_path, monkeypatch):
+    """--spec dspark without --draft finds the drafter made for the target; --draft NAME finds it by name;
+    without one for the target the error names the option and what is shipped."""
+    from plinth.errors import UserError
+    from plinth.gguf import GGUFFile
+    from plinth.plugins import default_registry
+    from plinth_dspark import drafters
+    from plinth_dspark.testkit import write_tiny_dspark
+
+    _, model = tiny
+    monkeypatch.setattr(drafters, "HERE", tmp_path)
+    reg = default_registry()
+    with pytest.raises(UserError, match="pass --draft FILE.gguf.*shipped: none"):
+        reg.make_drafter("dspark", model, {})
+    name = GGUFFile(model.path).metadata.get("general.name")
+    kw = dict(n_vocab=model.n_vocab, n_embd=model.hparams.n_embd, taps=(1, 3), block_size=4, mask_token=5)
+    write_tiny_dspark(tmp_path / "other.gguf", **kw)  # no target name: never chosen by default
+    with pytest.raises(UserError, match="shipped: other"):
+        reg.make_drafter("dspark", model, {})
+    from plinth.convert import write_gguf
+    from plinth_dflash.testkit import random_draft_tensors, tiny_draft_metadata
+    from plinth_dspark.testkit import dspark_tensors
+
+    md = tiny_draft_metadata("dflash", n_vocab=model.n_vocab, n_embd=model.hparams.n_embd, taps=(1, 3), block_size=4,
+                             mask_token=5)
+    md[drafters.KEY_TARGET] = name
+    tensors = random_draft_tensors(md, "dflash") | dspark_tensors(model.n_vocab, model.hparams.n_embd)
+    write_gguf(tmp_path / "mine.gguf", md, tensors)
+    assert str(reg.make_drafter("dspark", model, {}).draft_file.path) == str(tmp_path / "mine.gguf")
+    assert str(reg.make_drafter("dspark", model, {"draft": "other"}).draft_file.path) == str(tmp_path / "other.gguf")
+    assert str(reg.make_drafter("dspark", model, {"draft": "other.gguf"}).draft_file.path).endswith("other.gguf")

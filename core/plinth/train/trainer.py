@@ -252,6 +252,7 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
                     "d2t": d2t, "config": attrs.asdict(cfg)}, ckdir / "state.tmp")
         os.replace(ckdir / "state.tmp", state_path)
         meta = recipe_metadata(opt, step, tokens, positions, history, time.time() - t_start)
+        meta["plinth.train.target_name"] = str(model.metadata.get("general.name", Path(opt.target).stem))
         export_gguf(net, cfg, out, meta, quant=opt.quant)
         export_gguf(net, cfg, ckdir / f"draft-{tokens // 1000:07d}k.gguf", meta, quant=opt.quant)  # for curves
 
