@@ -148,18 +148,19 @@ def gguf_metadata(cfg: Mapping[str, Any], source: str = "config.json") -> dict[s
         f"{a}.rope.freq_base_swa": float(lay["rope"][S]["rope_theta"]) if S in lay["rope"] else 10000.0,
         f"{a}.vocab_size": lay["n_vocab"],
     }
-    if "sparse" in lay["mlp"]:
-        md.update({f"{a}.expert_count": int(cfg.get("n_routed_experts", 256)),
-                   f"{a}.expert_used_count": int(cfg.get("num_experts_per_tok", 8)),
-                   f"{a}.expert_feed_forward_length": int(cfg.get("moe_intermediate_size", 2048)),
-                   f"{a}.expert_gating_func": GATING_SIGMOID,
-                   f"{a}.expert_group_count": n_group,
-                   f"{a}.expert_group_used_count": int(cfg.get("topk_group") or n_group)})
-        scale = cfg.get("routed_scaling_factor")
-        if scale not in (None, 1.0):
-            md[f"{a}.expert_weights_scale"] = float(scale)
-        if not cfg.get("norm_topk_prob", True):
-            md[f"{a}.expert_weights_norm"] = False
+    # the expert keys, on an all-dense model too (as llama.cpp's converter writes them)
+    md.update({f"{a}.expert_count": int(cfg.get("n_routed_experts", 256)),
+               f"{a}.expert_used_count": int(cfg.get("num_experts_per_tok", 8)),
+               f"{a}.expert_feed_forward_length": int(cfg.get("moe_intermediate_size", 2048)),
+               f"{a}.expert_gating_func": GATING_SIGMOID,
+               f"{a}.expert_group_count": n_group,
+               f"{a}.expert_group_used_count": int(cfg.get("topk_group") or n_group)})
+    # transformers applies these; llama.cpp's converter does not write them (the release: 1.0 and true)
+    scale = cfg.get("routed_scaling_factor")
+    if scale not in (None, 1.0):
+        md[f"{a}.expert_weights_scale"] = float(scale)
+    if not cfg.get("norm_topk_prob", True):
+        md[f"{a}.expert_weights_norm"] = False
     return md
 
 

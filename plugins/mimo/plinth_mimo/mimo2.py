@@ -308,7 +308,7 @@ class MiMo2(Architecture):
             if s.required or s.name == "output.weight":
                 return True
             il = int(s.name.split(".")[1])
-            moe = hp.n_expert > 0 and (il > 0 or not hp.n_ff)
+            moe = hp.n_expert > 0 and (il > 0 or not hp.n_ff)  # (the release: layer 0 dense)
             if s.name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")):
                 return True
             if s.name.endswith("attn_sinks.weight"):
