@@ -25,6 +25,8 @@ from ..kvtypes import decode_row
 from ..quant.jitcache import f32_at, u8_at
 
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
+#: float16 bits -> float32 (the kernels' scales and f16 rows)
+_F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 @njit(cache=True, nogil=True)
@@ -36,9 +38,55 @@ def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
     return g, table[g, 0] + j
 
 
+@njit(cache=True, fastmath=_FLAGS, nogil=True, inline="always")
+def _half(src: np.ndarray, at: int, f16: np.ndarray) -> np.float32:
+    return f16[np.int64(src[at]) | (np.int64(src[at + 1]) << 8)]
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, inline="always")
+def _unpack(src: np.ndarray, at: int, code: int, n: int, f16: np.ndarray, buf: np.ndarray) -> None:
+    """buf[:n] = the row of type ``code`` at ``src[at:]`` as float32 (gguf-py's dequantization: q8_0 and
+    f16 in vector loops here, the other types by :func:`plinth.kvtypes.decode_row`)."""
+    if code == 3:
+        for b in range(n // 32):
+            o = at + b * 34
+            d = _half(src, o, f16)
+            for i in range(32):
+                buf[b * 32 + i] = d * np.float32(np.int8(src[o + 2 + i]))
+    elif code == 1:
+        for i in range(n):
+            buf[i] = _half(src, at + 2 * i, f16)
+    else:
+        decode_row(src[at:], code, buf[:n])
+
+
+#: keys scored together: each key's row is unpacked into one column of a [hd, KB] block, and the queries'
+#: products run along the block (no horizontal sum a key). A key's score is the same chain over its
+#: column wherever the block ends (the columns past the last key are left over and never read).
+KB = 16
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, inline="always")
+def _add_value(src: np.ndarray, at: int, code: int, p: np.ndarray, jj: int, n_q: int, hd_v: int, f16: np.ndarray,
+               vbuf: np.ndarray, o: np.ndarray) -> None:
+    """o[qi] += p[qi, jj] * value row (of ``code`` at ``src[at:]``) for the queries whose weight is not 0."""
+    live = False
+    for qi in range(n_q):
+        if p[qi, jj] != 0:
+            live = True
+    if not live:
+        return
+    _unpack(src, at, code, hd_v, f16, vbuf)
+    for qi in range(n_q):
+        pj = p[qi, jj]
+        if pj != 0:
+            for d in range(hd_v):
+                o[qi, d] += pj * vbuf[d]
+
+
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
 def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: int, vcode: int,
-          kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32) -> None:
+          kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32, f16: np.ndarray) -> None:
     n_head, hd = q.shape[1], q.shape[2]
     hd_v = out.shape[2]
     per_kv = n_head // n_head_kv
@@ -58,26 +106,40 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: 
             n -= 1
     kb = carray(u8_at(table[g, 3]), (n * n_head_kv * kbytes,))
     vb = carray(u8_at(table[g, 4]), (n * n_head_kv * vbytes,))
+    qv = np.empty((n_q, hd), dtype=np.float32)
+    for qi in range(n_q):
+        for d in range(hd):
+            qv[qi, d] = q[r, h0 + qi, d]
     s = np.empty((n_q, n), dtype=np.float32)
     kbuf = np.empty(hd, dtype=np.float32)
     vbuf = np.empty(hd_v, dtype=np.float32)
     o = np.zeros((n_q, hd_v), dtype=np.float32)
     mx = np.full(n_q, -np.inf, dtype=np.float32)
-    for jj in range(n):
-        at = (jj * n_head_kv + hk) * kbytes
-        decode_row(kb[at:at + kbytes], kcode, kbuf)
-        for qi in range(n_q):
-            a = np.float32(0.0)
+    kt = np.zeros((hd, KB), dtype=np.float32)
+    acc = np.empty(KB, dtype=np.float32)
+    for j0 in range(0, n, KB):
+        nk = min(KB, n - j0)
+        for kk in range(nk):
+            _unpack(kb, ((j0 + kk) * n_head_kv + hk) * kbytes, kcode, hd, f16, kbuf)
             for d in range(hd):
-                a += q[r, h0 + qi, d] * kbuf[d]
-            a = a * sc
-            if cap > 0:
-                a = np.float32(math.tanh(a / cap)) * cap
-            if has_bias:
-                a += bias[jj]
-            s[qi, jj] = a
-            if a > mx[qi]:
-                mx[qi] = a
+                kt[d, kk] = kbuf[d]
+        for qi in range(n_q):
+            for kk in range(KB):
+                acc[kk] = np.float32(0.0)
+            for d in range(hd):
+                qd = qv[qi, d]
+                for kk in range(KB):
+                    acc[kk] += qd * kt[d, kk]
+            for kk in range(nk):
+                jj = j0 + kk
+                a = acc[kk] * sc
+                if cap > 0:
+                    a = np.float32(math.tanh(a / cap)) * cap
+                if has_bias:
+                    a += bias[jj]
+                s[qi, jj] = a
+                if a > mx[qi]:
+                    mx[qi] = a
     for qi in range(n_q):
         if mx[qi] == -np.inf:  # sees no key: zeros
             continue
@@ -87,22 +149,12 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: 
             s[qi, jj] = p
             den += p
         mx[qi] = np.float32(1.0) / den
+    for qi in range(n_q):
+        if mx[qi] == -np.inf:
+            for jj in range(n):
+                s[qi, jj] = np.float32(0.0)
     for jj in range(n):
-        live = False
-        for qi in range(n_q):
-            if mx[qi] != -np.inf and s[qi, jj] != 0:
-                live = True
-        if not live:
-            continue
-        at = (jj * n_head_kv + hk) * vbytes
-        decode_row(vb[at:at + vbytes], vcode, vbuf)
-        for qi in range(n_q):
-            if mx[qi] == -np.inf:
-                continue
-            p = s[qi, jj]
-            if p != 0:
-                for d in range(hd_v):
-                    o[qi, d] += p * vbuf[d]
+        _add_value(vb, (jj * n_head_kv + hk) * vbytes, vcode, s, jj, n_q, hd_v, f16, vbuf, o)
     for qi in range(n_q):
         inv = mx[qi]
         for d in range(hd_v):
@@ -111,7 +163,8 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: 
 
 @njit(cache=True, parallel=True, nogil=True)
 def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: int, vcode: int, kbytes: int,
-                      vbytes: int, scale: float, soft_cap: float, out: np.ndarray, n_threads: int) -> None:
+                      vbytes: int, scale: float, soft_cap: float, out: np.ndarray, n_threads: int,
+                      f16: np.ndarray) -> None:
     """The parallel region of :func:`attention_rows_q`: ``table`` int64 [n_groups, 6] as
     :func:`plinth.ops.attention_rows` takes it, its K / V addresses those of uint8 buffers of
     ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` / ``vcode``."""
@@ -127,7 +180,7 @@ def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: i
     n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
     sc, cap = np.float32(scale), np.float32(soft_cap)
     for t in prange(n_tasks):
-        _task(t, q, out, table, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap)
+        _task(t, q, out, table, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap, f16)
 
 
 def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcodec, vcodec, scale: float,
@@ -149,7 +202,7 @@ def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     if not (isinstance(table, np.ndarray) and table.dtype == np.int64 and table.flags.c_contiguous):
         table = np.ascontiguousarray(table, dtype=np.int64)
     attention_table_q(qr, table, n_head_kv, kt.code, vt.code, kt.row_bytes(hd), vt.row_bytes(hd_v), float(scale),
-                      float(soft_cap or 0.0), out, _threads())
+                      float(soft_cap or 0.0), out, _threads(), _F16)
     return rotate(out, vcodec.rot) if vcodec is not None and vcodec.rot else out
 
 
