@@ -443,25 +443,30 @@ class SharedKV(CacheKind):
 class CompressedKV(CacheKind):
     """Compressed KV blocks at ``ratio`` beside a raw sliding window (DeepSeek V4 CSA / HCA).
 
-    Per sequence it keeps ``raw`` rows ``[n, dim]`` of at least the last ``window``
-    positions (and the positions of the block being filled), and one ``block`` row
-    ``[dim_c]`` per complete block of ``ratio`` positions (its position is the block's
-    first). The architecture writes raw rows with :meth:`append_raw` and, when a block
-    is complete (:meth:`complete_blocks`), its compressed row with :meth:`append_block`.
+    Per sequence it keeps ``raw`` rows ``[n, dim]`` and one ``block`` row ``[dim_c]`` per
+    complete block of ``ratio`` positions (its position is the block's first). The raw rows are
+    what the architecture needs of recent positions: the last ``window`` positions (a sliding
+    window attends to them) and the rows of the block being filled (its compressor's input; with
+    ``overlap``, the block before it too, as an entry pools two consecutive blocks). Older raw rows
+    are trimmed at commit, ``keep`` spare ones aside for rollback. ``ratio`` 0 keeps a raw window
+    only (no blocks). The architecture writes raw rows with :meth:`append_raw` and, when a block is
+    complete (:meth:`complete_blocks`), its compressed row with :meth:`append_block`.
 
-    Rollback: a cut at position ``p`` works when no compressed block straddles ``p`` and
-    the raw rows that the window at ``p`` needs are still held (``keep`` extra raw rows
-    beyond the window are retained for that); otherwise :meth:`can_cut` is False and the
-    engine restores a snapshot (which copies this kind's rows) and replays.
+    Rollback: a cut at position ``p`` works when no compressed block straddles ``p`` and the raw
+    rows that position ``p`` needs are still held; otherwise :meth:`can_cut` is False and the engine
+    restores a snapshot (a copy of the raw rows and the count of blocks: blocks are only appended)
+    and replays. :meth:`contents` is what decides the next forward (the blocks and the raw rows
+    still needed), not the spare rows.
     """
 
     kind = "compressed"
     rollback = "block"
 
-    def __init__(self, ratio: int, window: int, keep: int = 32) -> None:
-        if ratio < 1 or window < 0 or keep < 0:
-            raise ValueError(f"CompressedKV needs ratio >= 1, window >= 0, keep >= 0 (got {ratio}, {window}, {keep})")
-        self.ratio, self.window, self.keep = int(ratio), int(window), int(keep)
+    def __init__(self, ratio: int, window: int, keep: int = 32, overlap: bool = False) -> None:
+        if ratio < 0 or window < 0 or keep < 0 or (overlap and ratio < 1):
+            raise ValueError(f"CompressedKV needs ratio >= 0, window >= 0, keep >= 0 and a ratio for overlap "
+                             f"(got {ratio}, {window}, {keep}, {overlap})")
+        self.ratio, self.window, self.keep, self.overlap = int(ratio), int(window), int(keep), bool(overlap)
 
     def bind(self, xp: Any, layer: int, cache: "Cache") -> None:
         super().bind(xp, layer, cache)
@@ -477,7 +482,26 @@ class CompressedKV(CacheKind):
         return self.raw.holds(seq) or self.blocks.holds(seq)
 
     def contents(self, seq: int) -> tuple[Any, ...]:
-        return self.blocks.contents(seq) + self.raw.contents(seq)
+        """The blocks, their positions, and the raw rows the next position needs with theirs."""
+        blocks = self.blocks.contents(seq)
+        raw, pos = (self.raw.contents(seq) or (None, np.zeros(0, np.int64)))
+        if pos.size:
+            live = pos >= self._needed_from(seq, int(pos.max()) + 1)
+            raw, pos = raw[live], pos[live]
+        return blocks + ((raw, pos) if raw is not None else ())
+
+    def _filling(self, seq: int) -> int:
+        """Start position of the first block not compressed yet."""
+        bpos = self.blocks.positions(seq)
+        return int(bpos[-1]) + self.ratio if bpos.size else (self._from.get(seq, 0) // max(self.ratio, 1)) * self.ratio
+
+    def _needed_from(self, seq: int, p: int, filling: int | None = None) -> int:
+        """The first raw position a sequence standing at position ``p`` needs."""
+        lo = p - self.window
+        if self.ratio:
+            f = (p // self.ratio) * self.ratio if filling is None else filling
+            lo = min(lo, f - self.ratio * self.overlap)
+        return max(self._from.get(seq, 0), lo)
 
     def append_raw(self, seq: int, positions: np.ndarray, rows: Any) -> tuple[Any, np.ndarray]:
         """Add raw rows [n, dim] at consecutive ``positions``; returns the raw rows held (views) and positions."""
@@ -487,12 +511,10 @@ class CompressedKV(CacheKind):
     def complete_blocks(self, seq: int) -> list[int]:
         """Start positions of the blocks whose raw rows are all written but that are not compressed yet."""
         raw_pos = self.raw.positions(seq)
-        if raw_pos.size == 0:
+        if raw_pos.size == 0 or not self.ratio:
             return []
-        blk_pos = self.blocks.positions(seq)
-        first = int(blk_pos[-1]) + self.ratio if blk_pos.size else (self._from.get(seq, 0) // self.ratio) * self.ratio
         end = int(raw_pos.max()) + 1
-        return list(range(first, end - self.ratio + 1, self.ratio))
+        return list(range(self._filling(seq), end - self.ratio + 1, self.ratio))
 
     def raw_block(self, seq: int, start: int) -> Any:
         """The raw rows [ratio, dim] of the block starting at ``start``."""
@@ -504,7 +526,11 @@ class CompressedKV(CacheKind):
 
     def append_block(self, seq: int, start: int, row: Any) -> None:
         """Store the compressed row [dim_c] of the block starting at ``start``."""
-        self.blocks.append(seq, np.array([start], np.int64), row[None])
+        self.append_blocks(seq, np.array([start], np.int64), row[None])
+
+    def append_blocks(self, seq: int, starts: np.ndarray, rows: Any) -> None:
+        """Store the compressed rows [n, dim_c] of the blocks starting at ``starts`` (in order)."""
+        self.blocks.append(seq, np.asarray(starts, np.int64), rows)
 
     def get(self, seq: int) -> tuple[Any, np.ndarray, Any, np.ndarray]:
         """(blocks [n_blocks, dim_c], their start positions, raw rows [n_raw, dim], their positions)."""
@@ -515,14 +541,11 @@ class CompressedKV(CacheKind):
     def commit(self) -> None:
         self.raw.commit()
         self.blocks.commit()
-        for seq in list(self.raw._len):  # drop raw rows neither the window nor a rollback can need
+        for seq in list(self.raw._len):  # drop raw rows neither the next position nor a rollback can need
             pos = self.raw.positions(seq)
             if pos.size == 0:
                 continue
-            end = int(pos.max()) + 1
-            bpos = self.blocks.positions(seq)
-            filling = int(bpos[-1]) + self.ratio if bpos.size else 0
-            lo = min(end - self.window - self.keep, filling - self.keep)
+            lo = self._needed_from(seq, int(pos.max()) + 1, self._filling(seq)) - self.keep
             if int(pos[0]) < lo:
                 self.raw.seq_rm(seq, 0, lo)
 
@@ -535,8 +558,26 @@ class CompressedKV(CacheKind):
         if bpos.size and ((bpos < p) & (bpos + self.ratio > p)).any():
             return False  # a compressed block holds positions on both sides of p
         rpos = self.raw.positions(seq)
-        need = max(self._from.get(seq, 0), min(p - self.window, (p // self.ratio) * self.ratio))
+        need = self._needed_from(seq, p)
         return not rpos.size or int(rpos[0]) <= need or int(rpos.max()) < need
+
+    def can_cut_after(self, seq: int, start: int, end: int) -> bool:
+        """Whether, once rows ``start..end-1`` are written and committed, a cut at every ``p`` in
+        ``start+1..end-1`` will work (no block completed by them straddles ``p``, and the raw rows
+        ``p`` needs survive the trimming)."""
+        r = self.ratio
+        rpos = self.raw.positions(seq)
+        first = int(rpos[0]) if rpos.size else start
+        filling = (end // r) * r if r else end
+        held = max(first, self._needed_from(seq, end, filling) - self.keep)
+        for p in range(start + 1, end):
+            if r:
+                b = (p // r) * r
+                if b < p and b + r <= end:  # the block around p is completed by this batch
+                    return False
+            if self._needed_from(seq, p) < held:
+                return False
+        return True
 
     def seq_rm(self, seq: int, p0: int, p1: int | None) -> None:
         if p1 is not None:
@@ -560,25 +601,22 @@ class CompressedKV(CacheKind):
             self._from[dst] = self._from[src]
 
     def snapshot(self, seq: int) -> Any:
-        # the raw window is trimmed at commit, so a snapshot copies what it holds
+        # the raw rows are trimmed at commit, so a snapshot copies them; blocks are only appended (their count)
         raw, rpos = self.raw.get(seq)
-        blocks, bpos = self.blocks.get(seq)
-        return (None if raw is None else raw.copy(), rpos.copy(), None if blocks is None else blocks.copy(),
-                bpos.copy(), self._from.get(seq))
+        return (None if raw is None else raw.copy(), rpos.copy(), self.blocks.snapshot(seq), self._from.get(seq))
 
     def restore(self, seq: int, snap: Any) -> None:
-        raw, rpos, blocks, bpos, start = snap
-        self.clear(seq)
+        raw, rpos, n_blocks, start = snap
+        self.raw.clear(seq)
+        self.blocks._pending.pop(seq, None)
+        self.blocks.restore(seq, n_blocks)
+        self._from.pop(seq, None)
         if start is None:
             return
         self._from[seq] = start
         if len(rpos):
             self.raw.append(seq, rpos, raw)
-        if len(bpos):
-            self.blocks.append(seq, bpos, blocks)
-        for part in (self.raw, self.blocks):
-            if seq in part._pending:
-                part._len[seq] = part._pending.pop(seq)
+            self.raw._len[seq] = self.raw._pending.pop(seq)
 
     def clear(self, seq: int | None = None) -> None:
         self.raw.clear(seq)
