@@ -204,11 +204,16 @@ def test_greedy_under_a_mask_takes_the_best_allowed_token_both_ways(tok):
 
 def test_sampling_under_a_mask_is_the_renormalised_distribution(tok):
     rng = np.random.default_rng(2)
-    s = G.Constraint(G.json_schema(SCHEMA), tok).start()
+    inside = G.Constraint(G.json_schema(SCHEMA), tok).start()  # inside a string: most tokens allowed
     for t in byte_ids('{"name":"A'):
-        s.advance(t)
+        inside.advance(t)
+    after = G.Constraint(G.json_schema(SCHEMA), tok).start()  # after a number: a few allowed (the subset path)
+    for t in byte_ids('{"name":"A","age":1'):
+        after.advance(t)
+    assert after.mask().sum() < 20 < inside.mask().sum()
     lg = rng.standard_normal(tok.n_vocab).astype(np.float32)
-    for cfg in (SamplerConfig(temperature=0.8), SamplerConfig(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01)):
+    for s, cfg in ((s, cfg) for s in (inside, after) for cfg in (
+            SamplerConfig(temperature=0.8), SamplerConfig(temperature=1.3, top_k=40, top_p=0.9, min_p=0.01))):
         p = Sampler(cfg).probs(lg, None, s)
         m = s.mask()
         assert p[~m].sum() == 0.0 and abs(p.sum() - 1) < 1e-12

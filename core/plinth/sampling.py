@@ -16,7 +16,9 @@ after the truncation samplers)::
 * grammar mask: a token the request's grammar forbids gets ``-inf`` (a
   :class:`plinth.grammar.ConstraintState` or a bool mask passed as ``constraint``);
   greedy decoding checks the unmasked argmax first and builds the whole mask only
-  when the grammar refuses it (the same token either way).
+  when the grammar refuses it (the same token either way). Where fewer than a
+  quarter of the tokens are allowed, the filters run over the allowed ones alone
+  (the same distribution, at a fraction of the cost).
 * frequency / presence penalties (OpenAI's definitions): with ``c[j]`` the number
   of times token ``j`` was sampled so far in this generation (the prompt does not
   count: ``history[n_prompt:]``), ``logit[j] -= c[j] * frequency_penalty +
@@ -212,14 +214,29 @@ class Sampler:
         """Kept token ids and their (penalised, temperature-1) logits; an int for greedy."""
         cfg = self.config
         x = self._logits(logits, history)
+        base = None  # the allowed ids, where the candidates are a subset of the vocabulary
         if constraint is not None:
             if cfg.greedy and not isinstance(constraint, np.ndarray):
                 t = int(np.argmax(x))  # the unmasked choice stands when the grammar allows it
                 if constraint.allows(t):
                     return t
-            x = _masked(x, constraint)
+            m = _mask_of(x, constraint)
+            if 4 * int(np.count_nonzero(m)) < m.shape[0]:  # few allowed: work on them alone
+                base = np.flatnonzero(m)
+                x = x[base]
+            else:
+                x = np.where(m, x, -np.inf).astype(x.dtype, copy=False)
         if cfg.greedy:
-            return int(np.argmax(x))
+            j = int(np.argmax(x))  # (the first of equal maxima, over the subset as over the whole)
+            return j if base is None else int(base[j])
+        ids, vals = self._filtered(x)
+        if base is not None:
+            ids = base if ids is None else base[ids]
+        return ids, vals
+
+    def _filtered(self, x: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """top-k, top-p and min-p over the logits ``x``: the kept indices (None: all) and their float64 logits."""
+        cfg = self.config
         n = x.shape[0]
         if 0 < cfg.top_k < n:
             ids = np.argpartition(x, n - cfg.top_k)[n - cfg.top_k:]
@@ -305,14 +322,14 @@ class Sampler:
         return self.token(logits, history, constraint)
 
 
-def _masked(x: np.ndarray, constraint: Any) -> np.ndarray:
-    """``x`` with ``-inf`` where the constraint (a state with ``mask()`` or a bool array) forbids."""
+def _mask_of(x: np.ndarray, constraint: Any) -> np.ndarray:
+    """The bool mask of allowed tokens of a constraint (a state with ``mask()`` or a bool array), checked."""
     m = constraint if isinstance(constraint, np.ndarray) else constraint.mask()
     if m.shape[0] != x.shape[0]:
         raise ValueError(f"the grammar mask covers {m.shape[0]} tokens, the logits {x.shape[0]}")
     if not m.any():
         raise ValueError("the grammar allows no token here")
-    return np.where(m, x, -np.inf).astype(x.dtype, copy=False)
+    return m
 
 
 def _top_p(vals: np.ndarray, ids: np.ndarray, m: float, top_p: float) -> tuple[np.ndarray, np.ndarray]:
