@@ -49,8 +49,9 @@ class Context:
                  cache_types: Any = None) -> None:
         n_layer = model.hparams.n_layer
         self.taps = tuple(sorted(set(int(t) for t in taps)))
+        extra = set(getattr(model.graph, "extra_taps", ()))  # taps a graph defines beyond its layers
         for t in self.taps:
-            if not 0 <= t <= n_layer:
+            if not 0 <= t <= n_layer and t not in extra:
                 raise ValueError(f"feature tap {t} out of range: layers are 0..{n_layer} (n_layer = {n_layer})")
         self.model = model
         self.pooling = pooling

@@ -165,7 +165,8 @@ def check_compatible(target: Any, drafter: Any) -> DrafterRequirements:
     req = requirements_of(drafter)
     name = getattr(drafter, "name", type(drafter).__name__)
     n_layer = int(target.hparams.n_layer)
-    bad = [t for t in req.taps if not 0 <= int(t) <= n_layer]
+    extra = set(getattr(getattr(target, "graph", None), "extra_taps", ()))  # taps the graph defines beyond its layers
+    bad = [t for t in req.taps if not 0 <= int(t) <= n_layer and int(t) not in extra]
     if bad:
         raise UserError(f"drafter {name!r} asks for target layer taps {bad}, but the target "
                         f"({target.arch}) has layers 0..{n_layer} (n_layer = {n_layer})")

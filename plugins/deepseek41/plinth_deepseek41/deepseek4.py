@@ -2,24 +2,25 @@
 
 The model card, top to bottom:
 
-* **Residual = hc streams.** The embedding is repeated ``hc`` times into X: [n, hc, E]. Each
-  sublayer (attention, then MoE) is wrapped by a manifold-constrained hyper-connection (mHC):
-  from the flattened, RMS-normed streams a learned ``fn`` gives ``pre`` (collapse weights),
-  ``post`` (expand weights) and ``comb`` (an hc×hc mix made doubly stochastic by Sinkhorn);
-  the sublayer reads ``Σ pre·X`` and writes ``X' = post·y + combᵀ·X``. A learned hc head
-  collapses the streams before ``output_norm`` and ``output``.
+* **Residual = hc streams.** The embedding is repeated ``hc`` times into X: [n, hc, E]
+  (:meth:`DeepSeek4Graph.embed`). Each sublayer (attention, then MoE) is wrapped by a
+  manifold-constrained hyper-connection (mHC): from the flattened, RMS-normed streams a learned
+  ``fn`` gives ``pre`` (collapse weights), ``post`` (expand weights) and ``comb`` (an hc×hc mix
+  made doubly stochastic by Sinkhorn); the sublayer reads ``Σ pre·X`` and writes
+  ``X' = post·y + combᵀ·X``. A learned hc head collapses the streams before ``output_norm`` and
+  ``output`` (:meth:`DeepSeek4Graph.final_norm`).
 * **Attention = MQA over one latent head** of width d (K = V): low-rank q with its norm, a
   weightless per-head q norm, RoPE on the trailing ``n_rot`` dims (interleaved pairs), per-head
   sinks, a raw sliding window of ``n_swa`` keys, the output de-roped at the query position and
   projected by a grouped low-rank ``Wo_a`` (``o_groups`` blocks) then ``Wo_b``.
-  Per layer, ``compress_ratios[il]`` adds a compressed stream:
+  Per layer, ``compress_ratios[il]`` picks its attention type (:meth:`DeepSeek4Params.attention_type`):
 
-  - 0: window only (main RoPE base, no YaRN);
-  - the CSA ratio (4): overlapping blocks (entry j pools block j-1's first-half channels and
-    block j's second-half channels, softmax per channel over 2r rows, block -1 padded with
+  - 0, "window": the window only (main RoPE base, no YaRN);
+  - the CSA ratio (4), "csa": overlapping blocks (entry j pools block j-1's first-half channels
+    and block j's second-half channels, softmax per channel over 2r rows, block -1 padded with
     -inf scores), and a Lightning indexer (its own compressor, queries from the q latent,
     ``Σ_h w_h ReLU(q_h·k)``) keeps the top ``indexer.top_k`` visible entries per query;
-  - the HCA ratio (128): one entry per block of r rows, all visible entries attended.
+  - the HCA ratio (128), "hca": one entry per block of r rows, all visible entries attended.
 
   Entries are RMS-normed and roped at their block's first position (compress RoPE base with
   YaRN); a query at t sees entries j < (t + 1) // r.
@@ -27,31 +28,48 @@ The model card, top to bottom:
   (``exp_probs_b``), the first ``hash_layer_count`` layers take their experts from the token
   (``ffn_gate_tid2eid[token]``); weights = chosen scores, normalised, × ``expert_weights_scale``;
   SwiGLU experts with ``min(gate, c)`` and ``clip(up, -c, c)``; plus a clamped shared expert.
+* **Feature taps** (what drafters read): tap k is the hc-mean of the streams entering layer k,
+  [n, E] (tap n_layer: the streams before the hc head); tap ``n_layer + 1`` (:attr:`DeepSeek4Graph.wide_tap`)
+  is the whole final streams [n, hc·E], which the MTP block reads.
 
-Cache (``cache_layout``): every layer keeps a :class:`KV` of its raw keys (K-only, since K = V);
-a compressed layer also a :class:`Recurrent` holding its compressed entries, indexer keys and
-the rows of blocks not complete yet, so the cache plans rollback as snapshot + replay.
-:class:`LayerCache` is the one place that reads and writes them.
-Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
+Cache (``cache_layout``), all :class:`~plinth.graph.CompressedKV` kinds trimmed to what the next
+position needs: every layer keeps its raw keys for the window (:class:`WindowKeys`, K-only since
+K = V); a compressed layer also its stream (:class:`CompressedStream`: one entry per block, the raw
+compressor rows of the block being filled, and on CSA the block before) and on CSA layers the
+indexer's (:class:`IndexerStream`). Rollback is a cut where no entry straddles the position, else
+snapshot + replay. Weights are used in GGUF layout (a linear weight is ``[n_out, n_in]``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, run_layers
 from plinth.errors import UserError
-from plinth.graph import KV, LMHead, Recurrent, TargetView
-from plinth.hparams import HParamsError, KeyReader, PerLayer
-from plinth.tensors import TensorSpec
+from plinth.graph import (
+    Architecture,
+    BaseGraph,
+    Batch,
+    Cache,
+    CompressedKV,
+    ForwardOutput,
+    HParamsError,
+    KeyReader,
+    PerLayer,
+    Step,
+    TensorSpec,
+    embed_rows,
+)
 
 ARCH = "deepseek4"
 GATING_SQRT_SOFTPLUS = 4  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
 WINDOW, CSA, HCA = "window", "csa", "hca"
+#: spare raw rows each cache kind holds beyond what the next position needs, so that a verify batch of up to
+#: this many rows is undone by a cut
+ROLLBACK_ROWS = 16
 
 
 # ============================================================================ hparams
@@ -102,10 +120,11 @@ class DeepSeek4Params:
     # norm and the block's own hc head as output_hc_*; no trunk. It serves as the ``mtp`` drafter's head
     mtp_only: bool = False
 
-    def kind(self, il: int) -> str:
+    def attention_type(self, il: int) -> str:
         """The attention of layer ``il``: "window", "csa" or "hca" (MTP layers follow the main ones)."""
         if not isinstance(il, (int, np.integer)) or not 0 <= il < self.n_layer + self.n_nextn:
-            raise IndexError(f"kind({il}): layer out of range (n_layer = {self.n_layer}, nextn = {self.n_nextn})")
+            raise IndexError(f"attention_type({il}): layer out of range (n_layer = {self.n_layer}, "
+                             f"nextn = {self.n_nextn})")
         r = self.compress_ratios[int(il)]
         return WINDOW if r == 0 else CSA if r == self.csa_ratio else HCA
 
@@ -295,16 +314,16 @@ def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
             TensorSpec(b + "attn_output_a.weight", (hp.o_groups * hp.o_lora_rank, hd_all // hp.o_groups)),
             TensorSpec(b + "attn_output_b.weight", (e, hp.o_groups * hp.o_lora_rank)),
         ]
-        kind = hp.kind(il)
-        if kind != WINDOW:
-            coff = 2 if kind == CSA else 1
+        atype = hp.attention_type(il)
+        if atype != WINDOW:
+            coff = 2 if atype == CSA else 1
             block += [
                 TensorSpec(b + "attn_compressor_kv.weight", (coff * d, e)),
                 TensorSpec(b + "attn_compressor_gate.weight", (coff * d, e)),
                 TensorSpec(b + "attn_compressor_ape.weight", (hp.ratio(il), coff * d)),
                 TensorSpec(b + "attn_compressor_norm.weight", (d,)),
             ]
-        if kind == CSA:
+        if atype == CSA:
             di = hp.idx_head_dim
             block += [
                 TensorSpec(b + "indexer.proj.weight", (hp.n_idx_head, e)),
@@ -392,63 +411,32 @@ def hc_expand(X: Any, y: Any, mix: HcMix) -> Any:
     return mix.post[:, :, None] * y[:, None, :] + xp.matmul(mix.comb.transpose(0, 2, 1), X)
 
 
-# ============================================================================ per-layer cache
+# ============================================================================ cache kinds
 
 
-class CompressedStreams(Recurrent):
-    """The compressed streams of one layer (a :class:`Recurrent`: rolled back by snapshot + replay).
+class WindowKeys(CompressedKV):
+    """A layer's raw keys [n, d] (K = V) for the sliding window: the last ``n_swa`` positions."""
 
-    Its own class so that other recurrent kinds on the same layer (deepseek41's Engram token
-    history) are never mistaken for it."""
+    kind = "window"
 
-@attrs.frozen
-class Stream:
-    """One compressed stream of one (layer, sequence).
-
-    entries: [n_entries, width] — compressed rows (normed, roped), entry j covers positions
-        j·r .. j·r + r - 1;
-    rows_kv, rows_score: [n_rows, coff·width] — projected rows not folded into an entry for good
-        yet: the block being filled, and for an overlapping (CSA) stream the last complete
-        block too (its first-half channels feed the next entry). Scores include the ape bias.
-    """
-
-    entries: Any
-    rows_kv: Any
-    rows_score: Any
-
-    @classmethod
-    def empty(cls, width: int, coff: int, xp: Any) -> "Stream":
-        z = xp.zeros((0, coff * width), dtype=np.float32)
-        return cls(entries=xp.zeros((0, width), dtype=np.float32), rows_kv=z, rows_score=z.copy())
+    def __init__(self, window: int) -> None:
+        super().__init__(0, window, keep=ROLLBACK_ROWS)
 
 
-class LayerCache:
-    """The one place that reads and writes what a deepseek4 layer keeps of a sequence.
+class CompressedStream(CompressedKV):
+    """A compressed layer's entries [n_e, d] and the raw compressor rows [n, 2·coff·d] (kv | score) of
+    the block being filled (on CSA also the block before: entries overlap two blocks)."""
 
-    Raw window keys go to the layer's :class:`KV` (values are not stored: K = V). The compressed
-    stream (and on CSA layers the indexer-key stream) live in the layer's :class:`Recurrent`:
-    a flat tuple of arrays ``(entries, rows_kv, rows_score)`` per stream.
-    """
+    kind = "compressed"
 
-    def __init__(self, cache: KVCache, il: int, seq: int, xp: Any) -> None:
-        self.cache, self.il, self.seq, self.xp = cache, il, seq, xp
+    def __init__(self, ratio: int, overlap: bool) -> None:
+        super().__init__(ratio, 0, keep=ROLLBACK_ROWS, overlap=overlap)
 
-    def raw(self, positions: np.ndarray, kv: Any) -> tuple[Any, np.ndarray]:
-        """Append kv: [n, d] at ``positions``; returns every raw key [n_all, d] and its positions."""
-        none = self.xp.zeros((kv.shape[0], 1, 0), dtype=np.float32)
-        k, _, kpos = self.cache.kv(self.il).update(self.seq, positions, kv[:, None, :], none)
-        return k[:, 0, :], kpos
 
-    def streams(self, shapes: list[tuple[int, int]]) -> list[Stream]:
-        """The layer's streams (empty ones before the first token); shapes: (width, coff) each."""
-        state = self.cache.find(self.il, CompressedStreams).get(self.seq)
-        if state is None:
-            return [Stream.empty(w, c, self.xp) for w, c in shapes]
-        return [Stream(*state[3 * i:3 * i + 3]) for i in range(len(shapes))]
+class IndexerStream(CompressedStream):
+    """A CSA layer's indexer keys [n_e, d_idx], compressed like the entries (its own compressor)."""
 
-    def store(self, streams: list[Stream]) -> None:
-        self.cache.find(self.il, CompressedStreams).set(self.seq, tuple(a for s in streams for a in (s.entries, s.rows_kv,
-                                                                                     s.rows_score)))
+    kind = "indexer"
 
 
 # ============================================================================ compressor
@@ -469,90 +457,47 @@ class Compressor:
         return int(self.norm.shape[0])
 
 
-def compress(stream: Stream, comp: Compressor, x: Any, positions: np.ndarray, rope: Any, n_rot: int,
-             eps: float) -> Stream:
-    """Add the rows x: [n, E] at consecutive ``positions`` to ``stream`` and emit the entries of
-    every block they complete. Entry j = RMSNorm(Σ_slots softmax_slots(score) ⊙ kv), roped at j·r."""
+def compress(stream: CompressedKV, seq: int, comp: Compressor, x: Any, positions: np.ndarray, rope: Any,
+             n_rot: int, eps: float) -> Any:
+    """Add the rows x: [n, E] of ``seq`` at consecutive ``positions`` to ``stream`` and append the entries of
+    every block they complete; returns all of the sequence's entries [n_e, width].
+
+    Entry j = RMSNorm(Σ_slots softmax_slots(score) ⊙ kv), roped at j·r; the slots are block j's rows
+    (with ``overlap``, block j-1's first-half channels and block j's second-half ones, block -1 being
+    padding rows of score -inf). The stream holds each row as kv | score (score with the ape bias)."""
     xp = ops.array_module(x)
     r, w = comp.ratio, comp.width
     kv = ops.linear(x, comp.w_kv)
     score = ops.linear(x, comp.w_gate) + comp.ape[xp.asarray(positions % r)]
-    rows_kv = xp.concatenate([stream.rows_kv, kv])
-    rows_sc = xp.concatenate([stream.rows_score, score])
-    n_e = stream.entries.shape[0]
-    first = n_e - 1 if comp.overlap and n_e > 0 else n_e  # block index of rows_kv[0]
-    total = first + rows_kv.shape[0] // r  # complete blocks
-    entries = stream.entries
-    if total > n_e:
-        blocks_kv = rows_kv[:(total - first) * r].reshape(total - first, r, -1)
-        blocks_sc = rows_sc[:(total - first) * r].reshape(total - first, r, -1)
-        new = slice(n_e - first, total - first)
+    stream.append_raw(seq, positions, xp.concatenate([kv, score], axis=1))
+    starts = stream.complete_blocks(seq)
+    if starts:
+        rows, rpos = stream.raw.get(seq)  # consecutive positions from rpos[0]
+        half = rows.shape[1] // 2
+        s0, s1, base = starts[0], starts[-1] + r, int(rpos[0])
+        blocks = rows[s0 - base:s1 - base].reshape(len(starts), r, -1)
+        blocks_kv, blocks_sc = blocks[:, :, :half], blocks[:, :, half:]
         if comp.overlap:
-            cur_kv, cur_sc = blocks_kv[new, :, w:], blocks_sc[new, :, w:]
-            prev_kv = xp.zeros_like(cur_kv)
-            prev_sc = xp.full(cur_sc.shape, -np.inf, dtype=np.float32)
-            lo = n_e - first  # new block index inside blocks_*; its predecessor is lo - 1
-            if lo > 0:
-                prev_kv[:] = blocks_kv[lo - 1:total - first - 1, :, :w]
-                prev_sc[:] = blocks_sc[lo - 1:total - first - 1, :, :w]
-            else:  # block 0 of the sequence has no predecessor: padding rows
-                prev_kv[1:] = blocks_kv[0:total - first - 1, :, :w]
-                prev_sc[1:] = blocks_sc[0:total - first - 1, :, :w]
-            slots_kv = xp.concatenate([prev_kv, cur_kv], axis=1)
-            slots_sc = xp.concatenate([prev_sc, cur_sc], axis=1)
+            prev_kv = xp.zeros(blocks_kv[:, :, w:].shape, dtype=np.float32)
+            prev_sc = xp.full(prev_kv.shape, -np.inf, dtype=np.float32)
+            lo = max(s0 - r, 0)  # block -1 of the sequence is padding rows
+            prev = rows[lo - base:s1 - r - base].reshape(-1, r, rows.shape[1])
+            k = len(starts) - prev.shape[0]
+            prev_kv[k:], prev_sc[k:] = prev[:, :, :w], prev[:, :, half:half + w]
+            slots_kv = xp.concatenate([prev_kv, blocks_kv[:, :, w:]], axis=1)
+            slots_sc = xp.concatenate([prev_sc, blocks_sc[:, :, w:]], axis=1)
         else:
-            slots_kv, slots_sc = blocks_kv[new], blocks_sc[new]
+            slots_kv, slots_sc = blocks_kv, blocks_sc
         pooled = (ops.softmax(slots_sc, axis=1) * slots_kv).sum(axis=1)
         pooled = ops.rms_norm(pooled, comp.norm, eps)
-        starts = np.arange(n_e, total, dtype=np.int64) * r
-        pooled = ops.apply_rope(pooled[:, None, :], cos_sin=rope(starts), offset=w - n_rot)[:, 0, :]
-        entries = xp.concatenate([entries, pooled])
-    keep_from = (total - 1 if comp.overlap and total > 0 else total) - first
-    return Stream(entries=entries, rows_kv=rows_kv[keep_from * r:], rows_score=rows_sc[keep_from * r:])
+        starts_a = np.asarray(starts, dtype=np.int64)
+        pooled = ops.apply_rope(pooled[:, None, :], cos_sin=rope(starts_a), offset=w - n_rot)[:, 0, :]
+        stream.append_blocks(seq, starts_a, pooled)
+    entries = stream.blocks.get(seq)[0]
+    return entries if entries is not None else xp.zeros((0, comp.width), dtype=np.float32)
 
 
-# ============================================================================ attention
-
-@attrs.frozen
-class SparseAttention:
-    """out: [n, E] — the attention sublayer's output;
-    topk: [n, k] int or None — compressed entries each query attended on a CSA layer (-1 = none)."""
-
-    out: Any
-    topk: Any = None
-
-
-class MtpHead:
-    """The draft head "mtp": what the ``mtp`` drafter runs (``run``) and the cache it keeps (``new_cache``).
-
-    taps: the target feature taps the head reads (the streams entering the hc head).
-    """
-
-    def __init__(self, graph: "DeepSeek4Graph") -> None:
-        self._graph = graph
-        self.n_blocks = graph.n_mtp
-        self.taps = (graph.hp.n_layer,)
-        self.xp = graph.xp
-
-    def new_cache(self) -> KVCache:
-        hp = self._graph.hp
-        return KVCache(hp.n_layer + hp.n_nextn, self.xp)
-
-    def run(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
-        """See :meth:`DeepSeek4Graph.mtp`."""
-        return self._graph.mtp(batch, hidden, cache, depth)
-
-    def to_numpy(self, a: Any) -> Any:
-        return self._graph.backend.to_numpy(a)
-
-
-@attrs.frozen
-class MtpOutput:
-    """logits: [n, V] — next-next-token logits per row; hidden: [n, hc·E] — the MTP block's streams."""
-
-    logits: Any
-    hidden: Any
-
+# ============================================================================ indexer
 
 @attrs.frozen
 class TopKSelection:
@@ -588,20 +533,56 @@ def indexer_topk(q_idx: Any, weights: Any, keys: Any, q_pos: np.ndarray, ratio: 
     return TopKSelection(xp.where(chosen_visible, order[:, :k], -1), ties)
 
 
-class DeepSeek4Graph:
-    """Forward of a deepseek4 model over a :class:`Batch`, reading and extending a :class:`KVCache`."""
+# ============================================================================ MTP head
+
+class MtpHead:
+    """The draft head "mtp": what the ``mtp`` drafter runs (``run``) and the cache it keeps (``new_cache``).
+
+    taps: the target feature tap the head reads (the whole streams entering the hc head, [n, hc·E]).
+    """
+
+    def __init__(self, graph: "DeepSeek4Graph") -> None:
+        self._graph = graph
+        self.n_blocks = graph.n_mtp
+        self.taps = (graph.wide_tap,)
+        self.xp = graph.xp
+
+    def new_cache(self) -> Cache:
+        g = self._graph
+        n = g.hp.n_layer + g.hp.n_nextn
+        layout = [g.layer_kinds(il) if il >= g.hp.n_layer else () for il in range(n)]
+        return Cache(n, g.xp, layout)
+
+    def run(self, batch: Batch, hidden: Any, cache: Cache, depth: int = 0) -> "MtpOutput":
+        """See :meth:`DeepSeek4Graph.mtp`."""
+        return self._graph.mtp(batch, hidden, cache, depth)
+
+    def to_numpy(self, a: Any) -> Any:
+        return self._graph.backend.to_numpy(a)
+
+
+@attrs.frozen
+class MtpOutput:
+    """logits: [n, V] — next-next-token logits per row; hidden: [n, hc·E] — the MTP block's streams."""
+
+    logits: Any
+    hidden: Any
+
+
+# ============================================================================ graph
+
+class DeepSeek4Graph(BaseGraph):
+    """Forward of a deepseek4 model: ``embed`` makes the hc streams, ``layer`` is mHC around
+    :meth:`attention` then around :meth:`moe`, ``final_norm`` is the hc head and ``output_norm``."""
 
     def __init__(self, hp: DeepSeek4Params, weights: Mapping[str, Any], backend: Any) -> None:
-        self.hp = hp
-        self.w = weights
-        self.backend = backend
-        self.xp = xp = backend.xp
+        super().__init__(hp, weights, backend)
+        xp = self.xp
         # MTP blocks present in the file (the llama.cpp probe: no eh_proj, no MTP)
         self.n_mtp = sum(1 for il in range(hp.n_layer, hp.n_layer + hp.n_nextn)
                          if f"blk.{il}.nextn.eh_proj.weight" in weights)
-        self.output_weight = weights["output.weight"]
-        self.embed_table = weights["token_embd.weight"]
-        self.head = LMHead.from_weights(weights, xp)
+        self.wide_tap = hp.n_layer + 1
+        self.extra_taps = (self.wide_tap,)
         main = ops.rope_freqs(hp.n_rot, hp.rope_base, xp=xp)
         if hp.rope_yarn_factor != 1.0:
             f = hp.rope_yarn_factor
@@ -619,15 +600,15 @@ class DeepSeek4Graph:
         # lets a layer without a compressor read an earlier one's, see ``stream_sources``)
         self.stream_source: dict[int, int] = self.stream_sources(hp, weights)
         for il in range(hp.n_layer * hp.mtp_only, hp.n_layer + self.n_mtp):
-            b, kind = f"blk.{il}.", hp.kind(il)
-            if kind != WINDOW and self.stream_source[il] == il:
+            b, atype = f"blk.{il}.", hp.attention_type(il)
+            if atype != WINDOW and self.stream_source[il] == il:
                 kv = weights[b + "attn_compressor_kv.weight"]
                 gate = weights.get(b + "attn_compressor_gate.weight")
                 self.compressors[il] = Compressor(kv, xp.zeros(kv.shape, dtype=np.float32) if gate is None else gate,
                                                   weights[b + "attn_compressor_ape.weight"],
                                                   weights[b + "attn_compressor_norm.weight"], hp.ratio(il),
-                                                  kind == CSA)
-            if kind == CSA:
+                                                  atype == CSA)
+            if atype == CSA:
                 self.indexers[il] = Compressor(weights[b + "indexer_compressor_kv.weight"],
                                                weights[b + "indexer_compressor_gate.weight"],
                                                weights[b + "indexer_compressor_ape.weight"],
@@ -638,79 +619,155 @@ class DeepSeek4Graph:
 
     def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
         """Per compressed layer, the layer that compresses the stream it reads: V4 layers own theirs."""
-        return {il: il for il in range(hp.n_layer + hp.n_nextn) if hp.kind(il) != WINDOW}
-
-    def target_view(self) -> TargetView:
-        """What drafters may use of this model (embedding, head, final norm, the MTP draft head)."""
-        return TargetView(self, self.hp)
-
-    def final_norm(self, x: Any) -> Any:
-        """output_norm. x: [n, E] (after the hc head)."""
-        return ops.rms_norm(x, self.w["output_norm.weight"], self.hp.norm_eps)
+        return {il: il for il in range(hp.n_layer + hp.n_nextn) if hp.attention_type(il) != WINDOW}
 
     def draft_heads(self) -> dict[str, Any]:
         """The file's MTP block(s) as the draft head "mtp" (none when the file has no MTP block)."""
         return {"mtp": MtpHead(self)} if self.n_mtp else {}
 
+    # -------------------------------------------------------------- cache
+
+    def layer_kinds(self, il: int) -> tuple[CompressedKV, ...]:
+        """What layer ``il`` keeps: its window keys; its compressed stream if it compresses one; the indexer's on CSA."""
+        hp = self.hp
+        atype = hp.attention_type(il)
+        kinds: tuple[CompressedKV, ...] = (WindowKeys(hp.n_swa),)
+        if atype != WINDOW and self.stream_source[il] == il:
+            kinds += (CompressedStream(hp.ratio(il), overlap=atype == CSA),)
+        if atype == CSA:
+            kinds += (IndexerStream(hp.ratio(il), overlap=True),)
+        return kinds
+
     def cache_layout(self) -> list[tuple[Any, ...]]:
-        """Per layer: the raw keys (:class:`KV`), plus on compressed layers the streams (:class:`Recurrent`)."""
-        return [(KV(), CompressedStreams()) if self.hp.kind(il) != WINDOW and self.stream_source[il] == il else (KV(),)
-                for il in range(self.hp.n_layer)]
+        return [self.layer_kinds(il) for il in range(self.hp.n_layer)]
+
+    # -------------------------------------------------------------- the forward's pieces
+
+    def step(self, batch: Batch, cache: Cache) -> Step:
+        """The shared per-forward state; each sequence's rows must sit at consecutive positions continuing
+        its cache (compressed streams cannot skip)."""
+        step = super().step(batch, cache)
+        for seq, sel in step.groups:
+            pos = batch.positions[sel]
+            if len(pos) > 1 and not np.all(np.diff(pos) == 1):
+                raise UserError(f"{ARCH}: sequence {seq}'s rows must have consecutive increasing positions in a "
+                                f"batch (got {pos.tolist()}); compressed KV streams cannot skip or reorder tokens")
+            start = cache.next_position(seq)
+            if int(pos[0]) != start:
+                raise UserError(f"{ARCH}: sequence {seq} continues at position {int(pos[0])}, but its cache stands "
+                                f"at position {start}")
+        step.memo["tokens"] = self.xp.asarray(batch.tokens)
+        return step
+
+    def check_rows(self, batch: Batch) -> None:
+        """Refuse what V4 cannot run: embedding rows (hash-routed layers need token ids)."""
+        if batch.is_embd is not None and bool(np.any(batch.is_embd)):
+            raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
+
+    def embed(self, batch: Batch) -> Any:
+        """The hc streams X [n, hc, E]: the token's embedding, once per copy."""
+        x0 = embed_rows(self.embed_table, batch, self.xp)
+        return self.xp.ascontiguousarray(self.xp.broadcast_to(x0[:, None, :], (x0.shape[0], self.hp.hc,
+                                                                                 self.hp.n_embd)))
+
+    def streams(self, x: Any) -> Any:
+        """The hc streams [n, hc, E] of a residual ``x`` as :meth:`layer` passes it on."""
+        return x
+
+    def tap(self, x: Any) -> Any:
+        """A feature tap: the hc-mean of the streams, [n, E] (what the seed's drafters read)."""
+        return self.streams(x).mean(axis=1)
+
+    def final_norm(self, x: Any) -> Any:
+        """The hc head, then ``output_norm``. x: [n, hc, E] -> [n, E]."""
+        return ops.rms_norm(self.hc_head(x), self.w["output_norm.weight"], self.hp.norm_eps)
+
+    def forward_stage(self, batch: Batch, cache: Cache, x: Any, start: int, stop: int, *,
+                      taps: Sequence[int] = (), pooling: str = "none", embeddings: bool = False) -> Any:
+        """:meth:`BaseGraph.forward_stage` with this architecture's taps (see the module docstring)."""
+        if self.hp.mtp_only:
+            raise UserError(f"{ARCH}: this is llama.cpp's MTP head file (no trunk): run the trunk GGUF as the model "
+                            "and pass this file to the mtp drafter (--spec mtp --draft FILE)")
+        if pooling != "none":
+            raise UserError(f"{ARCH}: pooled embeddings are not supported by this architecture")
+        self.check_rows(batch)
+        n_layer = self.hp.n_layer
+        inner = {t for t in taps if t != self.wide_tap} | ({n_layer} if self.wide_tap in taps else set())
+        out = super().forward_stage(batch, cache, x, start, stop, taps=tuple(sorted(inner)), embeddings=embeddings)
+        if not isinstance(out, ForwardOutput) or not inner:
+            return out
+        feats = {k: self.tap(v) for k, v in out.features.items() if k in taps}
+        if self.wide_tap in taps and n_layer in out.features:
+            s = self.streams(out.features[n_layer])
+            feats[self.wide_tap] = s.reshape(s.shape[0], -1)
+        return attrs.evolve(out, features=feats)
+
+    def layer(self, il: int, X: Any, step: Step) -> Any:
+        """One decoder block on the streams X: [n, hc, E]: mHC around attention, then around the MoE."""
+        return self.block(il, X, step)
+
+    def block(self, il: int, X: Any, step: Step) -> Any:
+        hp, w, b = self.hp, self.w, f"blk.{il}."
+        mix = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "attn_norm.weight"], hp.norm_eps)
+        X = hc_expand(X, self.attention(il, h, step), mix)
+        mix = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
+        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
+        return hc_expand(X, self.moe(il, h, step), mix)
+
+    def hc_head(self, X: Any, prefix: str = "output_hc_") -> Any:
+        """The learned collapse before the final norm. X: [n, hc, E] -> [n, E]."""
+        w = self.w
+        m = hc_mixes(X, w[prefix + "fn.weight"], self.hp.norm_eps)
+        pre = ops.sigmoid(m * w[prefix + "scale.weight"][0] + w[prefix + "base.weight"]) + np.float32(self.hp.hc_eps)
+        return hc_collapse(X, pre)
 
     # -------------------------------------------------------------- attention
 
-    def attention(self, il: int, x: Any, batch: Batch, cache: KVCache, seq_rows: list) -> SparseAttention:
+    def attention(self, il: int, x: Any, step: Step) -> Any:
         """MQA over the raw window and the layer's compressed stream. x: [n, E] (normed) -> [n, E]."""
         hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
+        batch, cache = step.batch, step.cache
         n, d, H = x.shape[0], hp.head_dim, hp.n_head
-        kind = hp.kind(il)
-        rope = self.rope_main if kind == WINDOW else self.rope_comp
+        atype = hp.attention_type(il)
         off = d - hp.n_rot
         qr = ops.rms_norm(ops.linear(x, w[b + "attn_q_a.weight"]), w[b + "attn_q_a_norm.weight"], hp.norm_eps)
         q = ops.rms_norm(ops.linear(qr, w[b + "attn_q_b.weight"]).reshape(n, H, d), None, hp.norm_eps)
         kv = ops.rms_norm(ops.linear(x, w[b + "attn_kv.weight"]), w[b + "attn_kv_a_norm.weight"], hp.norm_eps)
-        cs = rope(batch.positions)
+        cs = self.rope_table(step, main=atype == WINDOW)
         q = ops.apply_rope(q, cos_sin=cs, offset=off)
         kv = ops.apply_rope(kv[:, None, :], cos_sin=cs, offset=off)[:, 0, :]
-        if kind == CSA:
+        if atype == CSA:
             di = hp.idx_head_dim
             q_idx = ops.linear(qr, w[b + "indexer.attn_q_b.weight"]).reshape(n, hp.n_idx_head, di)
-            q_idx = ops.apply_rope(q_idx, cos_sin=self.rope_comp(batch.positions), offset=di - hp.n_rot)
+            q_idx = ops.apply_rope(q_idx, cos_sin=self.rope_table(step, main=False), offset=di - hp.n_rot)
             idx_w = ops.linear(x, w[b + "indexer.proj.weight"]) * np.float32((di * hp.n_idx_head) ** -0.5)
         out = xp.empty((n, H, d), dtype=np.float32)
-        topk = xp.full((n, max(hp.idx_top_k, 1)), -1, dtype=np.int64) if kind == CSA else None
-        for seq, sel in seq_rows:
+        window = cache.find(il, WindowKeys)
+        for seq, sel in step.groups:
             pos = batch.positions[sel]
-            lc = LayerCache(cache, il, seq, xp)
-            keys, kpos = lc.raw(pos, kv[sel])
+            keys, kpos = window.append_raw(seq, pos, kv[sel])
             d_q = pos[:, None] - kpos[None, :]
             vis = (d_q >= 0) & (d_q < hp.n_swa)
-            if kind != WINDOW and self.stream_source[il] != il:  # read an earlier layer's stream (same ratio)
-                entries = LayerCache(cache, self.stream_source[il], seq, xp).streams([(d, 1)])[0].entries
-                keys = xp.concatenate([keys, entries])
+            if atype != WINDOW:
+                src = self.stream_source[il]
+                if src == il:
+                    entries = compress(cache.find(il, CompressedStream), seq, self.compressors[il], x[sel], pos,
+                                       self.rope_comp, hp.n_rot, hp.norm_eps)
+                else:  # an earlier layer's stream (same ratio), written earlier in this forward
+                    entries = cache.find(src, CompressedStream).blocks.get(seq)[0]
+                    entries = entries if entries is not None else xp.zeros((0, d), dtype=np.float32)
                 ent_vis = np.arange(entries.shape[0])[None, :] < ((pos + 1) // hp.ratio(il))[:, None]
-                vis = np.concatenate([vis, ent_vis], axis=1)
-            elif kind != WINDOW:
-                comp = self.compressors[il]
-                shapes = [(d, 2 if kind == CSA else 1)] + ([(hp.idx_head_dim, 2)] if kind == CSA else [])
-                streams = lc.streams(shapes)
-                streams[0] = compress(streams[0], comp, x[sel], pos, self.rope_comp, hp.n_rot, hp.norm_eps)
-                entries = streams[0].entries
-                n_e = entries.shape[0]
-                ent_vis = np.arange(n_e)[None, :] < ((pos + 1) // comp.ratio)[:, None]
-                if kind == CSA:
-                    streams[1] = compress(streams[1], self.indexers[il], x[sel], pos, self.rope_comp, hp.n_rot,
-                                          hp.norm_eps)
-                    selection = indexer_topk(q_idx[sel], idx_w[sel], streams[1].entries, pos, comp.ratio,
-                                             hp.idx_top_k)
+                if atype == CSA:
+                    idx_keys = compress(cache.find(il, IndexerStream), seq, self.indexers[il], x[sel], pos,
+                                        self.rope_comp, hp.n_rot, hp.norm_eps)
+                    selection = indexer_topk(q_idx[sel], idx_w[sel], idx_keys, pos, hp.ratio(il), hp.idx_top_k)
                     self.topk_ties += selection.ties
-                    chosen = selection.indices
+                    n_e = entries.shape[0]
                     picked = np.zeros((len(pos), n_e + 1), dtype=bool)
-                    ch = np.asarray(self.backend.to_numpy(chosen))
+                    ch = np.asarray(self.backend.to_numpy(selection.indices))
                     np.put_along_axis(picked, np.where(ch >= 0, ch, n_e), True, axis=1)
                     ent_vis = ent_vis & picked[:, :n_e]
-                    topk[sel, :ch.shape[1]] = chosen
-                lc.store(streams)
                 keys = xp.concatenate([keys, entries])
                 vis = np.concatenate([vis, ent_vis], axis=1)
             out[sel] = ops.attention(q[sel], keys[:, None, :], keys[:, None, :], scale=d ** -0.5, causal=False,
@@ -720,11 +777,16 @@ class DeepSeek4Graph:
         wa = w[b + "attn_output_a.weight"].reshape(G, R, -1)  # group g: [R, H·d/G]
         og = o.reshape(n, G, -1).transpose(1, 0, 2)  # [G, n, H·d/G]
         z = xp.matmul(og, wa.transpose(0, 2, 1)).transpose(1, 0, 2).reshape(n, G * R)
-        return SparseAttention(out=ops.linear(z, w[b + "attn_output_b.weight"]), topk=topk)
+        return ops.linear(z, w[b + "attn_output_b.weight"])
+
+    def rope_table(self, step: Step, main: bool) -> Any:
+        """cos/sin at the batch positions: the main base (window layers) or the compressed layers' (YaRN)."""
+        rope = self.rope_main if main else self.rope_comp
+        return step.once(("rope", main), lambda: rope(step.batch.positions))
 
     # -------------------------------------------------------------- MoE
 
-    def moe(self, il: int, x: Any, tokens: Any, bias: Any = None) -> Any:
+    def moe(self, il: int, x: Any, step: Step, bias: Any = None) -> Any:
         """sqrt-softplus routed SwiGLU experts (hash-routed in the first layers) + the shared expert.
 
         bias: the selection bias of a routed layer ([n_expert] or per row [n, n_expert]); default
@@ -732,7 +794,7 @@ class DeepSeek4Graph:
         hp, w, b, xp = self.hp, self.w, f"blk.{il}.", self.xp
         scores = xp.sqrt(ops.softplus(ops.linear(x, w[b + "ffn_gate_inp.weight"])))  # [n, n_expert]
         if hp.is_hash(il):
-            ids = self.tid2eid[il][tokens]
+            ids = self.tid2eid[il][step.memo["tokens"]]
         else:
             bias = w[b + "exp_probs_b.bias"] if bias is None else bias
             ids = ops.top_k(scores + bias, hp.n_expert_used, axis=-1).indices
@@ -753,81 +815,14 @@ class DeepSeek4Graph:
                                 w[b + "ffn_down_shexp.weight"], hp.swiglu_clamp_shexp[il])
         return y
 
-    # -------------------------------------------------------------- forward
-
-    def _seq_rows(self, batch: Batch, cache: KVCache) -> list:
-        """(seq, row selector) per sequence; compressed streams need each sequence's rows in order."""
-        out = []
-        for seq in np.unique(batch.seq_ids):
-            seq = int(seq)
-            rows = np.nonzero(batch.seq_ids == seq)[0]
-            pos = batch.positions[rows]
-            if len(rows) > 1 and not np.all(np.diff(pos) == 1):
-                raise UserError(f"{ARCH}: sequence {seq}'s rows must have consecutive increasing positions in a "
-                                f"batch (got {pos.tolist()}); compressed KV streams cannot skip or reorder tokens")
-            start = cache.next_position(seq) if (cache.n_cached(seq) or cache.has_state(seq)) else 0
-            if int(pos[0]) != start:
-                raise UserError(f"{ARCH}: sequence {seq} continues at position {int(pos[0])}, but its cache stands "
-                                f"at position {start}; drop rows with KVCache.restore(snapshot), not seq_rm")
-            sel = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
-            out.append((seq, sel))
-        return out
-
-    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
-                embeddings: bool = False) -> ForwardOutput:
-        """Run the batch; logits for rows with ``batch.output``.
-
-        Feature taps are the hc streams flattened, [n, hc·E] (their hc-mean, which DFlash-style taps
-        use, is ``reshape(n, hc, E).mean(1)``); tap n_layer is what the MTP blocks read."""
-        hp, w, xp = self.hp, self.w, self.xp
-        if hp.mtp_only:
-            raise UserError(f"{ARCH}: this is llama.cpp's MTP head file (no trunk): run the trunk GGUF as the model "
-                            "and pass this file to the mtp drafter (--spec mtp --draft FILE)")
-        if batch.is_embd is not None and bool(np.any(batch.is_embd)):
-            raise UserError(f"{ARCH}: embedding rows are not supported (hash-routed layers need token ids)")
-        if pooling != "none":
-            raise UserError(f"{ARCH}: pooled embeddings are not supported by this architecture")
-        cache.begin(batch.positions, batch.seq_ids)
-        seq_rows = self._seq_rows(batch, cache)
-        tokens = xp.asarray(batch.tokens)
-        x0 = w["token_embd.weight"][tokens]
-        X = xp.ascontiguousarray(xp.broadcast_to(x0[:, None, :], (x0.shape[0], hp.hc, hp.n_embd)))
-
-        def layer(il: int, X: Any) -> Any:
-            return self.block(il, X, batch, cache, seq_rows, tokens)
-
-        X, streams = run_layers(X, hp.n_layer, layer, cache, taps)
-        features = {k: v.reshape(v.shape[0], -1) for k, v in streams.items()}
-        rows = np.nonzero(batch.output)[0]
-        h = ops.rms_norm(self.hc_head(X[rows]), w["output_norm.weight"], hp.norm_eps)
-        logits = ops.linear(h, self.output_weight)
-        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
-
-    def block(self, il: int, X: Any, batch: Batch, cache: KVCache, seq_rows: list, tokens: Any) -> Any:
-        """One decoder block on the streams X: [n, hc, E]: mHC around attention, then around the MoE."""
-        hp, w, b = self.hp, self.w, f"blk.{il}."
-        mix = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"], hp)
-        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "attn_norm.weight"], hp.norm_eps)
-        X = hc_expand(X, self.attention(il, h, batch, cache, seq_rows).out, mix)
-        mix = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
-        h = ops.rms_norm(hc_collapse(X, mix.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
-        return hc_expand(X, self.moe(il, h, tokens), mix)
-
-    def hc_head(self, X: Any, prefix: str = "output_hc_") -> Any:
-        """The learned collapse before the final norm. X: [n, hc, E] -> [n, E]."""
-        w = self.w
-        m = hc_mixes(X, w[prefix + "fn.weight"], self.hp.norm_eps)
-        pre = ops.sigmoid(m * w[prefix + "scale.weight"][0] + w[prefix + "base.weight"]) + np.float32(self.hp.hc_eps)
-        return hc_collapse(X, pre)
-
     # -------------------------------------------------------------- MTP
 
-    def mtp(self, batch: Batch, hidden: Any, cache: KVCache, depth: int = 0) -> "MtpOutput":
+    def mtp(self, batch: Batch, hidden: Any, cache: Cache, depth: int = 0) -> MtpOutput:
         """The next-token-prediction block ``depth`` (layer n_layer + depth) over its own ``cache``.
 
         Row i holds the token t_{p+1} and the target's streams h_p at position p (``batch``
         positions are p): ``X = eh_proj · [enorm(embed(t)); hnorm(h_copy)]`` per copy, one
-        window-attention block, its own hc head and norm, the target's LM head.
+        V4 block, its own hc head and norm, the target's LM head.
         hidden: [n, hc·E]. Returns logits [n, V] (every row) and the block's streams [n, hc·E].
         """
         hp, w, xp = self.hp, self.w, self.xp
@@ -837,21 +832,15 @@ class DeepSeek4Graph:
         il = hp.n_layer + depth
         b = f"blk.{il}.nextn."
         n, hc, e = batch.n_rows, hp.hc, hp.n_embd
-        tokens = xp.asarray(batch.tokens)
-        emb = ops.rms_norm(w["token_embd.weight"][tokens], w[b + "enorm.weight"], hp.norm_eps)  # [n, E]
+        emb = ops.rms_norm(self.embed_table[xp.asarray(batch.tokens)], w[b + "enorm.weight"], hp.norm_eps)
         hn = ops.rms_norm(hidden.reshape(n, hc, e), w[b + "hnorm.weight"], hp.norm_eps)  # [n, hc, E]
         both = xp.concatenate([xp.broadcast_to(emb[:, None, :], (n, hc, e)), hn], axis=-1)  # [n, hc, 2E]
         X = ops.linear(both, w[b + "eh_proj.weight"])
-        cache.begin(batch.positions, batch.seq_ids)
-        try:
-            X = self.block(il, X, batch, cache, self._seq_rows(batch, cache), tokens)
-        except BaseException:
-            cache.rollback_pending()
-            raise
-        cache.commit()
+        with cache.forward(batch):
+            X = self.block(il, X, self.step(batch, cache))
         hc_prefix = "output_hc_" if hp.mtp_only else b + "hc_head_"  # llama.cpp's head file: the block's at the root
         h = ops.rms_norm(self.hc_head(X, hc_prefix), w[b + "shared_head_norm.weight"], hp.norm_eps)
-        return MtpOutput(logits=ops.linear(h, self.output_weight), hidden=X.reshape(n, hc * e))
+        return MtpOutput(logits=self.head(h), hidden=X.reshape(n, hc * e))
 
 
 def clamped_swiglu(x: Any, w_gate: Any, w_up: Any, w_down: Any, limit: float) -> Any:
@@ -867,20 +856,19 @@ def clamped_swiglu(x: Any, w_gate: Any, w_up: Any, w_down: Any, limit: float) ->
 
 # ============================================================================ architecture
 
-class DeepSeek4:
+class DeepSeek4(Architecture):
     """``deepseek4``: DeepSeek V4 Flash."""
 
     name = ARCH
+    graph = DeepSeek4Graph
 
-    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
-        return load_hparams(metadata, source)
+    def hparams(self, r: KeyReader) -> DeepSeek4Params:
+        return DeepSeek4Params(**read_v4_params(r, r.metadata, r.source))
 
-    def tensor_specs(self, hparams: DeepSeek4Params) -> list[TensorSpec]:
-        return tensor_specs(hparams)
-
-    def build(self, hparams: DeepSeek4Params, weights: Mapping[str, Any], backend: Any) -> DeepSeek4Graph:
-        return DeepSeek4Graph(hparams, weights, backend)
+    def tensors(self, hp: DeepSeek4Params) -> list[TensorSpec]:
+        return tensor_specs(hp)
 
 
-__all__ = ["CompressedStreams", "DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix", "LayerCache", "SparseAttention", "Stream", "TopKSelection",
-           "compress", "hc_mix", "indexer_topk", "load_hparams", "sinkhorn", "tensor_specs"]
+__all__ = ["CompressedStream", "Compressor", "DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix",
+           "IndexerStream", "MtpHead", "TopKSelection", "WindowKeys", "compress", "hc_mix", "indexer_topk",
+           "load_hparams", "sinkhorn", "tensor_specs"]

@@ -9,7 +9,9 @@ routing, the MTP block) is reused from :mod:`.deepseek4`; what V4.1 changes, top
   Layer 0's attention collapses with a one-hot pre selecting copy 0. post / comb are the
   current sublayer's.
 * **No learned hc head.** The last FFN's pre (computed, never consumed by a sublayer) collapses
-  the streams before ``output_norm``; a file with ``output_hc_*`` tensors is refused.
+  the streams before ``output_norm``; a file with ``output_hc_*`` tensors is refused. The pre a
+  sublayer hands on travels with the streams: the residual between layers is [n, hc, E + 1],
+  column E holding it (so a model split into pipeline stages hands it on too).
 * **Engram** (:mod:`.engram`) at the layers in ``engram.layer_ids``: hashed n-gram memory added
   into the streams before the block. The hash needs the N-1 previous token ids of the sequence,
   kept per sequence in an :class:`~.engram.EngramTokens` cache kind on layer 0 (rolled back
@@ -34,15 +36,13 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.context import Batch, ForwardOutput, KVCache, run_layers
 from plinth.errors import UserError
-from plinth.graph import embed_rows
-from plinth.hparams import HParamsError, KeyReader
-from plinth.tensors import TensorSpec
+from plinth.graph import Batch, HParamsError, KeyReader, Step, TensorSpec
 
 from .deepseek4 import (
     CSA,
     WINDOW,
+    DeepSeek4,
     DeepSeek4Graph,
     DeepSeek4Params,
     hc_collapse,
@@ -100,7 +100,7 @@ def tensor_specs(hp: DeepSeek41Params) -> list[TensorSpec]:
     e, hc = hp.n_embd, hp.hc
     for il in range(hp.n_layer):
         b = f"blk.{il}."
-        if hp.kind(il) == CSA:
+        if hp.attention_type(il) == CSA:
             specs.append(TensorSpec(b + "indexer.attn_k.weight", (hp.idx_head_dim, hp.head_dim), required=False))
         if not hp.is_hash(il):
             specs.append(TensorSpec(b + "exp_probs_b_vl.bias", (hp.n_expert,), required=False))
@@ -158,12 +158,13 @@ class DeepSeek41Graph(DeepSeek4Graph):
         out: dict[int, int] = {}
         latest = None
         for il in range(hp.n_layer + hp.n_nextn):
-            if hp.kind(il) == WINDOW:
+            atype = hp.attention_type(il)
+            if atype == WINDOW:
                 continue
             b, r = f"blk.{il}.", hp.ratio(il)
             if b + "attn_compressor_kv.weight" in weights:
                 need = [b + "attn_compressor_ape.weight", b + "attn_compressor_norm.weight"]
-                if hp.kind(il) == CSA:
+                if atype == CSA:
                     need += [b + n for n in ("attn_compressor_gate.weight", "indexer.proj.weight",
                                              "indexer.attn_q_b.weight", "indexer_compressor_kv.weight",
                                              "indexer_compressor_gate.weight", "indexer_compressor_ape.weight",
@@ -176,7 +177,7 @@ class DeepSeek41Graph(DeepSeek4Graph):
                                     f"allowed at ratio 1 only; its ratio is {r}")
                 out[il] = latest = il
                 continue
-            if hp.kind(il) == CSA:
+            if atype == CSA:
                 raise UserError(f"{ARCH}: CSA layer {il} has no compressor of its own: reading a shared compressed "
                                 "source with V4.1 index keys is not implemented")
             if latest is None:
@@ -195,76 +196,70 @@ class DeepSeek41Graph(DeepSeek4Graph):
             layout[0] = tuple(layout[0]) + (EngramTokens(),)
         return layout
 
-    # -------------------------------------------------------------- forward
+    # -------------------------------------------------------------- the forward's pieces
 
-    def forward(self, batch: Batch, cache: KVCache, *, taps: tuple[int, ...] = (), pooling: str = "none",
-                embeddings: bool = False) -> ForwardOutput:
-        """Run the batch; logits for rows with ``batch.output``.
-
-        Feature taps are the streams entering each layer (before its Engram), flattened
-        [n, hc·E]; tap n_layer is the streams before the final collapse (what MTP blocks read)."""
-        hp, w, xp = self.hp, self.w, self.xp
+    def check_rows(self, batch: Batch) -> None:
+        """One sequence a row; embedding rows only without hash-routed layers."""
         if np.asarray(batch.seq_ids).ndim != 1:
             raise UserError(f"{ARCH}: a row shared by several sequences is not supported (Engram's n-gram "
                             "context and the compressed streams are per sequence); give each row one sequence")
-        is_embd = None
-        if batch.is_embd is not None and bool(np.any(batch.is_embd)):
-            if hp.n_hash_layers:
-                raise UserError(f"{ARCH}: embedding rows are not supported by a model with hash-routed layers "
-                                f"(hash_layer_count = {hp.n_hash_layers}: routing needs token ids)")
-            is_embd = np.asarray(batch.is_embd, dtype=bool)
-        if pooling != "none":
-            raise UserError(f"{ARCH}: pooled embeddings are not supported by this architecture")
-        cache.begin(batch.positions, batch.seq_ids)
-        seq_rows = self._seq_rows(batch, cache)
-        tokens = xp.asarray(batch.tokens)
-        x0 = embed_rows(self.embed_table, batch, xp)
-        n = x0.shape[0]
-        X = xp.ascontiguousarray(xp.broadcast_to(x0[:, None, :], (n, hp.hc, hp.n_embd)))
-        ctx = self._engram_context(batch, cache, seq_rows, is_embd) if self.engram else None
-        vision = xp.asarray(is_embd) if is_embd is not None and self.vision_bias else None
-        pre = xp.zeros((n, hp.hc), dtype=np.float32)
-        pre[:, 0] = 1.0  # layer 0's attention: a one-hot collapse selecting copy 0
+        if batch.is_embd is not None and bool(np.any(batch.is_embd)) and self.hp.n_hash_layers:
+            raise UserError(f"{ARCH}: embedding rows are not supported by a model with hash-routed layers "
+                            f"(hash_layer_count = {self.hp.n_hash_layers}: routing needs token ids)")
 
-        def layer(il: int, X: Any) -> Any:
-            nonlocal pre
-            if il in self.engram:
-                X = self.engram_block(il, X, ctx)
-            X, pre = self.lagged_block(il, X, pre, batch, cache, seq_rows, tokens, vision)
-            return X
+    def embed(self, batch: Batch) -> Any:
+        """The streams with the pre layer 0's attention collapses with (one-hot on copy 0): [n, hc, E + 1]."""
+        X = super().embed(batch)
+        pre = self.xp.zeros(X.shape[:2] + (1,), dtype=np.float32)
+        pre[:, 0] = 1.0
+        return self.xp.concatenate([X, pre], axis=-1)
 
-        X, streams = run_layers(X, hp.n_layer, layer, cache, taps)
-        features = {k: v.reshape(v.shape[0], -1) for k, v in streams.items()}
-        rows = np.nonzero(batch.output)[0]
-        h = ops.rms_norm(hc_collapse(X[rows], pre[rows]), w["output_norm.weight"], hp.norm_eps)
-        logits = ops.linear(h, self.output_weight)
-        return ForwardOutput(rows=rows, logits=logits, embeddings=h if embeddings else None, features=features)
+    def streams(self, x: Any) -> Any:
+        return x[:, :, :self.hp.n_embd]
 
-    def lagged_block(self, il: int, X: Any, pre_in: Any, batch: Batch, cache: KVCache, seq_rows: list,
-                     tokens: Any, vision: Any = None) -> tuple[Any, Any]:
+    def final_norm(self, x: Any) -> Any:
+        """The streams collapsed with the last FFN's pre, then ``output_norm``. x: [n, hc, E + 1] -> [n, E]."""
+        e = self.hp.n_embd
+        return ops.rms_norm(hc_collapse(self.xp.ascontiguousarray(x[:, :, :e]), x[:, :, e]),
+                            self.w["output_norm.weight"], self.hp.norm_eps)
+
+    def layer(self, il: int, x: Any, step: Step) -> Any:
+        """Engram (at its layers), then the block with lagged mixes; the FFN's pre travels on in column E."""
+        e, xp = self.hp.n_embd, self.xp
+        X, pre = xp.ascontiguousarray(x[:, :, :e]), x[:, :, e]
+        if il in self.engram:
+            X = self.engram_block(il, X, step.once("engram", lambda: self._engram_context(step)))
+        X, pre = self.lagged_block(il, X, pre, step)
+        return xp.concatenate([X, pre[:, :, None]], axis=-1)
+
+    def lagged_block(self, il: int, X: Any, pre_in: Any, step: Step) -> tuple[Any, Any]:
         """One block with lagged mixes. X: [n, hc, E]; pre_in: [n, hc] (the previous sublayer's pre).
         Returns the new streams and the FFN's pre, which the next sublayer collapses with."""
         hp, w, b = self.hp, self.w, f"blk.{il}."
         attn = hc_mix(X, w[b + "hc_attn_fn.weight"], w[b + "hc_attn_base.weight"], w[b + "hc_attn_scale.weight"], hp)
         h = ops.rms_norm(hc_collapse(X, pre_in), w[b + "attn_norm.weight"], hp.norm_eps)
-        X = hc_expand(X, self.attention(il, h, batch, cache, seq_rows).out, attn)
+        X = hc_expand(X, self.attention(il, h, step), attn)
         ffn = hc_mix(X, w[b + "hc_ffn_fn.weight"], w[b + "hc_ffn_base.weight"], w[b + "hc_ffn_scale.weight"], hp)
         h = ops.rms_norm(hc_collapse(X, attn.pre), w[b + "ffn_norm.weight"], hp.norm_eps)
-        return hc_expand(X, self.moe(il, h, tokens, self._routing_bias(il, vision)), ffn), ffn.pre
+        return hc_expand(X, self.moe(il, h, step, self._routing_bias(il, step)), ffn), ffn.pre
 
-    def _routing_bias(self, il: int, vision: Any) -> Any:
+    def _routing_bias(self, il: int, step: Step) -> Any:
         """exp_probs_b, or per row exp_probs_b_vl for embedding (image) rows when the file has it."""
-        if vision is None or il not in self.vision_bias or self.hp.is_hash(il):
+        is_embd = step.batch.is_embd
+        if is_embd is None or il not in self.vision_bias or self.hp.is_hash(il):
             return None
+        vision = step.once("vision", lambda: self.xp.asarray(np.asarray(is_embd, dtype=bool)))
         return self.xp.where(vision[:, None], self.vision_bias[il], self.w[f"blk.{il}.exp_probs_b.bias"])
 
     # -------------------------------------------------------------- Engram
 
-    def _engram_context(self, batch: Batch, cache: KVCache, seq_rows: list, is_embd: Any) -> np.ndarray:
-        """ctx uint64 [n, N] of every row (host), updating each sequence's token history in ``cache``."""
-        history = cache.find(0, EngramTokens)
-        before = {seq: history.get(seq) for seq, _ in seq_rows if history.get(seq) is not None}
-        ctx, after = engram_rows_for_batch(np.asarray(batch.tokens), is_embd, seq_rows, before, self.hp.engram)
+    def _engram_context(self, step: Step) -> np.ndarray:
+        """ctx uint64 [n, N] of every row (host), updating each sequence's token history in the cache."""
+        batch = step.batch
+        is_embd = None if batch.is_embd is None else np.asarray(batch.is_embd, dtype=bool)
+        history = step.cache.find(0, EngramTokens)
+        before = {seq: history.get(seq) for seq, _ in step.groups if history.get(seq) is not None}
+        ctx, after = engram_rows_for_batch(np.asarray(batch.tokens), is_embd, step.groups, before, self.hp.engram)
         for seq, hist in after.items():
             history.set(seq, hist)
         return ctx
@@ -285,19 +280,17 @@ class DeepSeek41Graph(DeepSeek4Graph):
 
 # ============================================================================ architecture
 
-class DeepSeek41:
+class DeepSeek41(DeepSeek4):
     """``deepseek41``: DeepSeek V4.1 Flash."""
 
     name = ARCH
+    graph = DeepSeek41Graph
 
-    def load_hparams(self, metadata: Mapping[str, Any], source: str) -> DeepSeek41Params:
-        return load_hparams(metadata, source)
+    def hparams(self, r: KeyReader) -> DeepSeek41Params:
+        return load_hparams(r.metadata, r.source)
 
-    def tensor_specs(self, hparams: DeepSeek41Params) -> list[TensorSpec]:
-        return tensor_specs(hparams)
-
-    def build(self, hparams: DeepSeek41Params, weights: Mapping[str, Any], backend: Any) -> DeepSeek41Graph:
-        return DeepSeek41Graph(hparams, weights, backend)
+    def tensors(self, hp: DeepSeek41Params) -> list[TensorSpec]:
+        return tensor_specs(hp)
 
 
 __all__ = ["DeepSeek41", "DeepSeek41Graph", "DeepSeek41Params", "load_hparams", "tensor_specs"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.testing import check_prefill_then_decode, greedy_through_cache, load_module, new_cache
 
@@ -75,7 +75,7 @@ def test_greedy_continuations_match_reference(models, case):
 def test_cases_cover_the_features(models):
     hps = {c: models[c].hparams for c in CASES}
     assert {hp.hc for hp in hps.values()} == {2, 3, 4}
-    assert {hp.kind(il) for hp in hps.values() for il in range(hp.n_layer)} == {"window", "csa", "hca"}
+    assert {hp.attention_type(il) for hp in hps.values() for il in range(hp.n_layer)} == {"window", "csa", "hca"}
     eng = [hp.engram for hp in hps.values() if hp.engram is not None]
     assert {e.max_ngram for e in eng} == {2, 3} and {e.n_head for e in eng} == {2, 3}
     assert any(int(e.multipliers.max()) >= 1 << 60 for e in eng)  # products wrap around 2^64
@@ -112,7 +112,8 @@ def test_shared_source_roles(models, tmp_path):
     m = models["shared_hca"]
     assert m.graph.stream_source == {0: 0, 2: 2, 3: 2}
     assert [[type(k).__name__ for k in kinds] for kinds in m.graph.cache_layout()] == [
-        ["KV", "CompressedStreams", "EngramTokens"], ["KV"], ["KV", "CompressedStreams"], ["KV"]]
+        ["WindowKeys", "CompressedStream", "EngramTokens"], ["WindowKeys"], ["WindowKeys", "CompressedStream"],
+        ["WindowKeys"]]
     reg = g41.v4.registry()
     md, tensors, forced = g41.deepseek41_parts("shared_hca", tmp_path, reg)
     folder = g41.write_hf_folder("shared_hca", tmp_path / "own")
@@ -320,7 +321,7 @@ def test_embedding_rows_hash_as_pad_and_use_the_vision_bias(tmp_path):
 def test_embedding_rows_with_hash_layers_are_refused(models):
     m = models["engram_hc2"]  # one hash-routed layer
     with pytest.raises(UserError, match="embedding rows are not supported by a model with hash-routed layers"):
-        m.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), KVCache(m.hparams.n_layer))
+        m.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), new_cache(m.graph, m.hparams.n_layer))
 
 
 def test_rows_shared_by_several_sequences_are_refused(models):
@@ -328,7 +329,7 @@ def test_rows_shared_by_several_sequences_are_refused(models):
     b = Batch.from_tokens([1, 2])
     shared = Batch(tokens=b.tokens, positions=b.positions, seq_ids=np.array([[0, 1], [0, 1]]), output=b.output)
     with pytest.raises(UserError, match="a row shared by several sequences is not supported"):
-        m.graph.forward(shared, KVCache(m.hparams.n_layer))
+        m.graph.forward(shared, new_cache(m.graph, m.hparams.n_layer))
 
 
 # ---------------------------------------------------------------- live reference (torch)

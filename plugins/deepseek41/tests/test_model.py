@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.hparams import HParamsError
-from plinth.testing import check_prefill_then_decode, load_module
+from plinth.testing import check_prefill_then_decode, load_module, new_cache
 from plinth_deepseek41 import deepseek4 as ds4
 from plinth_deepseek41.convert import gguf_metadata
 
@@ -36,9 +36,9 @@ def test_prefill_then_decode_equals_full_forward(flash):
 def test_chunked_prefill_equals_token_by_token_and_full(flash):
     toks = prompt(131, seed=3)
     g, n_layer = flash.graph, flash.hparams.n_layer
-    full = g.forward(Batch.from_tokens(toks, output="all"), KVCache(n_layer)).logits
+    full = g.forward(Batch.from_tokens(toks, output="all"), new_cache(g, n_layer)).logits
     for chunk in (1, 3, 8, 37):
-        cache = KVCache(n_layer)
+        cache = new_cache(g, n_layer)
         parts = [g.forward(Batch.from_tokens(toks[i:i + chunk], start=i, output="all"), cache).logits
                  for i in range(0, len(toks), chunk)]
         np.testing.assert_allclose(np.concatenate(parts), full, atol=2e-5, rtol=0, err_msg=f"chunk {chunk}")
@@ -47,10 +47,10 @@ def test_chunked_prefill_equals_token_by_token_and_full(flash):
 def test_two_sequences_in_one_batch_equal_separate_runs(flash):
     g, n_layer = flash.graph, flash.hparams.n_layer
     a, b = prompt(23, 1), prompt(17, 2)
-    sep_a = g.forward(Batch.from_tokens(a, output="all"), KVCache(n_layer)).logits
-    sep_b = g.forward(Batch.from_tokens(b, seq=1, output="all"), KVCache(n_layer)).logits
+    sep_a = g.forward(Batch.from_tokens(a, output="all"), new_cache(g, n_layer)).logits
+    sep_b = g.forward(Batch.from_tokens(b, seq=1, output="all"), new_cache(g, n_layer)).logits
     both = g.forward(Batch.concat([Batch.from_tokens(a, output="all"), Batch.from_tokens(b, seq=1, output="all")]),
-                     KVCache(n_layer)).logits
+                     new_cache(g, n_layer)).logits
     np.testing.assert_allclose(both, np.concatenate([sep_a, sep_b]), atol=2e-5, rtol=0)
 
 
@@ -60,36 +60,43 @@ def test_deterministic_and_finite(flash):
     assert np.isfinite(a).all() and np.array_equal(a, b)
 
 
-def test_cache_keeps_compressed_streams_and_raw_keys(flash):
+def test_cache_keeps_the_window_and_the_compressed_streams(flash):
     hp, g = flash.hparams, flash.graph
-    cache = KVCache(hp.n_layer)
-    g.forward(Batch.from_tokens(prompt(30)), cache)
+    n = 30
+    cache = new_cache(g, hp.n_layer)
+    g.forward(Batch.from_tokens(prompt(n)), cache)
+    keep = ds4.ROLLBACK_ROWS
     for il in range(hp.n_layer):
-        k, v = cache.layer_kv(il, 0)
-        assert k.shape == (30, 1, hp.head_dim) and v.size == 0  # K = V: keys only
-        state = cache.states(0).get(il)
-        if hp.kind(il) == "window":
-            assert state is None
+        blocks, bpos, keys, kpos = cache.find(il, ds4.WindowKeys).get(0)
+        assert blocks is None and keys.shape[1:] == (hp.head_dim,)  # K = V: keys only, no blocks
+        assert kpos[0] == max(0, n - hp.n_swa - keep) and kpos[-1] == n - 1  # the window (+ spare rows) only
+        atype = hp.attention_type(il)
+        if atype == "window":
             continue
         r = hp.ratio(il)
-        entries, rows_kv, _ = state[:3]
-        assert entries.shape == (30 // r, hp.head_dim)
-        held = 30 % r + (r if hp.kind(il) == "csa" else 0)  # the filling block (+ the last complete one for CSA)
-        assert rows_kv.shape[0] == held
-        if hp.kind(il) == "csa":
-            assert state[3].shape == (30 // r, hp.idx_head_dim)  # indexer keys
+        entries, epos, rows, rpos = cache.find(il, ds4.CompressedStream).get(0)
+        assert entries.shape == (n // r, hp.head_dim) and list(epos) == list(range(0, n // r * r, r))
+        coff = 2 if atype == "csa" else 1
+        assert rows.shape[1] == 2 * coff * hp.head_dim  # kv | score
+        # the filling block (+ the last complete one for CSA) are what the next position needs
+        live = cache.find(il, ds4.CompressedStream).contents(0)[3]
+        assert live[0] == n // r * r - (r if atype == "csa" else 0) and live[-1] == n - 1
+        if atype == "csa":
+            assert cache.find(il, ds4.IndexerStream).get(0)[0].shape == (n // r, hp.idx_head_dim)
     layout = g.cache_layout()
-    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [["KV"], ["KV", "CompressedStreams"]] + \
-        [["KV", "CompressedStreams"]] * 2
+    want = {"window": ["WindowKeys"], "hca": ["WindowKeys", "CompressedStream"],
+            "csa": ["WindowKeys", "CompressedStream", "IndexerStream"]}
+    assert [[type(k).__name__ for k in kinds] for kinds in layout] == [want[hp.attention_type(il)]
+                                                                       for il in range(hp.n_layer)]
     ctx = flash.new_context()
-    ctx.forward(Batch.from_tokens(prompt(30)))
-    assert ctx.recurrent and ctx.rollback_plan(0, 30, 33) == "snapshot"
+    ctx.forward(Batch.from_tokens(prompt(n)))
+    assert not ctx.recurrent
     by_kind = ctx.cache.nbytes_by_kind()
-    assert by_kind["state"] > 0 and by_kind["kv"] >= 30 * 4 * hp.head_dim * hp.n_layer
+    assert set(by_kind) == {"window", "compressed", "indexer"}
 
 
 def test_positions_must_continue_the_cache(flash):
-    cache = KVCache(flash.hparams.n_layer)
+    cache = new_cache(flash.graph, flash.hparams.n_layer)
     flash.graph.forward(Batch.from_tokens(prompt(5)), cache)
     with pytest.raises(UserError, match="continues at position 7"):
         flash.graph.forward(Batch.from_tokens([1], start=7), cache)
@@ -159,35 +166,66 @@ def _rope(w):
     return ops.RopeCache(ops.rope_freqs(w // 2, 10000.0))
 
 
+def _stream(r, overlap):
+    from plinth.graph import Cache
+
+    return Cache(1, layout=[(ds4.CompressedStream(r, overlap),)]).find(0, ds4.CompressedStream)
+
+
+def _compress(stream, comp, x, pos):
+    entries = ds4.compress(stream, 0, comp, x, pos, _rope(8), 4, 1e-6)
+    stream.commit()
+    return entries
+
+
 def test_csa_with_fewer_tokens_than_one_block():
     rng = np.random.default_rng(2)
     comp = _compressor(rng, 4, 8, True)
     x = rng.standard_normal((3, 8)).astype(np.float32)
-    s = ds4.compress(ds4.Stream.empty(8, 2, np), comp, x, np.arange(3), _rope(8), 4, 1e-6)
-    assert s.entries.shape == (0, 8) and s.rows_kv.shape == (3, 16)  # no entry, rows kept
+    s = _stream(4, True)
+    entries = _compress(s, comp, x, np.arange(3))
+    assert entries.shape == (0, 8) and s.get(0)[2].shape == (3, 32)  # no entry, rows (kv | score) kept
     # the 4th token completes block 0: its entry pools the padding rows (score -inf) and block 0's second half
     x4 = rng.standard_normal((1, 8)).astype(np.float32)
-    s = ds4.compress(s, comp, x4, np.arange(3, 4), _rope(8), 4, 1e-6)
+    entries = _compress(s, comp, x4, np.arange(3, 4))
     rows = np.concatenate([x, x4])
     kv, sc = rows @ comp.w_kv.T, rows @ comp.w_gate.T + comp.ape
     p = np.exp(sc[:, 8:] - sc[:, 8:].max(0))
     pooled = (p / p.sum(0) * kv[:, 8:]).sum(0)
     pooled = pooled / np.sqrt((pooled ** 2).mean() + 1e-6)  # norm weight 1; rope at position 0 is the identity
-    np.testing.assert_allclose(s.entries[0], pooled, atol=1e-5)
-    assert s.rows_kv.shape == (4, 16)  # block 0 stays: its first half feeds entry 1
+    np.testing.assert_allclose(entries[0], pooled, atol=1e-5)
+    assert list(s.contents(0)[3]) == [0, 1, 2, 3]  # block 0 stays: its first half feeds entry 1
+
+
+def test_csa_entries_pool_the_block_before():
+    from plinth import ops
+
+    rng = np.random.default_rng(5)
+    comp = _compressor(rng, 4, 8, True)
+    x = rng.standard_normal((13, 8)).astype(np.float32)
+    s = _stream(4, True)
+    entries = _compress(s, comp, x, np.arange(13))
+    kv, sc = x @ comp.w_kv.T, x @ comp.w_gate.T + comp.ape[np.arange(13) % 4]
+    for j in (1, 2):  # block j-1's first half, block j's second half
+        slot_kv = np.concatenate([kv[4 * j - 4:4 * j, :8], kv[4 * j:4 * j + 4, 8:]])
+        slot_sc = np.concatenate([sc[4 * j - 4:4 * j, :8], sc[4 * j:4 * j + 4, 8:]])
+        p = np.exp(slot_sc - slot_sc.max(0))
+        pooled = (p / p.sum(0) * slot_kv).sum(0)
+        pooled = pooled / np.sqrt((pooled ** 2).mean() + 1e-6)
+        got = ops.apply_rope(pooled[None, None, :], cos_sin=_rope(8)(np.array([4 * j])), offset=4)[0, 0]
+        np.testing.assert_allclose(entries[j], got, atol=1e-5)
 
 
 def test_hca_partial_block_gives_no_entry_until_complete():
     rng = np.random.default_rng(3)
     comp = _compressor(rng, 8, 8, False)
-    s = ds4.Stream.empty(8, 1, np)
+    s = _stream(8, False)
     x = rng.standard_normal((13, 8)).astype(np.float32)
-    s = ds4.compress(s, comp, x[:7], np.arange(7), _rope(8), 4, 1e-6)
-    assert s.entries.shape[0] == 0
-    s = ds4.compress(s, comp, x[7:13], np.arange(7, 13), _rope(8), 4, 1e-6)
-    assert s.entries.shape[0] == 1 and s.rows_kv.shape[0] == 5  # 13 = one block + 5 rows of the next
-    one = ds4.compress(ds4.Stream.empty(8, 1, np), comp, x, np.arange(13), _rope(8), 4, 1e-6)
-    np.testing.assert_allclose(one.entries, s.entries, atol=1e-6)
+    assert _compress(s, comp, x[:7], np.arange(7)).shape[0] == 0
+    entries = _compress(s, comp, x[7:13], np.arange(7, 13))
+    assert entries.shape[0] == 1 and list(s.contents(0)[3]) == list(range(8, 13))  # one block + 5 rows of the next
+    one = _compress(_stream(8, False), comp, x, np.arange(13))
+    np.testing.assert_allclose(one, entries, atol=1e-6)
 
 
 def test_topk_larger_than_entries_is_clamped():
@@ -271,7 +309,7 @@ def test_missing_indexer_tensor_on_a_csa_layer_is_named(tmp_path):
 
 def test_embedding_rows_are_refused(flash):
     with pytest.raises(UserError, match="embedding rows are not supported"):
-        flash.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), KVCache(4))
+        flash.graph.forward(Batch.from_embeddings(np.zeros((2, 64), np.float32)), new_cache(flash.graph, 4))
 
 
 def test_strict_device_stand_in_gives_the_same_logits(flash):

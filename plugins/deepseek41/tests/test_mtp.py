@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import plinth
-from plinth.context import Batch, KVCache
+from plinth.graph import Batch
 from plinth.errors import UserError
 from plinth.gguf import GGUFFile
 from plinth.testing import load_module, random_tensors, write_gguf
@@ -58,7 +58,8 @@ def test_mtp_block_math(target):
     n, hc, e = 5, hp.hc, hp.n_embd
     toks = rng.integers(0, hp.n_vocab, n)
     h = rng.standard_normal((n, hc * e)).astype(np.float32)
-    out = g.mtp(Batch.from_tokens(toks.tolist(), output="all"), h, KVCache(hp.n_layer + 1))
+    head = g.draft_heads()["mtp"]
+    out = g.mtp(Batch.from_tokens(toks.tolist(), output="all"), h, head.new_cache())
     b = f"blk.{hp.n_layer}."
 
     def rms(x, wt):
@@ -68,8 +69,9 @@ def test_mtp_block_math(target):
     x0 = np.stack([np.concatenate([emb, rms(h.reshape(n, hc, e)[:, c], w[b + "nextn.hnorm.weight"])], -1)
                    @ w[b + "nextn.eh_proj.weight"].T for c in range(hc)], axis=1)
     batch = Batch.from_tokens(toks.tolist(), output="all")
-    cache = KVCache(hp.n_layer + 1)
-    x1 = g.block(hp.n_layer, x0, batch, cache, g._seq_rows(batch, cache), toks)
+    cache = head.new_cache()
+    with cache.forward(batch):
+        x1 = g.block(hp.n_layer, x0, g.step(batch, cache))
     flat = x1.reshape(n, -1)
     mix = (flat / np.sqrt((flat ** 2).mean(-1, keepdims=True) + hp.norm_eps)) @ w[b + "nextn.hc_head_fn.weight"].T
     pre = 1 / (1 + np.exp(-(mix * w[b + "nextn.hc_head_scale.weight"][0] + w[b + "nextn.hc_head_base.weight"])))
@@ -89,7 +91,7 @@ def test_mtp_drafter_is_lossless(target):
 def test_mtp_drafter_through_the_registry(target):
     reg = golden.registry()
     d = reg.make_drafter("mtp", target, {"n_max": 2})
-    assert d.name == "mtp" and d.requirements().taps == (target.hparams.n_layer,)
+    assert d.name == "mtp" and d.requirements().taps == (target.graph.wide_tap,)  # the whole streams
 
 
 def test_mtp_drafter_refuses_a_file_without_mtp(tmp_path):

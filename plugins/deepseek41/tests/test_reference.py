@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
 from plinth.testing import greedy_through_cache, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -81,8 +80,8 @@ def test_cases_cover_the_features(models):
     """Different layer-type patterns, ratios, hc_mult and hash layers across the cases."""
     hps = [models[c].hparams for c in CASES]
     assert {hp.hc for hp in hps} >= {2, 3, 4}
-    assert {hp.kind(il) for hp in hps for il in range(hp.n_layer)} == {"window", "csa", "hca"}
-    assert {hp.csa_ratio for hp in hps if any(hp.kind(i) == "csa" for i in range(hp.n_layer))} >= {2, 4}
+    assert {hp.attention_type(il) for hp in hps for il in range(hp.n_layer)} == {"window", "csa", "hca"}
+    assert {hp.csa_ratio for hp in hps if any(hp.attention_type(i) == "csa" for i in range(hp.n_layer))} >= {2, 4}
     assert {hp.n_hash_layers for hp in hps} >= {0, 1, 2, 4}
     assert any(hp.rope_yarn_factor != 1.0 for hp in hps)
     # the long prompt crosses several compressed blocks and ends in a partial one on every compressed layer

@@ -24,7 +24,7 @@ import numpy as np
 
 from plinth.convert import SafetensorsDir, map_names, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.tensors import check_tensors
+from plinth.graph import check_tensors
 
 from .mimo2 import ARCH, GATING_SIGMOID, MiMo2
 

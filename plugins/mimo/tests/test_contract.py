@@ -65,7 +65,7 @@ def test_llama_cpp_block_count_includes_the_mtp_layers():
     ("mimo2.attention.head_count_kv", [3, 3, 3, 3], "GQA needs a divisor"),
 ])
 def test_bad_keys_are_refused_by_name(key, value, message):
-    from plinth.hparams import HParamsError
+    from plinth.graph import HParamsError
 
     md = dict(metadata("release"), **{key: value})
     with pytest.raises(HParamsError, match=message):

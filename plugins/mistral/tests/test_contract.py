@@ -16,7 +16,7 @@ import pytest
 from plinth.graph import Batch
 from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, new_cache
 
-from plinth.cache import IndexerKeys, Latent, SharedKV
+from plinth.graph import IndexerKeys, Latent, SharedKV
 from plinth_mistral.mistral_large4 import cache_bytes_per_token, cache_widths
 
 CASES = ["issue", "nope_share", "deep"]
