@@ -180,3 +180,66 @@ def test_cli_flags(path, capsys):
     with pytest.raises(SystemExit):
         main(["--plugins", "llama", "generate", "-m", str(path), "-ctk", "q2_k", "hi"])
     assert "'q2_k' is not a cache type" in capsys.readouterr().err
+
+
+def test_dflash_draft_over_a_typed_cache(path, registry, tmp_path):
+    """A DFlash draft whose own cache is q8_0: its injected K/V (written by cache.update, outside
+    graph.attend) are turned into the cache's space on the way in and back on the way out, so its
+    block's hidden states stay near the float32 cache's, and verification stays lossless."""
+    pytest.importorskip("plinth_dflash")
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import write_tiny_draft
+
+    from plinth.cache import KVCache
+    from plinth.generate import Generator
+    from plinth.kvtypes import CacheTypes
+    from plinth.sampling import Sampler, SamplerConfig
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+
+    model = _load(path, registry)
+    draft = write_tiny_draft(tmp_path / "d.gguf", "dflash", n_embd=N_EMBD, n_vocab=model.n_vocab, n_layer=2, n_head=4,
+                             n_head_kv=2, head_dim=64, n_ff=128, taps=[0, 1], block_size=5, mask_token=0, scale=0.05)
+    hidden = {}
+    for kind in ("f32", "q8_0"):
+        d = make_dflash(model, {"draft": str(draft)})
+        d.cache = KVCache(d.graph.hp.n_layer, np, types=CacheTypes(k=kind, v=kind))
+        rng = np.random.default_rng(3)
+        g = rng.standard_normal((12, N_EMBD)).astype(np.float32)
+        d.graph.inject(d.cache, 0, np.arange(12), g)
+        hidden[kind] = np.asarray(d.graph.forward_block(d.cache, 0, [5, 0, 0, 0], np.arange(12, 16)))
+        if kind == "q8_0":
+            assert [c.rot for c in d.cache.kv(0).codecs] == [64, 64]
+    assert np.abs(hidden["q8_0"] - hidden["f32"]).max() <= 0.05 * np.abs(hidden["f32"]).max()
+    greedy = SamplerConfig(temperature=0.0)
+    prompt = [int(t) for t in PROMPT[:10]]
+    want = Generator(model, Sampler(greedy)).generate(prompt, 20)
+    d = make_dflash(model, {"draft": str(draft)})
+    d.cache = KVCache(d.graph.hp.n_layer, np, types=CacheTypes(k="q4_0", v="q8_0"))
+    gen = SpeculativeGenerator(model, [d], config=SpecConfig(n_max=4, verifier="greedy"), sampler=greedy)
+    assert gen.generate(prompt, 20) == want
+
+
+def test_latent_and_indexer_keys_take_the_key_type(monkeypatch):
+    """An MLA latent and DeepSeek's indexer keys are stored in the key type (turned: the latent as the
+    switch says, the indexer keys always); get() returns them unpacked, near what was written."""
+    from types import SimpleNamespace
+
+    from plinth.cache import Cache, IndexerKeys, Latent
+    from plinth.kvtypes import CacheTypes
+
+    monkeypatch.setenv("PLINTH_ATTN_ROT_DISABLE", "1")
+    rng = np.random.default_rng(2)
+    cache = Cache(1, layout=[(Latent(), IndexerKeys())], types=CacheTypes(k="q8_0", v="q4_0"))
+    c_kv, k_rope, idx = (rng.standard_normal((6, n)).astype(np.float32) for n in (512, 64, 128))
+    pos = np.arange(6)
+    with cache.forward(SimpleNamespace(positions=pos, seq_ids=np.zeros(6, np.int64))):
+        cache.find(0, Latent).update(0, pos, c_kv, k_rope)
+        cache.find(0, IndexerKeys).update(0, pos, idx)
+    lat, ind = cache.find(0, Latent), cache.find(0, IndexerKeys)
+    assert [c.type.name for c in lat.codecs] == ["q8_0", "q8_0"] and [c.rot for c in lat.codecs] == [0, 0]
+    assert ind.codecs[0].type.name == "q8_0" and ind.codecs[0].rot == 128  # whatever the switch
+    a, b, p = lat.get(0)
+    np.testing.assert_allclose(a, c_kv, atol=0.02)
+    np.testing.assert_allclose(b, k_rope, atol=0.02)
+    np.testing.assert_allclose(ind.get(0)[0], idx, atol=0.05)
+    assert cache.nbytes_by_role() == {"k": 6 * (512 + 64 + 128) // 32 * 34}
