@@ -18,7 +18,9 @@ An architecture plugin needs three things from the core, all here:
   engine calls — hparams, tensors, build — from one class).
 
 A graph satisfies the :class:`Graph` protocol; hparams satisfy :class:`HParams` (the
-fields the core reads). Model code uses :mod:`plinth.ops` for the maths.
+fields the core reads). Model code uses :mod:`plinth.ops` for the maths. What else a plugin
+needs of the core is re-exported here (the tensor checks, :class:`QuantWeight`,
+:class:`NumpyBackend`, ``DENSE_RANGES``), so plugins import no private module.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ from .cache import (
     run_layers,
 )
 from .batch import Batch, ForwardOutput, pool
-from .hparams import HParamsError, KeyReader, PerLayer
-from .tensors import TensorSpec
+from .backend import NumpyBackend
+from .hparams import DENSE_RANGES, HParamsError, KeyReader, PerLayer
+from .quant import QuantWeight
+from .tensors import KeyUse, TensorCheckError, TensorSpec, check_tensors, scale_name, unused_tensors
 
 __all__ = [
     "Architecture",
@@ -56,6 +60,7 @@ __all__ = [
     "CacheKind",
     "CacheSnapshot",
     "CompressedKV",
+    "DENSE_RANGES",
     "ForwardOutput",
     "Graph",
     "HParams",
@@ -68,19 +73,25 @@ __all__ = [
     "Latent",
     "Layout",
     "Linear",
+    "NumpyBackend",
     "PerLayer",
+    "QuantWeight",
     "Recurrent",
     "Rope",
     "Rows",
     "SharedKV",
     "Step",
     "TargetView",
+    "TensorCheckError",
     "TensorSpec",
     "attend",
+    "check_tensors",
     "embed_rows",
     "pool",
     "run_layers",
+    "scale_name",
     "seq_groups",
+    "unused_tensors",
 ]
 
 
@@ -621,3 +632,35 @@ class Architecture:
 
     def build(self, hparams: Any, weights: Mapping[str, Any], backend: Any) -> Any:
         return self.graph(hparams, weights, backend)
+
+    # -------------------------------------------------------------- checking a file
+
+    def check(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any], source: str) -> Any:
+        """Check a file's contents against this architecture's own reading of it; returns the hparams.
+
+        ``metadata``: the GGUF keys; ``tensors``: name -> array (anything with ``.shape``; integer
+        arrays count as I32) or name -> (numpy shape, GGML type name). Raises a one-line
+        :class:`~plinth.errors.UserError` for a missing or malformed key, a missing tensor or one of
+        the wrong shape or type (:func:`check_tensors`), and for a tensor no spec declares or an
+        ``{name}.*`` key the hparams step never read: what loading the file would refuse. A
+        converter calls it on what it is about to write.
+        """
+        from .errors import UserError
+
+        keys = KeyUse(metadata)
+        hp = self.load_hparams(keys, source)
+        specs = self.tensor_specs(hp)
+        present = {n: _shape_and_type(t) for n, t in tensors.items()}
+        check_tensors(specs, present, source)
+        extra = unused_tensors(specs, present) + keys.unread(self.name + ".")
+        if extra:
+            raise UserError(f"{source}: tensor(s) or key(s) {extra} are not read by the {self.name} architecture")
+        return hp
+
+
+def _shape_and_type(t: Any) -> tuple[tuple[int, ...], str]:
+    """(numpy shape, GGML type name) of an array, or the pair itself."""
+    if isinstance(t, tuple):
+        return tuple(t[0]), str(t[1])
+    kind = getattr(getattr(t, "dtype", None), "kind", "f")
+    return tuple(t.shape), "I32" if kind in "iu" else "F32"

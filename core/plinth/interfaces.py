@@ -81,8 +81,12 @@ class Backend(Protocol):
 
 @runtime_checkable
 class Converter(Protocol):
-    """An HF (config.json + safetensors) to GGUF converter."""
+    """An HF (config.json + safetensors) to GGUF converter.
+
+    ``convert`` writes ``out_path`` and returns its notes: one-line strings on what was left out or
+    assumed (``[]`` when nothing was), which it also prints to stderr prefixed with its plugin's name.
+    """
 
     hf_arch: str
 
-    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> None: ...
+    def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str] | None: ...

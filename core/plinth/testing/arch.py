@@ -35,6 +35,10 @@ def check_architecture(registry: Any, arch: str, metadata: Mapping[str, Any], fo
     from .drafters import RandomDrafter, assert_caches_equal, check_drafter_contract
     from .synthetic import byte_vocab, write_synthetic_gguf
 
+    n_vocab = metadata.get(f"{arch}.vocab_size")
+    if n_vocab is not None and n_vocab != 257:
+        raise ValueError(f"check_architecture writes the 257-token byte vocabulary, but the metadata says "
+                         f"{arch}.vocab_size = {n_vocab}: give tiny_metadata({arch!r}, n_vocab=257)")
     md = {**dict(metadata), **byte_vocab()}
     path = write_synthetic_gguf(Path(folder) / f"{arch}.gguf", arch, md, registry, seed=seed, scale=scale)
     model = load_model(path, registry=registry, backend=backend)

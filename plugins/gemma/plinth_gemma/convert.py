@@ -19,7 +19,7 @@ import numpy as np
 
 from plinth.convert import SafetensorsDir, bpe_tokenizer_metadata, map_names, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.tensors import check_tensors
+from plinth.graph import check_tensors
 
 from .gemma4 import Gemma4
 

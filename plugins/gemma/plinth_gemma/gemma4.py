@@ -47,9 +47,8 @@ import numpy as np
 
 from plinth import ops
 from plinth.errors import UserError
-from plinth.graph import (KV, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, SharedKV, Step,
-                          TensorSpec, attend, embed_rows)
-from plinth.hparams import DENSE_RANGES
+from plinth.graph import (DENSE_RANGES, KV, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope,
+                          SharedKV, Step, TensorSpec, attend, embed_rows)
 
 
 @attrs.frozen

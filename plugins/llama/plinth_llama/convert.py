@@ -36,7 +36,6 @@ import numpy as np
 
 from plinth.convert import SafetensorsDir, bpe_tokenizer_metadata, permute_qk, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.tensors import check_tensors, unused_tensors
 
 OUTTYPES = {"f32": 0, "f16": 1, "bf16": 32}  # -> general.file_type (llama.cpp's LLAMA_FTYPE_*)
 
@@ -299,19 +298,11 @@ class DenseConverter:
 
     def check(self, md: Mapping[str, Any], tensors: Mapping[str, np.ndarray], model_dir: str) -> None:
         """The file about to be written against plinth-llama's own reading of it (keys and tensors)."""
-        from plinth.tensors import KeyUse
-
         from .gemma3 import Gemma3
         from .llama import Llama, Qwen2, Qwen3
 
         arch = {"llama": Llama, "qwen2": Qwen2, "qwen3": Qwen3, "gemma3": Gemma3}[self.arch]()
-        keys = KeyUse(md)
-        hp = arch.load_hparams(keys, f"converted {model_dir}")
-        specs = arch.tensor_specs(hp)
-        check_tensors(specs, {k: (tuple(v.shape), "F32") for k, v in tensors.items()}, f"converted {model_dir}")
-        extra = unused_tensors(specs, tensors) + keys.unread(self.arch + ".")
-        if extra:
-            raise UserError(f"{model_dir}: converted tensor(s) or key(s) {extra} are not read by '{self.arch}'")
+        arch.check(md, {k: (tuple(v.shape), "F32") for k, v in tensors.items()}, f"converted {model_dir}")
 
 
 class LlamaConverter(DenseConverter):

@@ -36,9 +36,8 @@ import attrs
 
 from plinth import ops
 from plinth.errors import UserError
-from plinth.graph import (Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step, TensorSpec,
-                          attend)
-from plinth.hparams import DENSE_RANGES
+from plinth.graph import (DENSE_RANGES, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step,
+                          TensorSpec, attend)
 
 
 @attrs.frozen

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
-from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, random_tensors, tiny_metadata
+from plinth.graph import Batch
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, new_cache, random_tensors, tiny_metadata
 
 ARCHS = {
     "llama": {},
@@ -38,7 +38,7 @@ def build(registry, arch, seed=0, backend="numpy"):
 
 
 def run(graph, hp, batch):
-    return graph.forward(batch, KVCache(hp.n_layer, graph.xp))
+    return graph.forward(batch, new_cache(graph, hp.n_layer))
 
 
 def logits(graph, hp, batch):
@@ -98,17 +98,17 @@ def test_outputs_only_where_asked_and_deterministic(registry, arch, backend):
 def test_feature_taps_and_pooling_skip_the_lm_head(registry):
     hp, graph = build(registry, "qwen3")
     tokens = list(range(7))
-    out = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), taps=(0, 1, hp.n_layer))
+    out = graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, hp.n_layer), taps=(0, 1, hp.n_layer))
     assert sorted(out.features) == [0, 1, hp.n_layer]
     np.testing.assert_array_equal(out.features[0], graph.w["token_embd.weight"][tokens])
-    pooled = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), pooling="mean")
+    pooled = graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, hp.n_layer), pooling="mean")
     assert pooled.logits is None and pooled.embeddings.shape == (1, hp.n_embd)
 
 
 def test_kv_cache_seq_rm_and_cp(registry):
     hp, graph = build(registry, "llama")
     tokens = list(range(10))
-    cache = KVCache(hp.n_layer)
+    cache = new_cache(graph, hp.n_layer)
     graph.forward(Batch.from_tokens(tokens[:8]), cache)
     cache.seq_rm(0, 6)  # drop positions 6, 7 (a rejected draft)
     assert cache.n_cached(0) == 6 and cache.next_position(0) == 6

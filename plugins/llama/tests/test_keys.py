@@ -119,8 +119,8 @@ def test_qwen2_lm_head_bias(registry):
     """``output.bias`` (llama.cpp's qwen2 reads it when present) is added to every logit row."""
     import numpy as np
 
-    from plinth.graph import Batch, KVCache
-    from plinth.testing import random_tensors
+    from plinth.graph import Batch
+    from plinth.testing import new_cache, random_tensors
 
     hp = hparams(registry, "qwen2")
     arch = registry.architecture("qwen2")
@@ -130,7 +130,7 @@ def test_qwen2_lm_head_bias(registry):
 
     def logits(w):
         graph = registry.arch_build("qwen2", hp, dict(w), be)
-        return graph.forward(Batch.from_tokens(ids, output="all"), KVCache(hp.n_layer)).logits
+        return graph.forward(Batch.from_tokens(ids, output="all"), new_cache(graph, hp.n_layer)).logits
 
     bias = np.linspace(-1, 1, hp.n_vocab, dtype=np.float32)
     np.testing.assert_allclose(logits({**weights, "output.bias": bias}), logits(weights) + bias, atol=1e-5, rtol=0)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
-from plinth.testing import greedy_through_cache, load_golden, load_module
+from plinth.graph import Batch
+from plinth.testing import greedy_through_cache, load_golden, load_module, new_cache
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -55,7 +55,7 @@ def test_logits_match_reference(models, case):
     _, runs = load(case)
     assert [p for p, _, _ in runs] == golden.prompts(case, hp.n_vocab)
     for prompt, ref, _ in runs:
-        got = graph.forward(Batch.from_tokens(prompt, output="all"), KVCache(hp.n_layer)).logits
+        got = graph.forward(Batch.from_tokens(prompt, output="all"), new_cache(graph, hp.n_layer)).logits
         assert got.shape == ref.shape
         diff = float(np.max(np.abs(got - ref)))
         assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - reference| = {diff:.3g}"

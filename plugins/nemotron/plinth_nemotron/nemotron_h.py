@@ -31,10 +31,10 @@ from plinth import ops
 from plinth.errors import UserError
 from plinth.graph import (KV, Architecture, BaseGraph, Batch, Cache, HParamsError, KeyReader, PerLayer, Recurrent,
                           Step, TensorSpec, attend, seq_groups)
-from plinth.ops.ssm import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
+from plinth.ops import causal_conv1d, gated_group_rms_norm, ssm_scan, ssm_step
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
-KIND_OF_CHAR = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # the hparams.pattern letters
+MIXER_OF_CHAR = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}  # the hparams.pattern letters
 
 # chunk length of the SSD prefill (an exact computation: any length gives the same result)
 SSM_CHUNK = 64
@@ -87,11 +87,11 @@ class NemotronHParams:
         return 1 if self.mtp_folded else len(self.mtp_pattern)
 
     def mtp_sublayers(self) -> list[tuple[int, str, str]]:
-        """The MTP head's sub-blocks in order: (GGUF block index, mixer kind, pre-norm tensor suffix)."""
+        """The MTP head's sub-blocks in order: (GGUF block index, mixer, pre-norm tensor suffix)."""
         n = self.n_layer
         if self.mtp_folded:
             return [(n, ATTENTION, "attn_norm.weight"), (n, MOE, "post_attention_norm.weight")]
-        return [(n + j, KIND_OF_CHAR[c], "attn_norm.weight") for j, c in enumerate(self.mtp_pattern)]
+        return [(n + j, MIXER_OF_CHAR[c], "attn_norm.weight") for j, c in enumerate(self.mtp_pattern)]
 
     @property
     def ssm_head_dim(self) -> int:
@@ -107,15 +107,15 @@ class NemotronHParams:
             raise IndexError(f"{what}({il}): layer out of range (n_layer = {self.n_layer}{extra})")
         return int(il)
 
-    def kind(self, il: int) -> str:
+    def mixer(self, il: int) -> str:
         """The mixer of layer ``il`` (trunk or split MTP block; a folded MTP block reads as its MoE part)."""
-        il = self._layer(il, "kind")
+        il = self._layer(il, "mixer")
         if self.mtp_folded and il == self.n_layer:
             return MOE
-        return KIND_OF_CHAR[(self.pattern + self.mtp_pattern)[il]]
+        return MIXER_OF_CHAR[(self.pattern + self.mtp_pattern)[il]]
 
     def is_recurrent(self, il: int) -> bool:
-        return self.kind(il) == MAMBA
+        return self.mixer(il) == MAMBA
 
     def n_ff_exp(self, il: int = 0) -> int:
         """Width of layer ``il``'s routed experts (raises IndexError outside 0..n_layer-1)."""
@@ -283,7 +283,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
 # ============================================================================ tensors
 
 def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
-    """GGUF tensor names and numpy-order shapes, per layer kind."""
+    """GGUF tensor names and numpy-order shapes, per layer mixer."""
     e, v = hp.n_embd, hp.n_vocab
     specs = [
         TensorSpec("token_embd.weight", (v, e)),
@@ -291,20 +291,20 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
         TensorSpec("output.weight", (v, e), required=False),  # absent: tied to token_embd
     ]
     d_in_proj = 2 * hp.ssm_d_inner + 2 * hp.ssm_n_group * hp.ssm_d_state + hp.ssm_n_head
-    blocks = [(il, hp.kind(il)) for il in range(hp.n_layer)] + [(il, kind) for il, kind, _ in hp.mtp_sublayers()]
-    for il, kind in blocks:
+    blocks = [(il, hp.mixer(il)) for il in range(hp.n_layer)] + [(il, mixer) for il, mixer, _ in hp.mtp_sublayers()]
+    for il, mixer in blocks:
         b = f"blk.{il}."
-        if hp.mtp_folded and il == hp.n_layer and kind == MOE:  # the folded block's second sub-block
+        if hp.mtp_folded and il == hp.n_layer and mixer == MOE:  # the folded block's second sub-block
             specs.append(TensorSpec(b + "post_attention_norm.weight", (e,)))
         else:
             specs.append(TensorSpec(b + "attn_norm.weight", (e,)))
-        if hp.n_nextn and (il, kind) == blocks[hp.n_layer]:  # the MTP head's input: eh_proj([enorm(embed); hnorm(h)])
+        if hp.n_nextn and (il, mixer) == blocks[hp.n_layer]:  # the MTP head's input: eh_proj([enorm(embed); hnorm(h)])
             specs += [TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e)),
                       TensorSpec(b + "nextn.enorm.weight", (e,)),
                       TensorSpec(b + "nextn.hnorm.weight", (e,))]
-        if hp.n_nextn and (il, kind) == blocks[-1]:  # the MTP head's final norm
+        if hp.n_nextn and (il, mixer) == blocks[-1]:  # the MTP head's final norm
             specs.append(TensorSpec(b + "nextn.shared_head_norm.weight", (e,)))
-        if kind == MAMBA:
+        if mixer == MAMBA:
             cd, h = hp.ssm_conv_dim, hp.ssm_n_head
             specs += [
                 TensorSpec(b + "ssm_in.weight", (d_in_proj, e)),
@@ -318,7 +318,7 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_out.weight", (e, hp.ssm_d_inner)),
                 TensorSpec(b + "ssm_out.bias", (e,), required=False),
             ]
-        elif kind == ATTENTION:
+        elif mixer == ATTENTION:
             nq, nkv = hp.n_head[il] * hp.head_dim, hp.n_head_kv[il] * hp.head_dim
             nv = hp.n_head_kv[il] * hp.head_dim_v
             specs += [
@@ -331,7 +331,7 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
                 TensorSpec(b + "attn_v.bias", (nv,), required=False),
                 TensorSpec(b + "attn_output.bias", (e,), required=False),
             ]
-        elif kind == MLP:
+        elif mixer == MLP:
             ff = hp.n_ff[il]
             specs += [
                 TensorSpec(b + "ffn_up.weight", (ff, e)),
@@ -360,7 +360,7 @@ def tensor_specs(hp: NemotronHParams) -> list[TensorSpec]:
 # ============================================================================ graph
 
 class NemotronHGraph(BaseGraph):
-    """Forward of a Nemotron-H model: ``x += mixer(rms_norm(x))`` per layer, the mixer by ``hp.kind(il)``."""
+    """Forward of a Nemotron-H model: ``x += mixer(rms_norm(x))`` per layer, the mixer by ``hp.mixer(il)``."""
 
     def __init__(self, hp: NemotronHParams, weights: Mapping[str, Any], backend: Any) -> None:
         super().__init__(hp, weights, backend)
@@ -378,11 +378,11 @@ class NemotronHGraph(BaseGraph):
     def cache_layout(self) -> list[tuple[Any, ...]]:
         """Mamba layers keep a recurrent state (rollback by snapshot + replay), attention layers K/V."""
         kinds = {MAMBA: lambda: (Recurrent(),), ATTENTION: lambda: (KV(),)}
-        return [kinds.get(self.hp.kind(il), tuple)() for il in range(self.hp.n_layer)]
+        return [kinds.get(self.hp.mixer(il), tuple)() for il in range(self.hp.n_layer)]
 
     def layer(self, il: int, x: Any, step: Step) -> Any:
         h = ops.rms_norm(x, self.w[f"blk.{il}.attn_norm.weight"], self.hp.norm_eps)
-        return x + self.mixers[self.hp.kind(il)](il, h, step)
+        return x + self.mixers[self.hp.mixer(il)](il, h, step)
 
     # -------------------------------------------------------------- mixers
 
@@ -497,9 +497,9 @@ class NemotronHGraph(BaseGraph):
         x = ops.linear(xp.concatenate([emb, hn], axis=-1), w[b + "eh_proj.weight"])
         with cache.forward(batch):
             step = Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids))
-            for j, (il, kind, norm) in enumerate(hp.mtp_sublayers()):
+            for j, (il, mixer, norm) in enumerate(hp.mtp_sublayers()):
                 h = ops.rms_norm(x, w[f"blk.{il}.{norm}"], hp.norm_eps)
-                x = x + (self.attention(il, h, step, slot=j) if kind == ATTENTION else self.moe(il, h))
+                x = x + (self.attention(il, h, step, slot=j) if mixer == ATTENTION else self.moe(il, h))
         out = ops.rms_norm(x, w[f"blk.{il0 + hp.n_nextn - 1}.nextn.shared_head_norm.weight"], hp.norm_eps)
         return MtpOutput(logits=self.head(out), hidden=out)
 
@@ -514,7 +514,7 @@ class NemotronHGraph(BaseGraph):
                 raise UserError(f"{self.hp.arch}: sequence {seq}'s rows must have consecutive increasing positions "
                                 f"in a batch (got {pos.tolist()}); a recurrent state cannot skip or reorder tokens")
             if "M" in self.hp.pattern:
-                start = cache.next_position(seq) if cache.has_state(seq) else 0
+                start = cache.next_position(seq) if cache.holds_state(seq) else 0
                 if int(pos[0]) != start:
                     raise UserError(
                         f"{self.hp.arch}: sequence {seq} continues at position {int(pos[0])}, but its recurrent "
@@ -548,7 +548,7 @@ class MtpHead:
 
     def new_cache(self) -> Cache:
         hp = self._graph.hp
-        layout = [(KV(),) if kind == ATTENTION else () for _, kind, _ in hp.mtp_sublayers()]
+        layout = [(KV(),) if mixer == ATTENTION else () for _, mixer, _ in hp.mtp_sublayers()]
         return Cache(len(layout), self.xp, layout)
 
     def target_rows(self, tapped: Any) -> Any:

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
+from plinth.graph import Batch, Recurrent
 from plinth.errors import UserError
 from plinth.testing.drafters import assert_caches_equal
-from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, load_module
+from plinth.testing import CONTRACT_BACKENDS, check_prefill_then_decode, load_module, new_cache
 
 
 tiny = load_module(Path(__file__).parent / "tiny.py")
@@ -40,7 +40,7 @@ def build(registry, name, seed=0, backend="numpy"):
 
 
 def run(graph, hp, batch):
-    return graph.forward(batch, KVCache(hp.n_layer, graph.xp))
+    return graph.forward(batch, new_cache(graph, hp.n_layer))
 
 
 def host(graph, array):
@@ -68,9 +68,9 @@ def test_prefill_then_decode_equals_full_forward(registry, name, backend):
 def test_token_by_token_decode_equals_chunked_prefill(registry, name, backend):
     hp, graph, _ = build(registry, name, backend=backend)
     tokens = np.random.default_rng(2).integers(0, hp.n_vocab, 70).tolist()  # > one SSD chunk (64)
-    full_cache = KVCache(hp.n_layer, graph.xp)
+    full_cache = new_cache(graph, hp.n_layer)
     full = host(graph, graph.forward(Batch.from_tokens(tokens, output="all"), full_cache).logits)
-    cache = KVCache(hp.n_layer, graph.xp)
+    cache = new_cache(graph, hp.n_layer)
     steps = [host(graph, graph.forward(Batch.from_tokens([t], start=i), cache).logits) for i, t in enumerate(tokens)]
     np.testing.assert_allclose(np.concatenate(steps), full, atol=1e-4, rtol=0)
     assert_caches_equal(cache, full_cache, atol=1e-4)  # same conv and SSM states either way
@@ -82,7 +82,7 @@ def test_uneven_prefill_chunks_and_chunk_length_do_not_matter(registry, monkeypa
     hp, graph, _ = build(registry, "hybrid")
     tokens = np.random.default_rng(3).integers(0, hp.n_vocab, 50).tolist()
     full = run(graph, hp, Batch.from_tokens(tokens, output="all")).logits
-    cache = KVCache(hp.n_layer)
+    cache = new_cache(graph, hp.n_layer)
     parts, start = [], 0
     for n in (3, 1, 17, 2, 27):
         parts.append(graph.forward(Batch.from_tokens(tokens[start:start + n], start=start, output="all"),
@@ -102,7 +102,7 @@ def test_two_sequences_in_one_batch_equal_separate_runs(registry, name, backend)
     a, b = rng.integers(0, hp.n_vocab, 9).tolist(), rng.integers(0, hp.n_vocab, 6).tolist()
     la = host(graph, run(graph, hp, Batch.from_tokens(a, output="all")).logits)
     lb = host(graph, run(graph, hp, Batch.from_tokens(b, output="all")).logits)
-    cache = KVCache(hp.n_layer, graph.xp)
+    cache = new_cache(graph, hp.n_layer)
     both = Batch.concat([Batch.from_tokens(a, seq=0, output="all"), Batch.from_tokens(b, seq=1, output="all")])
     lab = host(graph, graph.forward(both, cache).logits)
     np.testing.assert_allclose(lab[:9], la, atol=5e-5, rtol=0)
@@ -137,20 +137,20 @@ def test_outputs_only_where_asked_taps_pooling_deterministic(registry):
     np.testing.assert_array_equal(out.rows, [0, 3, 6, 9])
     np.testing.assert_allclose(out.logits, full[mask], atol=1e-6, rtol=0)
     np.testing.assert_array_equal(run(graph, hp, Batch.from_tokens(tokens, output="all")).logits, full)
-    tapped = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), taps=(0, 2, hp.n_layer))
+    tapped = graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, hp.n_layer), taps=(0, 2, hp.n_layer))
     assert sorted(tapped.features) == [0, 2, hp.n_layer]
     np.testing.assert_array_equal(tapped.features[0], w["token_embd.weight"][tokens])
-    pooled = graph.forward(Batch.from_tokens(tokens, output="all"), KVCache(hp.n_layer), pooling="mean")
+    pooled = graph.forward(Batch.from_tokens(tokens, output="all"), new_cache(graph, hp.n_layer), pooling="mean")
     assert pooled.logits is None and pooled.embeddings.shape == (1, hp.n_embd)
 
 
 def test_state_lives_in_the_cache_as_new_backend_arrays(registry):
     hp, graph, _ = build(registry, "hybrid")
-    cache = KVCache(hp.n_layer)
+    cache = new_cache(graph, hp.n_layer)
     graph.forward(Batch.from_tokens([1, 2, 3]), cache)
     mamba_layers = [il for il in range(hp.n_layer) if hp.is_recurrent(il)]
-    assert sorted(cache.states(0)) == mamba_layers
-    conv, ssm = cache.get_state(0, 0)
+    assert sorted(k.layer for k in cache.kinds() if isinstance(k, Recurrent) and k.holds(0)) == mamba_layers
+    conv, ssm = cache.state(0).get(0)
     assert isinstance(conv, graph.xp.ndarray) and isinstance(ssm, graph.xp.ndarray)
     assert conv.shape == (hp.ssm_d_conv - 1, hp.ssm_conv_dim)
     assert ssm.shape == (hp.ssm_n_head, hp.ssm_head_dim, hp.ssm_d_state) and ssm.dtype == np.float32
@@ -158,19 +158,19 @@ def test_state_lives_in_the_cache_as_new_backend_arrays(registry):
     graph.forward(Batch.from_tokens([4], start=3), cache)
     np.testing.assert_array_equal(conv, before[0])  # the old state was not written in place
     np.testing.assert_array_equal(ssm, before[1])
-    assert cache.get_state(0, 0)[1] is not ssm
+    assert cache.state(0).get(0)[1] is not ssm
 
 
 def test_snapshot_restore_and_replay_equal_plain_decoding(registry):
     hp, graph, _ = build(registry, "latent")
     tokens = np.random.default_rng(6).integers(0, hp.n_vocab, 14).tolist()
-    cache = KVCache(hp.n_layer)
+    cache = new_cache(graph, hp.n_layer)
     graph.forward(Batch.from_tokens(tokens[:8]), cache)
     snap = cache.snapshot(0)
     graph.forward(Batch.from_tokens(tokens[8:13], start=8, output="all"), cache)  # a verify batch of 5
     cache.restore(snap)
     graph.forward(Batch.from_tokens(tokens[8:10], start=8, output="none"), cache)  # keep 2 of them
-    ref = KVCache(hp.n_layer)
+    ref = new_cache(graph, hp.n_layer)
     graph.forward(Batch.from_tokens(tokens[:10]), ref)
     assert_caches_equal(cache, ref, atol=1e-5)
     got = graph.forward(Batch.from_tokens(tokens[10:], start=10, output="all"), cache).logits
@@ -180,7 +180,7 @@ def test_snapshot_restore_and_replay_equal_plain_decoding(registry):
 
 def test_recurrent_state_refuses_position_gaps(registry):
     hp, graph, _ = build(registry, "hybrid")
-    cache = KVCache(hp.n_layer)
+    cache = new_cache(graph, hp.n_layer)
     graph.forward(Batch.from_tokens([1, 2, 3, 4]), cache)
     with pytest.raises(ValueError, match="holds recurrent state"):
         cache.seq_rm(0, 2)
@@ -190,7 +190,7 @@ def test_recurrent_state_refuses_position_gaps(registry):
         graph.forward(Batch(tokens=np.array([1, 2]), positions=np.array([4, 6]), seq_ids=np.array([0, 0]),
                             output=np.array([True, True])), cache)
     with pytest.raises(UserError, match="continues at position 3, but its recurrent state stands at position 0"):
-        graph.forward(Batch.from_tokens([1], start=3, seq=1), KVCache(hp.n_layer))
+        graph.forward(Batch.from_tokens([1], start=3, seq=1), new_cache(graph, hp.n_layer))
     assert cache.n_cached(0) == 4  # the failed forwards left nothing behind
     graph.forward(Batch.from_tokens([5], start=4), cache)
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
-from plinth.hparams import HParamsError
-from plinth.testing import load_module
+from plinth.graph import Batch, HParamsError
+from plinth.testing import load_module, new_cache
 
 
 tiny = load_module(Path(__file__).parent / "tiny.py")
@@ -66,8 +65,8 @@ def test_uniform_array_behaves_exactly_like_the_scalar(registry):
     ha, ga, _ = tiny.build(registry, array, seed=3)
     assert hs == ha
     tokens = list(range(20))
-    ls = gs.forward(Batch.from_tokens(tokens, output="all"), KVCache(hs.n_layer)).logits
-    la = ga.forward(Batch.from_tokens(tokens, output="all"), KVCache(ha.n_layer)).logits
+    ls = gs.forward(Batch.from_tokens(tokens, output="all"), new_cache(gs, hs.n_layer)).logits
+    la = ga.forward(Batch.from_tokens(tokens, output="all"), new_cache(ga, ha.n_layer)).logits
     np.testing.assert_array_equal(ls, la)
 
 

@@ -93,7 +93,7 @@ def test_converted_head_layout(files, model):
     assert hp.n_expert_used(6) == 3 and hp.n_ff_exp(6) == 32 and hp.n_head_kv[6] == 2
     assert [k for _, k, _ in hp.mtp_sublayers()] == ["attention", "moe"]
     with pytest.raises(IndexError, match="n_layer = 6 \\+ 1 MTP blocks"):
-        hp.kind(7)
+        hp.mixer(7)
     assert len(model.graph.cache_layout()) == 6  # the trunk's cache only
     names = set(GGUFFile(files["puzzle"]).tensors)
     assert {"blk.6.nextn.eh_proj.weight", "blk.6.nextn.enorm.weight", "blk.6.nextn.hnorm.weight",

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.graph import Batch, KVCache
 from plinth.testing import greedy_through_cache, load_golden, load_module
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -55,7 +54,7 @@ def test_converted_model_has_the_configured_pattern(models, case):
     model = models[case]
     assert model.arch == golden.CASES[case]["arch"]
     kinds = golden.layer_kinds(golden.CASES[case]["config"])
-    assert [model.hparams.kind(i) for i in range(model.hparams.n_layer)] == kinds
+    assert [model.hparams.mixer(i) for i in range(model.hparams.n_layer)] == kinds
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -82,7 +81,7 @@ def test_greedy_continuation_matches_reference(models, case):
 def test_puzzle_case_is_heterogeneous(models):
     """The Puzzle file really has per-layer expert widths and top-k (not a uniform model in disguise)."""
     hp = models["puzzle"].hparams
-    moe = [il for il in range(hp.n_layer) if hp.kind(il) == "moe"]
+    moe = [il for il in range(hp.n_layer) if hp.mixer(il) == "moe"]
     assert [hp.n_expert_used(il) for il in moe] == [2, 4, 1]
     assert [hp.n_ff_exp(il) for il in moe] == [24, 40, 16]
     assert [hp.n_ff_shexp[il] for il in moe] == [48, 32, 48]
@@ -142,7 +141,7 @@ def test_bolt_case_is_heterogeneous_and_info_shows_it(models, capsys):
     from plinth.cli import main
 
     hp = models["bolt"].hparams
-    moe = [il for il in range(hp.n_layer) if hp.kind(il) == "moe"]
+    moe = [il for il in range(hp.n_layer) if hp.mixer(il) == "moe"]
     assert [hp.n_expert_used(il) for il in moe] == [3, 1, 5]
     assert [hp.n_ff_exp(il) for il in moe] == [24, 40, 16]
     assert [hp.moe_latent[il] for il in moe] == [24, 32, 0]
