@@ -14,8 +14,10 @@ transformers for the peer; without them only plinth's figures print).
 
 Cache bytes per token at ``--context`` tokens (no torch needed), per layer summed over layers:
 
-* ``plinth now``: what the cache holds today: every raw key (the core's K/V rows keep all
-  positions; the window is a mask) plus the compressed streams, indexer keys and partial blocks;
+* ``plinth``: what the cache holds (``Cache.nbytes``): per layer the window's raw keys, on compressed
+  layers the entries and the raw compressor rows of the block being filled, on CSA layers the indexer
+  keys likewise, each with its positions (8 bytes a row) and ``ROLLBACK_ROWS`` spare rows that let a
+  verify batch be undone by a cut;
 * ``V4 layout``: a raw window of ``sliding_window`` keys + one entry per ``ratio`` positions
   (+ indexer keys on CSA layers + the partial-block rows), i.e. what a windowed compressed
   cache kind holds;
@@ -101,35 +103,34 @@ def decode_hf(model, prompt, n):
 
 
 def cache_bytes(model, n_ctx: int) -> dict[str, float]:
-    """Bytes per token of the three layouts after a prompt of ``n_ctx`` tokens (float32)."""
-    from plinth.graph import Batch, KVCache
+    """Bytes per token of what plinth's cache holds and of the V4 layout after a prompt of ``n_ctx`` tokens
+    (float32), with the arithmetic of the V4 layout per layer type."""
+    from plinth.graph import Batch
 
     hp = model.hparams
-    cache = KVCache(hp.n_layer)
+    ctx = model.new_context()
     rng = np.random.default_rng(0)
     step = 512
     for s in range(0, n_ctx, step):
-        model.graph.forward(Batch.from_tokens(rng.integers(0, hp.n_vocab, min(step, n_ctx - s)).tolist(), start=s,
-                                              output="none"), cache)
-    held = 0
-    for il in range(hp.n_layer):
-        k, v = cache.layer_kv(il, 0)
-        held += k.nbytes + v.nbytes
-        for a in cache.states(0).get(il, ()):
-            held += a.nbytes
+        ctx.forward(Batch.from_tokens(rng.integers(0, hp.n_vocab, min(step, n_ctx - s)).tolist(), start=s,
+                                      output="none"))
+    held = ctx.cache.nbytes()
     d = hp.head_dim
     layout = 0
     for il in range(hp.n_layer):
-        layout += min(hp.n_swa, n_ctx) * d * 4
+        atype = hp.attention_type(il) if hasattr(hp, "attention_type") else hp.kind(il)
+        layout += min(hp.n_swa, n_ctx) * d * 4  # the raw window (K = V)
         r = hp.ratio(il)
         if r:
-            coff = 2 if hp.kind(il) == "csa" else 1
+            coff = 2 if atype == "csa" else 1
+            # one entry per block + the partial block's kv and score rows (CSA: the last complete block too)
             layout += (n_ctx // r) * d * 4 + (n_ctx % r + (r if coff == 2 else 0)) * 2 * coff * d * 4
-            if hp.kind(il) == "csa":
+            if atype == "csa":
                 di = hp.idx_head_dim
                 layout += (n_ctx // r) * di * 4 + (n_ctx % r + r) * 2 * 2 * di * 4
-    return {"plinth now": held / n_ctx, "V4 layout": layout / n_ctx,
-            "dense MQA K+V": hp.n_layer * 2 * d * 4, "dense MQA K=V": hp.n_layer * d * 4}
+    return {"plinth": held / n_ctx, "V4 layout": layout / n_ctx,
+            "dense MQA K+V": hp.n_layer * 2 * d * 4, "dense MQA K=V": hp.n_layer * d * 4,
+            "by kind": {k: v / n_ctx for k, v in ctx.cache.nbytes_by_kind().items() if v}}
 
 
 def main() -> None:
@@ -148,8 +149,11 @@ def main() -> None:
         print(f"model: {n_params / 1e6:.1f}M parameters, layers {list(model.hparams.compress_ratios)}")
         b = cache_bytes(model, args.context)
         print(f"cache bytes per token at {args.context} tokens (float32, all layers):")
+        by_kind = b.pop("by kind")
         for k, v in b.items():
             print(f"  {k:14s} {v:10.1f}   ({b['dense MQA K+V'] / v:5.2f}x smaller than dense MQA K+V)")
+        print(f"  plinth / V4 layout: {b['plinth'] / b['V4 layout']:.3f}; plinth by kind: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items())))
         if args.cache_only:
             return
         prompt = np.random.default_rng(3).integers(0, CONFIG["vocab_size"], args.prompt_tokens).tolist()

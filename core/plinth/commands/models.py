@@ -28,6 +28,10 @@ def register(sub: Any) -> None:
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--cache", action="store_true",
                    help="also load the model and report its cache layout and bytes per token per cache kind")
+    p.add_argument("--cache-tokens", type=int, default=1, metavar="N",
+                   help="with --cache: fill the cache with N tokens (prefilled in chunks of 512) and report the "
+                        "bytes a token at that length (windowed or compressed caches hold less per token as they "
+                        "grow); default 1")
     cache_type_args(p)
     p.set_defaults(func=run_info)
 
@@ -116,17 +120,34 @@ def _print_cache(path: Any, registry: Any, args: Any) -> None:
     """The cache kinds of every layer, and the bytes one token adds to each kind (one measured forward)."""
     import collections
 
+    from tqdm import tqdm
+
+    from ..batch import Batch
     from ..cache import format_bytes_by_kind
+    from ..errors import UserError
     from ..model import load_model
 
+    n = int(getattr(args, "cache_tokens", 1) or 1)
+    if n < 1:
+        raise UserError(f"--cache-tokens {n}: give at least one token")
     model = load_model(path, registry=registry, **cache_types(args))
+    if n > model.n_ctx:
+        raise UserError(f"--cache-tokens {n} exceeds the context ({model.n_ctx} tokens)")
     ctx = model.new_context()
-    ctx.decode([0])
+    n_vocab = max(int(model.hparams.n_vocab), 1)
+    for start in tqdm(range(0, n, 512), desc="filling the cache", unit="chunk", disable=n <= 512):
+        ctx.forward(Batch.from_tokens([(start + i) * 7919 % n_vocab for i in range(min(512, n - start))],
+                                      start=start, output="none"))
     layout = collections.Counter("+".join(k.kind for k in kinds) or "none" for kinds in ctx.cache.layers)
-    print("cache:        " + ", ".join(f"{n} x {kinds}" for kinds, n in layout.items()) + " (layers)")
-    print(f"  per token:  {format_bytes_by_kind(ctx.cache.nbytes_by_kind())}")
+    print("cache:        " + ", ".join(f"{c} x {kinds}" for kinds, c in layout.items()) + " (layers)")
+    if n == 1:
+        print(f"  per token:  {format_bytes_by_kind(ctx.cache.nbytes_by_kind())}")
+    else:
+        by_kind = {k: v / n for k, v in ctx.cache.nbytes_by_kind().items() if v}
+        print(f"  per token at {n} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_kind.items()))
+              + f" (total {sum(by_kind.values()):.1f} bytes)")
     rows = ctx.cache.nbytes_by_role()
     if rows:
         t = model.cache_types
-        print(f"  K/V rows:   k {t.k.name}, v {t.v.name}: " + ", ".join(f"{role.upper()} {n} bytes" for role, n in rows.items())
+        print(f"  K/V rows:   k {t.k.name}, v {t.v.name}: " + ", ".join(f"{role.upper()} {b / n:g} bytes" for role, b in rows.items())
               + " a token (without positions)")

@@ -366,3 +366,24 @@ def test_tid2eid_is_written_as_i32_and_loads_as_integers_or_from_old_f32_files(f
     half[0, 0] += 0.5
     with pytest.raises(UserError, match="whole numbers"):
         plinth.load_model(write_gguf(tmp_path / "half.gguf", md, dict(tensors, **{name: half})), registry=reg)
+
+
+def test_info_reports_the_cache_bytes_a_token_at_a_length(flash, capsys):
+    """``plinth info --cache --cache-tokens N``: the layout and the bytes a token once N tokens are cached (the
+    window and the compressor rows stop growing, so the figure falls with N)."""
+    from plinth.cli import main
+
+    def per_token(n):
+        assert main(["info", str(flash.path), "--cache", "--cache-tokens", str(n)]) == 0
+        out = capsys.readouterr().out
+        assert "x window+compressed+indexer" in out and "x window+compressed" in out
+        line = next(s for s in out.splitlines() if "per token at" in s)
+        return float(line.split("(total ")[1].split()[0])
+
+    short, long = per_token(40), per_token(600)
+    cache = new_cache(flash.graph, flash.hparams.n_layer)
+    rng = np.random.default_rng(0)
+    for s in range(0, 600, 512):  # the same fill, checked against the cache's own count
+        flash.graph.forward(Batch.from_tokens(rng.integers(0, 256, min(512, 600 - s)).tolist(), start=s,
+                                              output="none"), cache)
+    assert long < short and abs(long - cache.nbytes() / 600) < 0.06  # (printed to 0.1)
