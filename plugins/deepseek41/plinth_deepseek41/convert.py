@@ -35,7 +35,7 @@ import numpy as np
 
 from plinth.convert import SafetensorsDir, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.tensors import check_tensors, unused_tensors
+from plinth.graph import check_tensors, unused_tensors
 
 from .deepseek4 import ARCH, GATING_SQRT_SOFTPLUS, load_hparams, tensor_specs
 

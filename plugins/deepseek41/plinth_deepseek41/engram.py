@@ -28,9 +28,7 @@ import attrs
 import numpy as np
 
 from plinth import ops
-from plinth.graph import Recurrent
-from plinth.hparams import HParamsError, KeyReader
-from plinth.quant import QuantWeight
+from plinth.graph import HParamsError, KeyReader, QuantWeight, Recurrent
 
 LLAMA_MAX_LAYERS = 512
 GATE_FLOOR = 1e-6

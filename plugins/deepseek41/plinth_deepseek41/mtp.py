@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from plinth.graph import Batch
 from plinth.errors import UserError
+from plinth.graph import Batch
 from plinth.speculative.base import BaseDrafter
 from plinth.speculative.draft_head import HeadDrafter
 
@@ -66,7 +66,7 @@ class MtpDrafter(HeadDrafter):
 def make_mtp_drafter(target: Any, options: Mapping[str, Any]) -> MtpDrafter:
     head = None
     if options.get("draft"):  # llama.cpp's separate MTP head file (--draft FILE)
-        from plinth.model import load_model
+        from plinth import load_model
 
         head = load_model(options["draft"])
     return MtpDrafter(target, n_draft=int(options.get("n_max", 4)), depth=int(options.get("mtp_depth", 0)),
