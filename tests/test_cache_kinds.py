@@ -202,18 +202,18 @@ def test_recurrent_state_snapshot_restore_copy_and_refused_cut():
     assert cache.cut_plan(0, 4, 6) == "snapshot" and not cache.can_cut(0, 2)
     snap = cache.snapshot(0)
     forward(cache, 0, range(4, 6), write)
-    np.testing.assert_array_equal(cache.states(0)[0], np.full(3, 6.0))
+    np.testing.assert_array_equal(cache.state(0).get(0), np.full(3, 6.0))
     with pytest.raises(ValueError, match="recurrent state"):
         cache.seq_rm(0, 5)
     assert cache.n_cached(0) == 6 and len(cache.kv(1).get(0)[0]) == 6  # the refusal changed nothing
     cache.seq_cp(0, 1)
     cache.restore(snap)
-    np.testing.assert_array_equal(cache.states(0)[0], np.full(3, 4.0))
-    np.testing.assert_array_equal(cache.states(1)[0], np.full(3, 6.0))
+    np.testing.assert_array_equal(cache.state(0).get(0), np.full(3, 4.0))
+    np.testing.assert_array_equal(cache.state(0).get(1), np.full(3, 6.0))
     assert cache.n_cached(0) == 4 and len(cache.kv(1).get(0)[0]) == 4
     assert cache.nbytes_by_kind()["state"] == 2 * 12
     cache.seq_rm(1, 0)  # dropping everything is always allowed
-    assert cache.n_cached(1) == 0 and 1 not in cache.states(1) and cache.states(1) == {}
+    assert cache.n_cached(1) == 0 and not cache.state(0).holds(1) and not cache.holds_state(1)
 
 
 def test_snapshot_of_an_empty_sequence_restores_to_nothing():
@@ -223,21 +223,6 @@ def test_snapshot_of_an_empty_sequence_restores_to_nothing():
                                            cache.state(0).set(0, np.ones(2))))
     cache.restore(snap)
     assert cache.n_cached(0) == 0 and cache.next_position(0) == 0 and cache.nbytes() == 0
-
-
-def test_a_cache_without_layout_keeps_the_1x_methods():
-    """Graphs written for the 1.x core (cache.update / get_state / set_state) still run: kinds appear on first use."""
-    cache = Cache(2)
-    k = rows(3, 1, 2)
-    pos = np.arange(3)
-    kk, vv, kpos = cache.update(0, 0, pos, k, k)
-    cache.set_state(1, 0, np.ones(2))
-    cache.commit()
-    assert cache.n_cached(0) == 3 and cache.layer_kv(0, 0)[0].shape == (3, 1, 2)
-    np.testing.assert_array_equal(cache.get_state(1, 0), np.ones(2))
-    assert [type(x).__name__ for x in cache.layers[0]] == ["KV"] and cache.holds_state(0)
-    with pytest.raises(ValueError, match="recurrent state"):
-        cache.seq_rm(0, 1)
 
 
 def test_reserve_and_compiled_scatter_equal_append():

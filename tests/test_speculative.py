@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import plinth
-from plinth.graph import KVCache
+from plinth.graph import KV, Batch, Cache, Recurrent
 from plinth.errors import UserError
 from plinth.generate import Generator
 from plinth.sampling import Sampler, SamplerConfig
@@ -362,40 +362,29 @@ def test_taps_reach_the_drafter(tiny):
 
 
 def test_snapshot_restore_and_state_rules():
-    c = KVCache(2)
+    c = Cache(2, np, [(KV(),), (Recurrent(),)])
     k = np.ones((3, 1, 2), np.float32)
-    c.update(0, 0, np.arange(3), k, k)
-    c.set_state(1, 0, np.zeros(4, np.float32))
-    c.commit()
+    with c.forward(Batch.from_tokens([0, 0, 0])):
+        c.kv(0).update(0, np.arange(3), k, k)
+        c.state(1).set(0, np.zeros(4, np.float32))
     snap = c.snapshot(0)
-    c.update(0, 0, np.arange(3, 5), k[:2] * 2, k[:2] * 2)
-    c.set_state(1, 0, np.ones(4, np.float32))
-    c.commit()
-    assert c.n_cached(0) == 5 and c.get_state(1, 0).sum() == 4
+    with c.forward(Batch.from_tokens([0, 0], start=3)):
+        c.kv(0).update(0, np.arange(3, 5), k[:2] * 2, k[:2] * 2)
+        c.state(1).set(0, np.ones(4, np.float32))
+    assert c.n_cached(0) == 5 and c.state(1).get(0).sum() == 4
     with pytest.raises(ValueError, match="recurrent state"):
         c.seq_rm(0, 3)
     c.restore(snap)
-    assert c.n_cached(0) == 3 and c.get_state(1, 0).sum() == 0 and c.next_position(0) == 3
+    assert c.n_cached(0) == 3 and c.state(1).get(0).sum() == 0 and c.next_position(0) == 3
     c.seq_cp(0, 1)
-    assert c.states(1).keys() == {1} and c.n_cached(1) == 3
+    assert c.state(1).holds(1) and c.n_cached(1) == 3
     c.seq_rm(1)  # removing everything is allowed
-    assert c.n_cached(1) == 0 and not c.has_state(1)
-    # pending state is dropped by a failed forward
-    c.set_state(1, 0, np.full(4, 7, np.float32))
-    c.rollback_pending()
-    assert c.get_state(1, 0).sum() == 0
-
-
-def test_state_only_sequences_know_their_position():
-    c = KVCache(1)
-    c.set_state(0, 0, np.zeros(2))
-    c.commit()
-    c.observe(0, 6)
-    assert c.next_position(0) == 6
-    snap = c.snapshot(0)
-    c.observe(0, 9)
-    c.restore(snap)
-    assert c.next_position(0) == 6
+    assert c.n_cached(1) == 0 and not c.holds_state(1) and c.next_position(1) == 0
+    with pytest.raises(ZeroDivisionError):  # pending state is dropped by a failed forward
+        with c.forward(Batch.from_tokens([0], start=3)):
+            c.state(1).set(0, np.full(4, 7, np.float32))
+            1 / 0
+    assert c.state(1).get(0).sum() == 0 and c.next_position(0) == 3
 
 
 # ---------------------------------------------------------------------------- registry and CLI

@@ -722,12 +722,6 @@ class CacheSnapshot:
     n_cached: int
     positions: np.ndarray
     layers: dict[tuple[int, int], Any]
-    next_position: int = 0
-
-    @property
-    def states(self) -> dict[int, Any]:
-        """The recurrent states saved, by layer."""
-        return {il: v for (il, _), v in self.layers.items() if v is not None and not isinstance(v, int)}
 
 
 Layout = Sequence[Sequence[CacheKind]]
@@ -758,7 +752,7 @@ class Cache:
                 self._add(il, kind)
         self._pos: dict[int, np.ndarray] = {}  # seq -> positions of the tokens run (committed)
         self._pending: dict[int, np.ndarray] = {}
-        self._seen: dict[int, int] = {}
+        self._open = False  # inside forward()
 
     def _add(self, il: int, kind: CacheKind) -> CacheKind:
         kind.bind(self.xp, il, self)
@@ -829,7 +823,7 @@ class Cache:
             self._pending[seq] = positions[seq_ids == seq]
 
     def seqs(self) -> list[int]:
-        return sorted(set(self._pos) | {s for s, _ in self._seen.items()})
+        return sorted(self._pos)
 
     def n_cached(self, seq: int) -> int:
         """Tokens of ``seq`` in the cache."""
@@ -840,14 +834,7 @@ class Cache:
 
     def next_position(self, seq: int) -> int:
         pos = self._pos.get(seq)
-        if pos is not None and pos.size:
-            return int(pos.max()) + 1
-        return int(self._seen.get(seq, 0))
-
-    def observe(self, seq: int, next_position: int) -> None:
-        """Record that ``seq`` has been run up to ``next_position`` (kept for 1.x graphs)."""
-        if next_position > self._seen.get(seq, 0):
-            self._seen[seq] = next_position
+        return int(pos.max()) + 1 if pos is not None and pos.size else 0
 
     def holds_state(self, seq: int | None = None) -> bool:
         """Whether ``seq`` (any when None) has something that cannot be cut (a recurrent state)."""
@@ -873,15 +860,6 @@ class Cache:
                 return kk, vv
         return None
 
-    def get_state(self, layer: int, seq: int) -> Any:
-        return self.state(layer).get(seq)
-
-    def set_state(self, layer: int, seq: int, value: Any) -> None:
-        self.state(layer).set(seq, value)
-
-    def states(self, seq: int) -> dict[int, Any]:
-        """The committed recurrent states of ``seq`` by layer."""
-        return {k.layer: k._state[seq] for k in self.kinds() if isinstance(k, Recurrent) and seq in k._state}
 
     # -------------------------------------------------------------- the forward transaction
 
@@ -926,7 +904,6 @@ class Cache:
         for seq, pos in self._pending.items():
             old = self._pos.get(seq)
             self._pos[seq] = pos.copy() if old is None or not old.size else np.concatenate([old, pos])
-            self._seen[seq] = max(self._seen.get(seq, 0), int(pos.max()) + 1 if pos.size else 0)
         self._pending.clear()
 
     def rollback_pending(self) -> None:
@@ -958,10 +935,8 @@ class Cache:
     def seq_rm(self, seq: int, p0: int = 0, p1: int | None = None) -> None:
         """Remove the cached positions ``p0 <= position < p1`` (p1 None = to the end) of ``seq``."""
         pos = self._pos.get(seq)
-        if pos is None and seq not in self._seen:
-            return
         if pos is None:
-            pos = np.zeros(0, np.int64)
+            return
         hi = _BIG if p1 is None else p1
         keep = ~((pos >= p0) & (pos < hi))
         if keep.all() and not (p0 <= 0 and p1 is None):
@@ -973,7 +948,6 @@ class Cache:
             self.clear(seq)
             return
         self._pos[seq] = pos[keep]
-        self._seen[seq] = int(pos[keep].max()) + 1
 
     def seq_cp(self, src: int, dst: int) -> None:
         """Make ``dst`` a copy of ``src`` (replacing whatever ``dst`` held)."""
@@ -982,15 +956,12 @@ class Cache:
             k.seq_cp(src, dst)
         if src in self._pos:
             self._pos[dst] = self._pos[src].copy()
-        if src in self._seen:
-            self._seen[dst] = self._seen[src]
 
     def snapshot(self, seq: int) -> CacheSnapshot:
         """Save ``seq`` (its rows' lengths, copies of its states and compressed blocks; on the backend)."""
         return CacheSnapshot(seq=seq, n_cached=self.n_cached(seq), positions=self.positions(seq).copy(),
                              layers={(il, j): k.snapshot(seq) for il, kinds in enumerate(self.layers)
-                                     for j, k in enumerate(kinds)},
-                             next_position=self.next_position(seq))
+                                     for j, k in enumerate(kinds)})
 
     def restore(self, snap: CacheSnapshot) -> None:
         """Put ``snap.seq`` back as it was at :meth:`snapshot` (rows added since are dropped).
@@ -1013,14 +984,11 @@ class Cache:
             self._pos[seq] = snap.positions.copy()
         else:
             self._pos.pop(seq, None)
-        self._seen[seq] = snap.next_position
-        if not snap.n_cached and not snap.next_position:
-            self._seen.pop(seq, None)
 
     def clear(self, seq: int | None = None) -> None:
         for k in self.kinds():
             k.clear(seq)
-        for table in (self._pos, self._pending, self._seen):
+        for table in (self._pos, self._pending):
             if seq is None:
                 table.clear()
             else:
@@ -1041,24 +1009,24 @@ def format_bytes_by_kind(by_kind: dict[str, int]) -> str:
 
 def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: Cache,
                taps: Sequence[int] = (), start: int = 0) -> tuple[Any, dict[int, Any]]:
-    """``x = layer(il, x)`` for every layer ``start..n_layer-1``, as one unit of work on ``cache``.
+    """``x = layer(il, x)`` for every layer ``start..n_layer-1``, inside the forward's transaction.
 
-    What the layers write becomes part of the cache at the end (:meth:`Cache.commit`),
-    or is dropped if a layer raises. Returns the final residual and the feature taps asked
-    for: the input of layer k for each tap k, and for tap ``n_layer`` the residual after the
-    last layer run (before the final norm when ``n_layer`` is the model's last). A pipeline
-    stage runs its slice with ``start`` and ``n_layer`` = the first layer of the next stage.
+    Run it inside ``with cache.forward(batch):`` (as :meth:`plinth.graph.BaseGraph.forward_stage`
+    does); the layers' writes are committed when that block ends. Outside one (a graph that
+    called :meth:`Cache.begin` itself) the loop is its own transaction: committed at the end,
+    dropped if a layer raises. Returns the final residual and the feature taps asked for: the
+    input of layer k for each tap k, and for tap ``n_layer`` the residual after the last layer run
+    (before the final norm when ``n_layer`` is the model's last). A pipeline stage runs its slice
+    with ``start`` and ``n_layer`` = the first layer of the next stage.
     """
+    if not cache.in_forward:
+        with cache._transaction():
+            return run_layers(x, n_layer, layer, cache, taps, start)
     features: dict[int, Any] = {}
-    try:
-        for il in range(start, n_layer):
-            if il in taps:
-                features[il] = x
-            x = layer(il, x)
-    except BaseException:
-        cache.rollback_pending()
-        raise
-    cache.commit()
+    for il in range(start, n_layer):
+        if il in taps:
+            features[il] = x
+        x = layer(il, x)
     if n_layer in taps:
         features[n_layer] = x
     return x, features

@@ -1,10 +1,9 @@
 """Loading a GGUF model through its architecture plugin, and the stable Python facade.
 
-``plinth.load_model(path_or_name)`` runs the data flow of DESIGN.md: reader ->
-``general.architecture`` selects the plugin -> hparams -> tensor specs checked
-against the file -> weights on the backend -> graph. :class:`Model` then offers
-``logits(token_ids)`` and :class:`Session`-style incremental use through
-:meth:`Model.new_context`.
+``plinth.load_model(path_or_name)``: GGUF reader -> ``general.architecture`` selects the
+plugin -> hparams -> tensor specs checked against the file -> weights on the backend ->
+graph. :class:`Model` then offers ``logits(token_ids)`` and incremental use through
+:meth:`Model.new_context` (a :class:`Context`: a cache and the forward options).
 """
 
 from __future__ import annotations
@@ -83,14 +82,10 @@ class Context:
     @property
     def recurrent(self) -> bool:
         """Whether some layer keeps state that cannot be cut (rollback needs snapshot + replay)."""
-        if getattr(self.model.graph, "recurrent", False):  # a graph without a cache layout says so itself
-            return True
         return any(k.rollback == "snapshot" for k in self.cache.kinds())
 
     def rollback_plan(self, seq: int, start: int, end: int) -> str:
         """How to undo rows ``start..end-1`` of ``seq`` about to be run: "cut" or "snapshot" (asks the cache)."""
-        if getattr(self.model.graph, "recurrent", False):
-            return "snapshot"
         return self.cache.cut_plan(seq, start, end)
 
     def decode(self, tokens: Sequence[int], seq: int = 0, output: str = "last") -> ForwardOutput:
@@ -324,8 +319,14 @@ def load_model(path_or_name: str | os.PathLike[str], backend: str = "numpy", *, 
                 weights[spec.name] = be.asarray(np.array(gf.raw(spec.name)))
                 continue
             scaled = spec.scale and scale_name(spec.name) in gf.tensors
-            if keep and not scaled and _quantizable(info):
-                weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape))
+            scale = None
+            if keep and scaled and _quantizable(info):  # one value or one a row: kept beside the blocks
+                sname = scale_name(spec.name)
+                scale = np.asarray(_dequantized(gf, sname, gf.tensors[sname], pool), dtype=np.float32).reshape(-1)
+                if scale.size not in (1, int(info.shape[0])):
+                    scale = None  # (another layout: multiplied into a float32 copy below)
+            if keep and _quantizable(info) and (not scaled or scale is not None):
+                weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape), scale)
                 stats.n_params += int(info.n_elements)
                 continue
             if keep and info.type_name not in ("F32", "F16", "BF16") and info.type_name not in noted:
