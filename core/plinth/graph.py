@@ -19,8 +19,9 @@ An architecture plugin needs three things from the core, all here:
 
 A graph satisfies the :class:`Graph` protocol; hparams satisfy :class:`HParams` (the
 fields the core reads). Model code uses :mod:`plinth.ops` for the maths. What else a plugin
-needs of the core is re-exported here (the tensor checks, :class:`QuantWeight`,
-:class:`NumpyBackend`, ``DENSE_RANGES``), so plugins import no private module.
+needs of the core is re-exported here (the tensor checks, :class:`QuantWeight` with the GGUF
+types it keeps and their block sizes, :class:`NumpyBackend`, ``DENSE_RANGES``), so plugins import
+no private module.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from .cache import (
 from .batch import Batch, ForwardOutput, pool
 from .backend import NumpyBackend
 from .hparams import DENSE_RANGES, HParamsError, KeyReader, PerLayer
-from .quant import QuantWeight
+from .quant import KEPT_TYPES, QuantWeight, block_values
 from .tensors import KeyUse, TensorCheckError, TensorSpec, check_tensors, scale_name, unused_tensors
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "HParams",
     "HParamsError",
     "IndexerKeys",
+    "KEPT_TYPES",
     "KV",
     "KVCache",
     "KeyReader",
@@ -85,6 +87,7 @@ __all__ = [
     "TensorCheckError",
     "TensorSpec",
     "attend",
+    "block_values",
     "check_tensors",
     "embed_rows",
     "pool",

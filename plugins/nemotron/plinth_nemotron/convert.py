@@ -37,7 +37,7 @@ import numpy as np
 
 from plinth.convert import SafetensorsDir, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.tensors import check_tensors, unused_tensors
+from plinth.graph import check_tensors, unused_tensors
 
 from .nemotron_h import ATTENTION, MAMBA, MLP, MOE, load_hparams, tensor_specs
 
