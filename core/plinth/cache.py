@@ -843,8 +843,6 @@ class Cache:
                 return True
         return False
 
-    has_state = holds_state
-
     # -------------------------------------------------------------- 1.x conveniences
 
     def update(self, layer: int, seq: int, positions: np.ndarray, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
