@@ -115,18 +115,28 @@ def test_torch_draft_equals_plugin_forward(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("objective", ["dspark", "dflash"])
-def test_training_resumes_and_exports(tiny, tmp_path, objective):
+def test_training_resumes_and_exports(tiny, tmp_path, objective, monkeypatch):
+    """DSpark trains on features recorded with the data (no target forward: refused here), DFlash on data
+    without them (features computed by a target forward)."""
     pytest.importorskip("torch")
+    from plinth.train import features
     from plinth.train.data import generate
     from plinth.train.trainer import TrainOptions, train
 
     d, model = tiny
-    data = d / "data-train"
+    data = d / f"data-{objective}"
     prompts = [P.Prompt("chat", f"t{i}", f"tell me about {i}") for i in range(8)]
+    recorded = objective == "dspark"
     generate(model.path, data, answer_tokens=10_000, shard_prompts=4, max_tokens=24, max_batch=4, prompts=prompts,
-             progress=False, temperature=1.0, top_p=1.0)
+             progress=False, temperature=1.0, top_p=1.0, taps=(1, 3) if recorded else ())
+    if recorded:
+        def no_forward(*a, **k):
+            raise AssertionError("recorded features were not used")
+
+        monkeypatch.setattr(features.TargetFeatures, "__call__", no_forward)
     out = tmp_path / "draft.gguf"
     opt = TrainOptions(target=str(model.path), out=str(out), data=str(data), objective=objective, n_layer=1,
+                       taps=(1, 3),
                        block_size=4, draft_vocab=64, markov_rank=8, anchors=4, seqs=2, steps=6, warmup=2,
                        save_every=1e9, threads=1, quant="f32")
     quiet = {"progress": False, "log": lambda s: None}
@@ -185,3 +195,33 @@ def test_shipped_drafter_lookup(tiny, tmp_path, monkeypatch):
     assert str(reg.make_drafter("dspark", model, {}).draft_file.path) == str(tmp_path / "mine.gguf")
     assert str(reg.make_drafter("dspark", model, {"draft": "other"}).draft_file.path) == str(tmp_path / "other.gguf")
     assert str(reg.make_drafter("dspark", model, {"draft": "other.gguf"}).draft_file.path).endswith("other.gguf")
+
+
+def test_recorded_features_are_the_targets(tiny, tmp_path):
+    """Shards made with taps carry the features of the forwards that made the answers (prefill chunks and
+    decode steps) and the target's top-k next-token logits; they match one forward over the whole sequence."""
+    from plinth.graph import Batch
+    from plinth.train.data import generate, list_shards
+
+    _, model = tiny
+    prompts = [P.Prompt("chat", f"t{i}", f"features {i}") for i in range(4)]
+    generate(model.path, tmp_path, answer_tokens=10_000, shard_prompts=4, max_tokens=10, max_batch=4,
+             prompts=prompts, progress=False, taps=(1, 3))
+    with np.load(list_shards(tmp_path)[0]) as z:
+        toks, off, npr = z["tokens"], z["offsets"], z["n_prompt"]
+        feats, ids, val, has = z["feats"], z["top_ids"], z["top_logits"], z["has_logits"]
+    e = model.hparams.n_embd
+    assert feats.shape == (toks.size, 2 * e) and ids.shape[0] == toks.size
+    for j in range(len(npr)):
+        seq = toks[off[j]:off[j + 1]].astype(np.int64)
+        ctx = model.new_context(taps=(1, 3))
+        out = ctx.forward(Batch.from_tokens(seq[:-1], output="all"))
+        want = np.concatenate([np.asarray(out.features[t]) for t in (1, 3)], axis=1)
+        got = feats[off[j]:off[j + 1] - 1].astype(np.float32)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+        h = has[off[j]:off[j + 1] - 1]
+        # every answer position and the last prompt row have logits; their top-1 is the forward's argmax
+        assert h[npr[j] - 1:].all() and not h[:npr[j] - 1].any()
+        top = ids[off[j]:off[j + 1] - 1][np.arange(len(h)), val[off[j]:off[j + 1] - 1].astype(np.float32).argmax(1)]
+        lg = np.asarray(out.logits)
+        assert (top[h] == lg[h].argmax(1)).mean() > 0.9

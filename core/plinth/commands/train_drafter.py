@@ -13,10 +13,12 @@ Train a block drafter for TARGET and write it as a dflash GGUF that `plinth gene
    topics, code tasks and questions about the Python standard library's own sources, summarise /
    rewrite / continue tasks over the Python documentation) are answered by TARGET itself through
    plinth's batched scheduler (temperature 0.7, top-p 0.8) into token shards under --data, until they
-   hold --data-tokens answer tokens. Shards already there are kept, so a later run extends them;
+   hold --data-tokens answer tokens. The shards also keep the target's features at the draft's taps
+   and its top-64 next-token logits, recorded from the very forwards that made the answers (f16), so
+   training runs no second target forward. Shards already there are kept, so a later run extends them;
    --no-generate trains on what is there.
 2. Training (torch, the `train` extra): features from plinth's own taps of TARGET (the int8 path
-   the drafter sees at inference), --anchors blocks per sequence, block --block-size, the DSpark
+   the drafter sees at inference; recorded with the data, or computed when the shards lack them), --anchors blocks per sequence, block --block-size, the DSpark
    objective (0.1 CE + 0.9 TV with position weights exp(-i/4), plus the confidence head's BCE against
    1 - TV; the low-rank Markov head) or --objective dflash (weighted CE). The DSpark head covers the
    --draft-vocab most frequent answer tokens (d2t); a DFlash draft has the full vocabulary (plinth-dflash
@@ -82,15 +84,21 @@ def run_train(args: argparse.Namespace) -> int:
 
     target = str(hub.resolve_model(args.target))
     data = args.data or str(Path.home() / ".cache" / "plinth" / "train-data" / Path(target).stem)
-    if not args.no_generate:
-        _, have, _ = data_tokens(data)
-        if have < args.data_tokens:
-            generate(target, data, answer_tokens=args.data_tokens, max_tokens=args.answer_tokens,
-                     max_batch=args.gen_batch)
     try:
         taps = tuple(int(x) for x in args.taps.split(",") if x.strip())
     except ValueError:
         raise UserError(f"--taps expects comma-separated layer numbers, got {args.taps!r}") from None
+    if not taps:
+        from ..gguf import GGUFFile
+        from ..train.trainer import default_taps
+
+        md = GGUFFile(target).metadata
+        taps = default_taps(int(md[f"{md['general.architecture']}.block_count"]))
+    if not args.no_generate:
+        _, have, _ = data_tokens(data)
+        if have < args.data_tokens:  # the answers come with the draft's features (no second target forward)
+            generate(target, data, answer_tokens=args.data_tokens, max_tokens=args.answer_tokens,
+                     max_batch=args.gen_batch, taps=taps)
     opt = TrainOptions(target=target, out=args.outfile, data=data, objective=args.objective, n_layer=args.layers,
                        taps=taps, block_size=args.block_size, draft_vocab=args.draft_vocab, markov_rank=args.rank,
                        init=args.init, anchors=args.anchors, seqs=args.seqs, lr=args.lr, warmup=args.warmup,

@@ -81,11 +81,85 @@ def check_recipe(data_dir: Path, recipe: dict[str, Any]) -> None:
         path.write_text(json.dumps(recipe, indent=1, sort_keys=True))
 
 
+TOP_K = 64  # target logits kept per position (the training target's support)
+
+
+class FeatureRecorder:
+    """A drafter that never drafts and keeps what the target showed it: per position of each sequence the
+    taps' features (f16) and the top-``k`` next-token logits of the rows that had outputs.
+
+    Run in the scheduler next to generation, it gives the trainer the features of the very forwards the
+    answers came from (prefill chunks and one-row decode steps, the numerics a drafter sees at inference),
+    so training needs no second target forward.
+    """
+
+    name = "recorder"
+
+    def __init__(self, taps: tuple[int, ...], k: int = TOP_K) -> None:
+        self.taps = tuple(int(t) for t in taps)
+        self.k = int(k)
+        self.live: dict[int, dict[int, tuple[Any, ...]]] = {}
+        self.done: dict[int, dict[int, tuple[Any, ...]]] = {}
+
+    def requirements(self) -> Any:
+        from ..speculative.base import DrafterRequirements
+
+        return DrafterRequirements(taps=self.taps)
+
+    def begin(self, seq: int, prompt_ids: Any) -> None:
+        self.live[seq] = {}
+
+    def process(self, out: Any) -> None:
+        rows = self.live.setdefault(out.seq, {})
+        pos = np.asarray(out.positions, dtype=np.int64)
+        f = np.concatenate([np.asarray(out.features[t], dtype=np.float16) for t in self.taps], axis=1)
+        lg = None if out.logits is None else np.asarray(out.logits, dtype=np.float32)
+        if lg is not None and lg.shape[0] not in (pos.size, 1):
+            lg = None
+        if lg is not None:
+            k = min(self.k, lg.shape[1])
+            idx = np.argpartition(-lg, k - 1, axis=1)[:, :k]
+            val = np.take_along_axis(lg, idx, axis=1)
+            lpos = pos if lg.shape[0] == pos.size else pos[-1:]
+        for i, p in enumerate(pos):
+            rows[int(p)] = (f[i], None, None)
+        if lg is not None:
+            for i, p in enumerate(lpos):
+                rows[int(p)] = (rows[int(p)][0], idx[i].astype(np.int32), val[i].astype(np.float16))
+
+    def draft(self, seq: int, n_max: int, *, history: Any, pos: int) -> Any:
+        from ..speculative.base import Draft
+
+        return Draft()
+
+    def accept(self, seq: int, n_accepted: int) -> None:
+        pass
+
+    def end(self, seq: int) -> None:
+        if seq in self.live:
+            self.done[seq] = self.live.pop(seq)
+
+    def take(self, seq: int, n: int, width: int) -> tuple[np.ndarray, ...]:
+        """The finished sequence's arrays for positions 0..n-1: features [n, width] f16, top ids [n, k] i32,
+        top logits [n, k] f16, has_logits [n] bool (positions the target never ran stay zero)."""
+        rows = self.done.pop(seq, {})
+        f = np.zeros((n, width), np.float16)
+        ids = np.zeros((n, self.k), np.int32)
+        val = np.zeros((n, self.k), np.float16)
+        has = np.zeros(n, bool)
+        for p, (fi, ii, vi) in rows.items():
+            if p < n:
+                f[p] = fi
+                if ii is not None:
+                    ids[p, :ii.size], val[p, :vi.size], has[p] = ii, vi, True
+        return f, ids, val, has
+
+
 def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *, answer_tokens: int,
              shard_prompts: int = 64, max_tokens: int = 320, temperature: float = 0.7, top_p: float = 0.8,
              max_batch: int = 16, n_ctx: int = 1024, seed: int = 0, progress: bool = True,
              deadline: float | None = None, log: Any = None, registry: Any = None,
-             prompts: Any = None) -> tuple[int, int]:
+             prompts: Any = None, taps: tuple[int, ...] = ()) -> tuple[int, int]:
     """Extend the shards in ``data_dir`` until they hold ``answer_tokens`` answer tokens (or prompts run out).
 
     Returns (sequences, answer tokens) present at the end. ``deadline`` (a ``time.time()``) stops
@@ -100,7 +174,7 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     data_dir = Path(data_dir)
     recipe = {"target_digest": file_digest(target), "temperature": float(temperature), "top_p": float(top_p),
               "max_tokens": int(max_tokens), "shard_prompts": int(shard_prompts), "prompt_seed": int(seed),
-              "prompt_set": P.VERSION}
+              "prompt_set": P.VERSION, "taps": [int(t) for t in taps], "top_k": TOP_K if taps else 0}
     check_recipe(data_dir, recipe)
     n_have, a_have, _ = data_tokens(data_dir)
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -110,13 +184,21 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     prompts = P.train_prompts(seed) if prompts is None else list(prompts)
     model = load_model(target, n_ctx=n_ctx, registry=registry)
     tok = model.tokenizer
-    sched = Scheduler(model, max_batch=max_batch, max_queue=4 * max_batch, prompt_cache=0, prepare=True)
+    rec = FeatureRecorder(tuple(taps)) if taps else None
+    if rec is not None:
+        from ..speculative.engine import SpecConfig
+
+        sched = Scheduler(model, drafters=[rec], spec=SpecConfig(n_max=1), max_batch=max_batch,
+                          max_queue=4 * max_batch, prompt_cache=0, prepare=True)
+    else:
+        sched = Scheduler(model, max_batch=max_batch, max_queue=4 * max_batch, prompt_cache=0, prepare=True)
+    width = len(taps) * int(model.hparams.n_embd)
     sched.start()
     n_shards = (len(prompts) + shard_prompts - 1) // shard_prompts
     done_shards = {int(p.stem.split("-")[1]) for p in list_shards(data_dir)}
     todo = [i for i in range(n_shards) if i not in done_shards]
     lock = threading.Condition()
-    results: dict[int, tuple[list[int], list[int], str]] = {}
+    results: dict[int, tuple[Any, ...]] = {}
     count = {"submitted": 0, "finished": 0}
     t0 = time.time()
     made = 0
@@ -129,17 +211,21 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
             ids = tok.encode(prompts[idx].text, add_special=True)
         ids = ids[: n_ctx - max_tokens - 1]
         out: list[int] = []
+        holder: list[Any] = []
 
         def emit(ev: Any) -> None:
             out.extend(t.token for t in ev.tokens)
             if ev.finish is not None:
+                rec_arrays = rec.take(holder[0].seq, len(ids) + len(out) + 1, width) if rec is not None else None
                 with lock:
-                    results[idx] = (ids, out, ev.finish)
+                    results[idx] = (ids, out, ev.finish, rec_arrays)
                     count["finished"] += 1
                     lock.notify_all()
 
         cfg = SamplerConfig(temperature=temperature, top_p=top_p, seed=seed * 1_000_003 + idx)
-        sched.submit(Request(prompt_ids=list(ids), max_tokens=max_tokens, sampling=cfg, emit=emit))
+        req = Request(prompt_ids=list(ids), max_tokens=max_tokens, sampling=cfg, emit=emit)
+        holder.append(req)
+        sched.submit(req)
         count["submitted"] += 1
 
     def indices() -> Iterator[int]:
@@ -164,12 +250,14 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
                             break
                         submit(nxt)
                     lock.wait(1.0)
-            seqs, npr, pidx = [], [], []
+            seqs, npr, pidx, recs = [], [], [], []
             for i in range(lo, hi):
-                ids, out, finish = results.pop(i)
+                ids, out, finish, rec_arrays = results.pop(i)
                 if finish == "stop" and eos is not None and (not out or out[-1] != eos):
                     out = out + [int(eos)]  # the end of the answer is a token the drafter must predict too
                 seqs.append(np.asarray(list(ids) + list(out), dtype=np.int32))
+                if rec_arrays is not None:
+                    recs.append([a[:len(seqs[-1])] for a in rec_arrays])
                 npr.append(len(ids))
                 pidx.append(i)
                 a_have += len(out)
@@ -177,8 +265,12 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
             offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
             offsets[1:] = np.cumsum([len(x) for x in seqs])
             tmp = data_dir / f".tmp-{s:05d}.npz"
+            extra = {}
+            if recs:
+                for name, j in (("feats", 0), ("top_ids", 1), ("top_logits", 2), ("has_logits", 3)):
+                    extra[name] = np.concatenate([r[j] for r in recs])
             np.savez(tmp, tokens=np.concatenate(seqs), offsets=offsets, n_prompt=np.asarray(npr, np.int32),
-                     prompt_index=np.asarray(pidx, np.int64))
+                     prompt_index=np.asarray(pidx, np.int64), **extra)
             os.replace(tmp, shard_path(data_dir, s))
             made += 1
             el = time.time() - t0
@@ -209,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the CLI's 
     ap.add_argument("--max-tokens", type=int, default=320)
     ap.add_argument("--shard-prompts", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--taps", default="", help="record these feature taps with the answers (comma-separated)")
     a = ap.parse_args(argv)
     generate(a.target, a.data_dir, answer_tokens=a.tokens, max_tokens=a.max_tokens, shard_prompts=a.shard_prompts,
-             max_batch=a.max_batch)
+             max_batch=a.max_batch, taps=tuple(int(t) for t in a.taps.split(",") if t.strip()))
     return 0
 
 

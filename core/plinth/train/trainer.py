@@ -70,6 +70,9 @@ class TrainOptions:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self).items() if k in keys}
 
 
+TOPK_ONLINE = 64  # target logits kept per position when features are computed here (as the recorder keeps)
+
+
 def default_taps(n_layer: int, n: int = 4) -> tuple[int, ...]:
     """n taps spread over the target: DFlash's rule over layer outputs 1..L-3 (+1: plinth taps are layer
     inputs), with the last one moved to the residual before the final norm (it carries the next token)."""
@@ -191,6 +194,15 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         step, tokens, positions = state["step"], state["tokens"], state["positions"]
         history, data_pos = state["history"], state["data"]
     feats_of = FT.TargetFeatures(model, taps, d2t)
+    t2d = torch.full((n_vocab,), -1, dtype=torch.long)
+    t2d[torch.from_numpy(d2t)] = torch.arange(d2t.size)
+    from .data import RECIPE
+
+    rpath = Path(opt.data) / RECIPE
+    recorded_taps = tuple(json.loads(rpath.read_text()).get("taps", ())) if rpath.is_file() else ()
+    if recorded_taps and recorded_taps != tuple(taps):
+        log(f"train: the data recorded taps {list(recorded_taps)}, this draft reads {list(taps)}: features are "
+            "computed again for every sequence")
     rng = np.random.default_rng(opt.seed * 7919 + step)
 
     def epoch_order(epoch: int) -> list[tuple[str, int]]:
@@ -208,15 +220,21 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         raise UserError(f"{opt.data}: no data shards; generate data first")
     cache: dict[str, Any] = {}
 
-    def load_seq(name: str, j: int) -> tuple[np.ndarray, int]:
+    def load_seq(name: str, j: int) -> tuple[np.ndarray, int, Any]:
+        """Tokens, prompt length and the recorded (features, top ids, top logits, has) or None."""
         if name not in cache:
             cache.clear()
             with np.load(Path(opt.data) / name) as z:
-                cache[name] = (z["tokens"], z["offsets"], z["n_prompt"])
-        toks, off, npr = cache[name]
-        return np.array(toks[off[j]:off[j + 1]], dtype=np.int64), int(npr[j])
+                rec = None
+                if "feats" in z.files and recorded_taps == tuple(taps):
+                    rec = (z["feats"], z["top_ids"], z["top_logits"], z["has_logits"])
+                cache[name] = (z["tokens"], z["offsets"], z["n_prompt"], rec)
+        toks, off, npr, rec = cache[name]
+        sl = slice(int(off[j]), int(off[j + 1]))
+        return (np.array(toks[sl], dtype=np.int64), int(npr[j]),
+                None if rec is None else tuple(a[sl] for a in rec))
 
-    def next_seq() -> tuple[np.ndarray, int]:
+    def next_seq() -> tuple[np.ndarray, int, Any]:
         while True:
             if data_pos["index"] >= len(data_pos["order"]):
                 data_pos["epoch"] += 1
@@ -225,10 +243,12 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
                 log(f"\ntrain: epoch {data_pos['epoch']} over {len(data_pos['order'])} sequences")
             name, j = data_pos["order"][data_pos["index"]]
             data_pos["index"] += 1
-            toks, npr = load_seq(name, j)
+            toks, npr, rec = load_seq(name, j)
             toks = toks[: opt.max_len]
+            if rec is not None:
+                rec = tuple(a[: opt.max_len] for a in rec)
             if toks.size - npr >= 3:
-                return toks, npr
+                return toks, npr, rec
 
     def lr_at(s: int) -> float:
         if s < opt.warmup:
@@ -270,9 +290,14 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         n_tok_step = 0
         t_feat = 0.0
         for _ in range(opt.seqs):
-            toks, npr = next_seq()
+            toks, npr, rec = next_seq()
             t0 = time.time()
-            f_np, lg_np = feats_of(toks)
+            if rec is None:  # no recorded features: one target forward now
+                f_np, lg_np = feats_of(toks)
+                k_top = min(TOPK_ONLINE, lg_np.shape[1])
+                top = np.argpartition(-lg_np, k_top - 1, axis=1)[:, :k_top]
+                rec = (f_np, d2t[top], np.take_along_axis(lg_np, top, axis=1), np.ones(toks.size, bool))
+            f_np = np.asarray(rec[0], dtype=np.float32)
             t_feat += time.time() - t0
             T = toks.size
             cand = np.arange(npr, T - 1)
@@ -283,9 +308,15 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
             hidden = net.blocks(embed, t_toks, anchors, ctx)[:, s0:]  # [nb, m, E]
             lab, prev, valid = block_targets(t_toks, anchors, b, s0)
             z, conf = net.heads(hidden, t_toks[prev] if dspark else None)
-            tl = torch.from_numpy(lg_np)[prev]  # the target's distribution for the label position
+            # the target's distribution for each label: its top-k logits (those in the draft vocabulary)
+            ids = torch.from_numpy(np.asarray(rec[1], dtype=np.int64))[prev]  # [nb, m, K] target ids
+            di = t2d[ids]  # draft indices, -1 outside d2t
+            tl = torch.from_numpy(np.asarray(rec[2], dtype=np.float32))[prev].masked_fill(di < 0, float("-inf"))
+            has = torch.from_numpy(np.asarray(rec[3], dtype=bool))[prev] & (di >= 0).any(-1)
+            valid = valid & has
+            tl = torch.where(valid[..., None], tl, torch.zeros_like(tl))
             p = torch.softmax(tl, dim=-1)
-            logq = torch.log_softmax(z, dim=-1)
+            logq = torch.gather(torch.log_softmax(z, dim=-1), -1, di.clamp_min(0))
             ce = -(p * logq).sum(-1)
             w = wpos[None, :] * valid.float()
             wsum = w.sum().clamp_min(1e-6)
@@ -301,7 +332,8 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
             (loss / opt.seqs).backward()
             with torch.no_grad():
                 # greedy acceptance estimate: the draft's pick against the target's argmax (in the draft vocabulary)
-                hit = (z.argmax(-1) == tl.argmax(-1)) & valid
+                want = torch.gather(di, -1, tl.argmax(-1, keepdim=True)).squeeze(-1)
+                hit = (z.argmax(-1) == want) & valid
                 run = torch.cumprod(hit.float(), dim=1)
                 sums["loss"] += float(loss)
                 sums["acc1"] += float(hit[:, 0].float().mean())
