@@ -27,7 +27,7 @@ import attrs
 from .hookspecs import hookimpl
 
 #: The kinds of things a plugin can provide, as Manifest field names.
-KINDS = ("architectures", "drafters", "verifiers", "backends", "converters")
+FEATURES = ("architectures", "drafters", "verifiers", "backends", "converters")
 
 
 def _frozen_dict(value: Mapping[str, str] | None) -> dict[str, str]:
@@ -71,10 +71,10 @@ class Manifest:
     def provides(self) -> dict[str, list[str]]:
         """Kind -> sorted names, leaving out empty kinds (``draft_formats`` last, when declared)."""
         out = {}
-        for kind in (*KINDS, "draft_formats"):
-            names = sorted(getattr(self, kind))
+        for feature in (*FEATURES, "draft_formats"):
+            names = sorted(getattr(self, feature))
             if names:
-                out[kind] = names
+                out[feature] = names
         return out
 
 
@@ -97,11 +97,11 @@ class ManifestPlugin:
     def __repr__(self) -> str:
         return f"ManifestPlugin({self.manifest.name!r})"
 
-    def _resolve(self, kind: str, name: str) -> Any | None:
-        path = getattr(self.manifest, kind).get(name)
+    def _resolve(self, feature: str, name: str) -> Any | None:
+        path = getattr(self.manifest, feature).get(name)
         if path is None:
             return None
-        key = (kind, name)
+        key = (feature, name)
         if key not in self._cache:
             self._cache[key] = import_object(path)
         return self._cache[key]

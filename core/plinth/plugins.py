@@ -33,7 +33,7 @@ import pluggy
 from . import hookspecs
 from ._version import PLUGIN_API_VERSION, __version__
 from .errors import UserError
-from .manifest import KINDS, Manifest, import_object
+from .manifest import FEATURES, Manifest, import_object
 
 ENTRY_POINT_GROUP = "plinth.plugins"
 BUILTIN_NAME = "plinth"
@@ -240,9 +240,9 @@ class PluginRegistry:
             return record
         if record.warning:
             _warn(record.warning, PluginAPIVersionWarning)
-        for kind in KINDS:
-            for item in getattr(manifest, kind):
-                self._owners.setdefault((kind, item), []).append(name)
+        for feature in FEATURES:
+            for item in getattr(manifest, feature):
+                self._owners.setdefault((feature, item), []).append(name)
         self.records.append(record)
         return record
 
@@ -263,7 +263,7 @@ class PluginRegistry:
     # ------------------------------------------------------------------ routing
 
     def conflicts(self) -> dict[tuple[str, str], list[str]]:
-        """(kind, name) -> plugins declaring it, where more than one does and none is preferred.
+        """(feature, name) -> plugins declaring it, where more than one does and none is preferred.
 
         A drafter name declared by several plugins that each provide architectures of their own
         (a draft head shipped in target files, such as ``mtp``) is no conflict: it is routed by
@@ -297,20 +297,20 @@ class PluginRegistry:
                               f"architectures; none of them provides the target's architecture '{arch}'")
         return self.owner("drafters", name)
 
-    def names(self, kind: str) -> list[str]:
-        """All names of one kind (``"architectures"``, ``"drafters"``...) that loaded plugins provide."""
-        return sorted(n for (k, n) in self._owners if k == kind)
+    def names(self, feature: str) -> list[str]:
+        """All names of one feature (``"architectures"``, ``"drafters"``...) that loaded plugins provide."""
+        return sorted(n for (k, n) in self._owners if k == feature)
 
-    def owner(self, kind: str, name: str, source: str | None = None) -> str:
-        """The plugin that serves ``name`` of ``kind``; raises if none or ambiguous.
+    def owner(self, feature: str, name: str, source: str | None = None) -> str:
+        """The plugin that serves ``name`` of ``feature``; raises if none or ambiguous.
 
         ``source`` (the file that asked for ``name``) starts the message; the error is then
         also a :class:`~plinth.errors.UserError`.
         """
-        owners = self._owners.get((kind, name), [])
+        owners = self._owners.get((feature, name), [])
         if not owners:
-            available = ", ".join(self.names(kind)) or "none"
-            singular = kind[:-1]
+            available = ", ".join(self.names(feature)) or "none"
+            singular = feature[:-1]
             text = (f"no loaded plugin provides the {singular} '{name}' (available: {available}); "
                     f"`plinth plugins` lists what is installed and why a plugin did not load")
             if source is not None:
@@ -322,7 +322,7 @@ class PluginRegistry:
             if preferred in owners:
                 return preferred
         raise PluginConflictError(
-            f"the {kind[:-1]} '{name}' is provided by more than one plugin: {' and '.join(owners)}; "
+            f"the {feature[:-1]} '{name}' is provided by more than one plugin: {' and '.join(owners)}; "
             f"choose one with PLINTH_PREFER={owners[0]} (or --prefer / prefer=), or disable the other"
         )
 
@@ -334,7 +334,7 @@ class PluginRegistry:
             return f"'{name}'"
         return _label(name, rec.distribution, rec.version)
 
-    def _guarded(self, kind: str, key: str, step: str, fn: Any, source: str | None = None,
+    def _guarded(self, feature: str, key: str, step: str, fn: Any, source: str | None = None,
                  owner: str | None = None) -> Any:
         """``fn()``; an exception from plugin code is re-raised naming the plugin, its version and ``step``."""
         try:
@@ -343,18 +343,18 @@ class PluginRegistry:
             raise
         except Exception as exc:  # a plugin's bug or a value it did not expect: name the plugin
             where = f"{source}: " if source else ""
-            raise _hook_error(f"{where}plugin {self.describe(owner or self.owner(kind, key))} failed in {step} for the "
-                              f"{kind[:-1]} '{key}': {_one_line(exc)}", exc) from exc
+            raise _hook_error(f"{where}plugin {self.describe(owner or self.owner(feature, key))} failed in {step} for the "
+                              f"{feature[:-1]} '{key}': {_one_line(exc)}", exc) from exc
 
-    def _call(self, kind: str, key: str, hook: str, *, where: str | None = None, owner: str | None = None,
+    def _call(self, feature: str, key: str, hook: str, *, where: str | None = None, owner: str | None = None,
               **kwargs: Any) -> Any:
         """Call ``hook`` on the one plugin that declares ``key``; ``where`` (a file) starts any error."""
-        owner = owner or self.owner(kind, key)
+        owner = owner or self.owner(feature, key)
         others = [p for p in self.pm.get_plugins() if self.pm.get_name(p) != owner]
         caller = self.pm.subset_hook_caller(hook, remove_plugins=others)
-        result = self._guarded(kind, key, hook, lambda: caller(**kwargs), where, owner)
+        result = self._guarded(feature, key, hook, lambda: caller(**kwargs), where, owner)
         if result is None:
-            raise PluginError(f"plugin '{owner}' declares the {kind[:-1]} '{key}' but its {hook} hook returned nothing")
+            raise PluginError(f"plugin '{owner}' declares the {feature[:-1]} '{key}' but its {hook} hook returned nothing")
         return result
 
     # ------------------------------------------------------------------ typed facade
@@ -451,19 +451,19 @@ class PluginRegistry:
                 _warn(msg)
 
     def check_manifests(self) -> list[tuple[str, str, str, str]]:
-        """Import every path of every loaded manifest; ``(plugin, kind, name, error)`` for each that fails."""
+        """Import every path of every loaded manifest; ``(plugin, feature, name, error)`` for each that fails."""
         problems = []
         for rec in self.loaded:
             if rec.manifest is None:
                 continue
-            for kind in (*KINDS, "draft_formats"):
-                for item, path in sorted(getattr(rec.manifest, kind).items()):
+            for feature in (*FEATURES, "draft_formats"):
+                for item, path in sorted(getattr(rec.manifest, feature).items()):
                     try:
                         import_object(path)
                     except BaseException as exc:  # noqa: BLE001 - SystemExit at import is a plugin bug too
                         if isinstance(exc, KeyboardInterrupt):
                             raise
-                        problems.append((rec.name, kind[:-1], item, f"'{path}': {_one_line(exc)}"))
+                        problems.append((rec.name, feature[:-1], item, f"'{path}': {_one_line(exc)}"))
         return problems
 
 
@@ -569,8 +569,8 @@ def discover(
                 raise PluginError(msg)
             _warn(msg)
     if strict and registry.conflicts():
-        (kind, name), owners = next(iter(registry.conflicts().items()))
-        registry.owner(kind, name)  # raises PluginConflictError naming both
+        (feature, name), owners = next(iter(registry.conflicts().items()))
+        registry.owner(feature, name)  # raises PluginConflictError naming both
     return registry
 
 
