@@ -432,8 +432,8 @@ def test_followers_share_the_leaders_prefill(tiny):
         sched.submit(r)
     with sched._cond:
         sched._admit()
-    sched._step()  # the leader's prefill; the followers wait for it
-    assert [r.n_prefilled for r in reqs] == [len(prompt), 0, 0]
+    sched._step()  # the leader's prefill; the followers copy its rows at its end (no rows of their own)
+    assert [r.n_prefilled for r in reqs] == [len(prompt)] * 3 and sched.metrics.steps == 1
     for _ in range(40):
         if not sched.n_active:
             break
@@ -488,3 +488,28 @@ def test_generator_decodes_token_ids_without_a_tokenizer(registry, tmp_path):
     assert toks == ref[3:]
     with pytest.raises(Exception, match="tokenizer"):
         list(gen.stream([1, 2, 3], 2))
+
+
+def test_followers_of_a_leader_that_ends_at_once(tiny):
+    """A leader that ends with its first token (max_tokens 1) frees its rows in the step that prefilled it:
+    the followers admitted with it copy the rows before that, and one admitted later prefills itself."""
+    sched = Scheduler(tiny, max_batch=2, prompt_cache=0)
+    prompt = ids(b"Hello there")
+    out: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    lead = Request(prompt_ids=prompt, max_tokens=1, sampling=GREEDY, followed=True,
+                   emit=lambda ev: out[0].extend(t.token for t in ev.tokens))
+    reqs = [lead] + [Request(prompt_ids=prompt, max_tokens=6, sampling=GREEDY, leader=lead,
+                             emit=lambda ev, i=i: out[i].extend(t.token for t in ev.tokens)) for i in (1, 2)]
+    for r in reqs:
+        sched.submit(r)
+    with sched._cond:
+        sched._admit()  # the leader and one follower; the other waits for a free place
+    for _ in range(40):
+        with sched._cond:
+            sched._admit()
+        if not sched.n_active and not sched.queue_depth:
+            break
+        sched._step()
+    want = Generator(tiny).generate(prompt, 6)
+    assert out == {0: want[:1], 1: want, 2: want}
+    assert sched.cache_tokens() == 0

@@ -216,15 +216,15 @@ class Scheduler:
         lead = req.leader
         if lead is None or req.n_prefilled:
             return False
+        if lead.done:  # (its rows are gone: this one prefills the prompt itself)
+            req.leader = None
+            return False
         if lead.prompt_logits is not None:
             self.ctx.cache.seq_cp(lead.seq, req.seq)
             req.n_prefilled = len(req.prompt_ids)
             req.prompt_infos = list(lead.prompt_infos)
             self._first_token(req, lead.prompt_logits)
             return True
-        if lead.done or lead.seq < 0 and lead.cancelled:
-            req.leader = None
-            return False
         return None
 
     def _first_token(self, req: Request, lg: Any) -> None:
@@ -241,8 +241,11 @@ class Scheduler:
 
     def _prefilled(self, req: Request, lg: Any) -> None:
         """``req``'s prompt is in the cache and ``lg`` are its last token's logits."""
-        if req.followed:
+        if req.followed:  # the followers admitted so far copy the rows now, before this one can end
             req.prompt_logits = np.array(lg, dtype=np.float32, copy=True)
+            for f in list(self._active):
+                if f.leader is req and f.prefilling and not f.done:
+                    self._follow(f)
         if not req.speculative and req.prompt_logprobs is None:
             self.prompt_cache.keep(req.prompt_ids, req.seq, lg)
         self._first_token(req, lg)
@@ -297,6 +300,7 @@ class Scheduler:
             req = self._waiting.popleft()
             if req.cancelled:
                 req.done = True
+                self.metrics.requests_finished["cancelled"] += 1
                 req.emit(Event(finish="cancelled"))
                 continue
             req.seq = self._free.pop(0)
