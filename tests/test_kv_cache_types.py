@@ -243,3 +243,34 @@ def test_latent_and_indexer_keys_take_the_key_type(monkeypatch):
     np.testing.assert_allclose(b, k_rope, atol=0.02)
     np.testing.assert_allclose(ind.get(0)[0], idx, atol=0.05)
     assert cache.nbytes_by_role() == {"k": 6 * (512 + 64 + 128) // 32 * 34}
+
+
+def test_quantized_draft_keeps_its_blocks(path, registry, tmp_path):
+    """A DFlash draft GGUF with Q8_0 projections keeps them as quantized weights (as a target does), drafts
+    near its dequantized load, and verification stays lossless."""
+    pytest.importorskip("plinth_dflash")
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import random_draft_tensors, tiny_draft_metadata
+
+    from plinth.convert import write_gguf
+    from plinth.generate import Generator
+    from plinth.quant import QuantWeight
+    from plinth.sampling import Sampler, SamplerConfig
+    from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+
+    gguf = pytest.importorskip("gguf")
+    model = _load(path, registry)
+    md = tiny_draft_metadata("dflash", n_embd=N_EMBD, n_vocab=model.n_vocab, n_layer=1, n_head=4, n_head_kv=2,
+                             head_dim=64, n_ff=128, taps=[0, 1], block_size=5, mask_token=0)
+    tensors = random_draft_tensors(md, "dflash", seed=2, scale=0.05)
+    q8 = {n: gguf.GGMLQuantizationType.Q8_0 for n, t in tensors.items()
+          if t.ndim == 2 and (n.startswith("blk.") or n == "fc.weight")}
+    draft = write_gguf(tmp_path / "q8.gguf", md, tensors, q8)
+    d = make_dflash(model, {"draft": str(draft)})
+    kept = {n for n, w in d.graph.w.items() if isinstance(w, QuantWeight)}
+    assert kept == set(q8)
+    greedy = SamplerConfig(temperature=0.0)
+    prompt = [int(t) for t in PROMPT[:10]]
+    want = Generator(model, Sampler(greedy)).generate(prompt, 20)
+    gen = SpeculativeGenerator(model, [d], config=SpecConfig(n_max=4, verifier="greedy"), sampler=greedy)
+    assert gen.generate(prompt, 20) == want

@@ -117,3 +117,39 @@ def test_nvfp4_resident_memory_near_the_file(registry, tmp_path):
     f32 = paths["f32"].stat().st_size
     print(f"NVFP4 file {size / 2**20:.1f} MiB, resident growth {grown / 2**20:.1f} MiB (f32 file {f32 / 2**20:.1f})")
     assert grown <= 1.3 * size
+
+
+def test_nvfp4_dflash_draft_with_scales_stays_quantized(registry, tmp_path):
+    """A DFlash draft with NVFP4 projections and per-tensor ``.scale`` companions (an NVFP4 draft as
+    llama.cpp's converter writes them) keeps the blocks and the scales; its block's hidden states equal
+    its float32 twin's (weights dequantized by gguf-py times the scale) within 1e-5."""
+    pytest.importorskip("plinth_dflash")
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import random_draft_tensors, tiny_draft_metadata
+
+    from plinth.testing import write_synthetic_gguf
+
+    md_t = tiny_metadata("llama", n_vocab=257, n_embd=128, n_head=2, n_head_kv=1, n_ff=192, n_layer=2) | byte_vocab()
+    target = plinth.load_model(write_synthetic_gguf(tmp_path / "t.gguf", "llama", md_t, registry, seed=1),
+                               registry=registry)
+    md = tiny_draft_metadata("dflash", n_embd=128, n_vocab=257, n_layer=1, n_head=2, n_head_kv=1, head_dim=64,
+                             n_ff=128, taps=[0, 1], block_size=4, mask_token=0)
+    tensors = random_draft_tensors(md, "dflash", seed=3, scale=0.05)
+    names = [n for n, t in tensors.items() if t.ndim == 2 and n.startswith("blk.") and t.shape[1] % 64 == 0]
+    blocks = {n: nvfp4_rows(np.random.default_rng([7, i]), *tensors[n].shape) for i, n in enumerate(names)}
+    scales = {n[:-len(".weight")] + ".scale": np.array([0.5 + 0.25 * i], np.float32) for i, n in enumerate(names)}
+    q_path = _write(tmp_path / "q.gguf", md, tensors | scales, blocks)
+    twin = {n: np.asarray(gguf.quants.dequantize(b, NV), np.float32).reshape(tensors[n].shape)
+            * scales[n[:-len(".weight")] + ".scale"][0] for n, b in blocks.items()}
+    f_path = _write(tmp_path / "f.gguf", md, tensors | twin, {})
+    out = {}
+    for key, p in (("q", q_path), ("f", f_path)):
+        d = make_dflash(target, {"draft": str(p)})
+        if key == "q":
+            kept = {n: w for n, w in d.graph.w.items() if isinstance(w, QuantWeight)}
+            assert set(kept) == set(names) and all(w.type_name == "NVFP4" and w.scale is not None
+                                                   for w in kept.values())
+        g = np.random.default_rng(5).standard_normal((6, 128)).astype(np.float32)
+        d.graph.inject(d.cache, 0, np.arange(6), g)
+        out[key] = np.asarray(d.graph.forward_block(d.cache, 0, [3, 0, 0, 0], np.arange(6, 10)))
+    assert np.abs(out["q"] - out["f"]).max() <= 1e-5 * np.abs(out["f"]).max()

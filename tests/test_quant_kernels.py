@@ -522,3 +522,27 @@ def test_address_call_checks_its_arguments() -> None:
 
     with pytest.raises(TypeError, match="call_fill: 3 arguments after the address, got 2"):
         wrong(fill.address, out)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "NVFP4", "Q4_K"])
+def test_scaled_weights_stay_quantized(type_name: str) -> None:
+    """A weight with a ``.scale`` companion (one value, or one a row) keeps its blocks: products (int8 and
+    f32 kernels, tiles), rows taken, row slices and stacks are the scaled dequantized weight's."""
+    raw = _packed(type_name)
+    ref_w = _reference(raw, type_name)
+    rng = np.random.default_rng(4)
+    for scale in (np.array([0.37], np.float32), rng.uniform(0.5, 2.0, N_OUT).astype(np.float32)):
+        w = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN), scale)
+        ref = ref_w * scale.astype(np.float64)[:, None]
+        for m in (1, 5, 40):
+            x = rng.standard_normal((m, N_IN)).astype(np.float32)
+            tol = 1e-5 if type_name == "NVFP4" else 2e-2  # (int8 activations for the block types)
+            assert _rel_err(w.matmul(x), x.astype(np.float64) @ ref.T) < tol
+        np.testing.assert_allclose(w.take(np.array([3, 0])), ref[[3, 0]], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(w[10:20]), ref[10:20], rtol=1e-6)
+        other = QuantWeight(raw, int(GGMLType[type_name]), (N_OUT, N_IN))
+        st = quant.stack([w, other])
+        x = rng.standard_normal((3, N_IN)).astype(np.float32)
+        y = st.matmul(x)
+        np.testing.assert_allclose(y[:, :N_OUT], w.matmul(x), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(y[:, N_OUT:], other.matmul(x), rtol=1e-6, atol=1e-6)

@@ -89,12 +89,15 @@ class QuantWeight:
 
     raw: uint8 ``[n_out, row_bytes]`` (a view of the mapped file, or stacked parts)
     ggml_type: the GGML type code;  shape: ``(n_out, n_in)``.
+    scale: the tensor's ``.scale`` companion (float32, one value or one per output row) or None: the
+    weight is the blocks' values times it, so products and rows taken are multiplied by it (a product
+    row by row: the batch does not change a row's bits).
     """
 
     ndim = 2
     dtype = np.dtype(np.float32)  # what it computes as
 
-    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> None:
+    def __init__(self, raw: np.ndarray, ggml_type: int, shape: tuple[int, int], scale: Any = None) -> None:
         from ..gguf.constants import BLOCK_SIZES, GGMLType
 
         self.ggml_type = int(ggml_type)
@@ -113,6 +116,11 @@ class QuantWeight:
             raise ValueError(f"QuantWeight: {self.raw.shape[1]} bytes a row do not hold {self.shape[1]} "
                              f"{self.type_name} values")
         self.raw16 = self.raw.view(np.uint16) if self.raw.shape[1] % 2 == 0 else None
+        if scale is not None:
+            scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+            if scale.size not in (1, self.shape[0]):
+                raise ValueError(f"QuantWeight: a scale of {scale.size} values for {self.shape[0]} rows")
+        self.scale = scale
         self._i8: Any = None  # the int8 kernel's arguments once known (False: not that path)
         #: int8 products with the largest values of each row recomputed from f32 activations (the LM
         #: head: :class:`plinth.graph.LMHead` sets it; its argmax is the token). See :meth:`matmul`.
@@ -145,7 +153,8 @@ class QuantWeight:
             if step == 1 and (start, stop) == (0, self.shape[0]):
                 return self
             if step == 1:
-                return QuantWeight(self.raw[start:stop], self.ggml_type, (max(0, stop - start), self.shape[1]))
+                sc = self.scale if self.scale is None or self.scale.size == 1 else self.scale[start:stop]
+                return QuantWeight(self.raw[start:stop], self.ggml_type, (max(0, stop - start), self.shape[1]), sc)
         if isinstance(idx, (int, np.integer)):
             return self.take(np.asarray([idx]))[0]
         return self.take(np.asarray(idx))
@@ -154,9 +163,10 @@ class QuantWeight:
         """The whole tensor as float32 [n_out, n_in] (a new array)."""
         return self.take(np.arange(self.shape[0]), parallel=True)
 
-    def take(self, rows: Any, parallel: bool = False) -> np.ndarray:
+    def take(self, rows: Any, parallel: bool = False, unscaled: bool = False) -> np.ndarray:
         """float32 [*rows.shape, n_in]: the given rows dequantized (an embedding lookup), on the
-        calling thread; ``parallel=True``: over the kernel threads (a whole tensor)."""
+        calling thread; ``parallel=True``: over the kernel threads (a whole tensor). ``unscaled``: the
+        blocks' values without :attr:`scale`."""
         rows = np.asarray(rows)
         flat = rows.reshape(-1).astype(np.intp)
         out = np.empty((flat.size, self.shape[1]), dtype=np.float32)
@@ -173,6 +183,8 @@ class QuantWeight:
 
             out[:] = quants.dequantize(np.ascontiguousarray(self.raw[flat]).view(self._stored_dtype()),
                                        self.ggml_type, out.shape)
+        if self.scale is not None and not unscaled:
+            out *= self.scale[:, None] if self.scale.size == 1 else self.scale[flat][:, None]
         return out.reshape(*rows.shape, self.shape[1])
 
     def _stored_dtype(self) -> Any:
@@ -182,6 +194,13 @@ class QuantWeight:
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
         """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
+        y = self._matmul(x)
+        if self.scale is not None:
+            y *= self.scale
+        return y
+
+    def _matmul(self, x: np.ndarray) -> np.ndarray:
+        """The product with the blocks' values (before :attr:`scale`)."""
         m = x.shape[0]
         if 0 < m <= KERNEL_MAX_ROWS and _int8_args(self, [self]):
             x = np.ascontiguousarray(x, dtype=np.float32)
@@ -205,7 +224,7 @@ class QuantWeight:
         tile = max(64, TILE_BYTES // (4 * self.shape[1]))
         for o0 in range(0, self.shape[0], tile):
             o1 = min(self.shape[0], o0 + tile)
-            w = self.take(np.arange(o0, o1))
+            w = self.take(np.arange(o0, o1), unscaled=True)  # (matmul multiplies by the scale)
             out[:, o0:o1] = x @ w.T  # (matmul into a strided out= slice leaves BLAS)
         return out
 
@@ -223,7 +242,7 @@ class QuantWeight:
         k8.near_max_rows(y, y[:, :n].max(axis=1), n, PRECISE_MARGIN, PRECISE_MAX, cols, counts)
         # the rows' columns dequantized once for the whole batch (verify rows share most of theirs)
         union = np.unique(np.concatenate([cols[r, :counts[r]] for r in range(m)]))
-        k8.refine_rows(self.take(union), np.searchsorted(union, cols), cols, counts, x, y)
+        k8.refine_rows(self.take(union, unscaled=True), np.searchsorted(union, cols), cols, counts, x, y)
 
 
 #: a precise weight's values within this much of their row's maximum are recomputed from f32 activations
@@ -275,7 +294,11 @@ class StackedWeight:
         """y = x @ W.T.  x: float32 [m, n_in] -> [m, n_out]."""
         m = x.shape[0]
         if 0 < m <= KERNEL_MAX_ROWS and _int8_args(self, self.parts):  # all parts in one int8 product
-            return _int8_product(self._i8, x, np.empty((m, self.shape[0]), dtype=np.float32))
+            y = _int8_product(self._i8, x, np.empty((m, self.shape[0]), dtype=np.float32))
+            for p, s0 in zip(self.parts, self._starts):  # (the kernel reads the blocks only)
+                if p.scale is not None:
+                    y[:, s0:s0 + p.shape[0]] *= p.scale
+            return y
         return np.concatenate([p.matmul(x) for p in self.parts], axis=1)
 
 

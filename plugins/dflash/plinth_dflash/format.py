@@ -15,6 +15,8 @@ else is DFlash.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -480,6 +482,7 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
 
     weights: dict[str, Any] = {}
     fc_in = None
+    keep = _keeps_blocks(backend)
     for spec in found:
         if spec.name == C.T_FC_INPUT_SCALE:
             # NVFP4's activation global scale of fc: llama.cpp's dflash graph multiplies fc's product by
@@ -490,14 +493,22 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
                 raise DFlashFormatError(f"{path}: '{C.T_FC_INPUT_SCALE}' = {fc_in}: an activation scale must be "
                                         "finite and > 0")
             continue
-        arr = f32(spec.name)
         sname = scale_name(spec.name)
+        s = None
         if spec.scale and sname in gf.tensors:
             s = f32(sname).reshape(-1)
             if s.size != 1:
                 raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' has {s.size} elements, expected 1")
             if not np.isfinite(s[0]) or s[0] == 0:
                 raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' = {s[0]}: must be finite and non-zero")
+        if keep and _kept_linear(spec.name, gf.tensors[spec.name]):
+            from plinth.quant import QuantWeight  # the projections stay in their blocks (and scale), as a target's do
+
+            info = gf.tensors[spec.name]
+            weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape), s)
+            continue
+        arr = f32(spec.name)
+        if s is not None:
             arr = arr * s[0]
         weights[spec.name] = backend.asarray(np.ascontiguousarray(arr, dtype=arr.dtype if arr.dtype == np.int64
                                                                   else np.float32))
@@ -508,6 +519,22 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
                                 f"'{C.T_TOKEN_EMBD}' to tie its head to")
     types = {n: i.type_name for n, i in gf.tensors.items()}
     return DraftFile(path=path, hparams=hp, weights=weights, metadata=md, fc_input_scale=fc_in, tensor_types=types)
+
+
+#: the draft's projections (multiplied through ``plinth.ops.linear`` only): kept in their GGUF blocks
+_LINEAR = re.compile(r"(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|fc)\.weight")
+
+
+def _keeps_blocks(backend: Any) -> bool:
+    """Whether quantized projections stay quantized: the numpy backend, unless PLINTH_DEQUANTIZE=1 (as a target's)."""
+    return getattr(backend, "name", "") == "numpy" and os.environ.get("PLINTH_DEQUANTIZE", "0") != "1"
+
+
+def _kept_linear(name: str, info: Any) -> bool:
+    from plinth.quant import KEPT_TYPES, block_values
+
+    return (_LINEAR.fullmatch(name) is not None and info.type_name in KEPT_TYPES and len(info.shape) == 2
+            and info.shape[1] % block_values(info.type_name) == 0)
 
 
 #: ``plinth info``'s name for each draft variant.
