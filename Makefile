@@ -13,7 +13,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-interop test-lossless test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-ray bench clean
+.PHONY: install demo test test-ref test-interop test-lossless test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-clients test-ray bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,13 @@ test-browser: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[browser]"
 	$(BIN)/python -m pytest -q -m browser
 
+# plinth serve through the client libraries people use (llm, litellm, langchain-openai), in their own venv
+CLIENTS_VENV ?= .venv-clients
+test-clients: install
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --disable-pip-version-check llm litellm langchain-openai
+	PLINTH_CLIENTS_PYTHON=$(abspath $(CLIENTS_VENV))/bin/python $(BIN)/python -m pytest -q -m clients tests/test_serve_clients.py
+
 # Ray's services bind every interface: the suite runs in a network namespace that has only
 # loopback (unshare -rn), so nothing it starts can be reached from outside this machine
 test-ray: install
@@ -91,4 +98,4 @@ peer-server: install
 	$(BIN)/python benchmarks/build_llama_server.py
 
 clean:
-	rm -rf $(VENV) $(SPEC_VENV) $(MLX_VENV)
+	rm -rf $(VENV) $(SPEC_VENV) $(MLX_VENV) $(CLIENTS_VENV)

@@ -123,10 +123,11 @@ class Server:
 
 
 def context_error(n: int, n_ctx: int, what: str) -> APIError:
-    """OpenAI's wording and code for a prompt the context cannot hold (clients match them)."""
+    """OpenAI's wording and code for a prompt the context cannot hold: clients match them (litellm the
+    wording, LangChain the code's name in the message, as older openai clients put the whole body there)."""
     return APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, your {what} resulted in "
                     f"{n} tokens (at most {n_ctx - 1} leave room for one generated token). Please reduce the length "
-                    f"of the {what}.", param=what, code="context_length_exceeded")
+                    f"of the {what}. (context_length_exceeded)", param=what, code="context_length_exceeded")
 
 
 async def _body(request: HTTPRequest) -> Any:
@@ -496,7 +497,8 @@ class Handlers:
                     raise APIError(400, "an input is empty after tokenization", param="input")
                 if len(ids) > n_ctx:
                     raise APIError(400, f"This model's maximum context length is {n_ctx} tokens. However, your input "
-                                   f"resulted in {len(ids)} tokens. Please reduce the length of the input.",
+                                   f"resulted in {len(ids)} tokens. Please reduce the length of the input. "
+                                   "(context_length_exceeded)",
                                    param="input", code="context_length_exceeded")
             try:
                 fut = self.sched.call(lambda: embed(server.model, prompts, pooling))
