@@ -9,8 +9,9 @@ transformers has none: ``layer_types`` or ``hybrid_layer_pattern`` (1 = sliding)
 (``swa_num_key_value_heads``, else twice ``num_key_value_heads``), ``sliding_window_size + 1`` over
 ``sliding_window``. Where both spellings are given they must agree. Tensors: transformers' names
 (fused ``experts.gate_up_proj``, ``self_attn.sinks``) or the release's (per-expert projections,
-``attention_sink_bias``). The MTP blocks (``model.mtp.*``; transformers ignores them and plinth does
-not run them) are left out with a note.
+``attention_sink_bias``). The MTP blocks (``model.mtp.layers.N.*``, which transformers ignores) become
+blocks ``num_hidden_layers + N`` with ``nextn_predict_layers`` (llama.cpp's layout; plinth drafts with
+them: drafter ``mtp``); option ``mtp=no`` (``plinth convert --no-mtp``) leaves them out with a note.
 """
 
 from __future__ import annotations
@@ -49,7 +50,16 @@ NAMES = {
     L + "mlp.gate.e_score_correction_bias": "blk.{layer}.exp_probs_b.bias",
     L + "mlp.experts.gate_up_proj": "blk.{layer}.ffn_gate_up_exps",  # split below
     L + "mlp.experts.down_proj": "blk.{layer}.ffn_down_exps.weight",
+    # the MTP blocks, renumbered after the trunk (model.mtp.layers.N -> model.layers.{n_layer + N})
+    L + "eh_proj.weight": "blk.{layer}.nextn.eh_proj.weight",
+    L + "enorm.weight": "blk.{layer}.nextn.enorm.weight",
+    L + "hnorm.weight": "blk.{layer}.nextn.hnorm.weight",
+    L + "embed_tokens.weight": "blk.{layer}.nextn.embed_tokens.weight",
+    L + "shared_head.head.weight": "blk.{layer}.nextn.shared_head_head.weight",
+    L + "shared_head.norm.weight": "blk.{layer}.nextn.shared_head_norm.weight",
+    L + "final_layernorm.weight": "blk.{layer}.layer_output_norm.weight",
 }
+MTP = re.compile(r"^model\.mtp\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 S, F = "sliding_attention", "full_attention"
 DEFAULT_ROPE = {F: {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
@@ -123,15 +133,16 @@ def layout(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
                 window=window, value_scale=1.0 if scale is None else float(scale))
 
 
-def gguf_metadata(cfg: Mapping[str, Any], source: str = "config.json") -> dict[str, Any]:
-    """The ``mimo2.*`` keys of ``cfg``, as llama.cpp's converter writes them (tokenizer keys not included)."""
+def gguf_metadata(cfg: Mapping[str, Any], source: str = "config.json", n_mtp: int = 0) -> dict[str, Any]:
+    """The ``mimo2.*`` keys of ``cfg``, as llama.cpp's converter writes them (tokenizer keys not included);
+    ``n_mtp`` MTP blocks after the trunk (sliding-window blocks, as llama.cpp counts them)."""
     lay = layout(cfg, source)
-    a, swa = ARCH, [t == S for t in lay["types"]]
+    a, swa = ARCH, [t == S for t in lay["types"]] + [True] * n_mtp
     n_group = int(cfg.get("n_group") or 1)
     md: dict[str, Any] = {
         "general.architecture": a,
         "general.name": str(cfg.get("_name_or_path") or "MiMo-V2-Flash"),
-        f"{a}.block_count": lay["n_layer"],
+        f"{a}.block_count": lay["n_layer"] + n_mtp,
         f"{a}.context_length": int(cfg.get("max_position_embeddings", 131072)),
         f"{a}.embedding_length": lay["n_embd"],
         f"{a}.feed_forward_length": int(cfg.get("intermediate_size", 16384)),
@@ -148,6 +159,8 @@ def gguf_metadata(cfg: Mapping[str, Any], source: str = "config.json") -> dict[s
         f"{a}.rope.freq_base_swa": float(lay["rope"][S]["rope_theta"]) if S in lay["rope"] else 10000.0,
         f"{a}.vocab_size": lay["n_vocab"],
     }
+    if n_mtp:
+        md[f"{a}.nextn_predict_layers"] = n_mtp
     # the expert keys, on an all-dense model too (as llama.cpp's converter writes them)
     md.update({f"{a}.expert_count": int(cfg.get("n_routed_experts", 256)),
                f"{a}.expert_used_count": int(cfg.get("num_experts_per_tok", 8)),
@@ -169,31 +182,45 @@ class MiMo2Converter:
 
     def convert(self, model_dir: str, out_path: str, options: Mapping[str, Any]) -> list[str]:
         """Write ``out_path``; return (and print to stderr) notes on what was left out or assumed."""
-        if options:
-            raise UserError(f"the mimo2 converter takes no options, got {sorted(options)}")
+        unknown = sorted(set(options) - {"mtp"})
+        if unknown:
+            raise UserError(f"the mimo2 converter takes the option mtp (yes / no), got {unknown}")
+        if options.get("mtp") not in (None, "yes", "no"):
+            raise UserError(f"option mtp = {options['mtp']!r}: yes or no")
         cfg = read_config(model_dir)
         source = str(Path(model_dir) / "config.json")
         notes: list[str] = []
-        md = gguf_metadata(cfg, source)
+        st = SafetensorsDir(model_dir)
+        n_layer = int(cfg.get("num_hidden_layers", 0))
+        mtp = {}  # HF name -> the name of the block it becomes
+        for name in st.names():
+            m = MTP.match(name)
+            if m:
+                mtp[name] = f"model.layers.{n_layer + int(m.group(1))}.{m.group(2)}"
+        n_mtp = len({int(MTP.match(n).group(1)) for n in mtp})
+        if mtp and options.get("mtp") == "no":
+            notes.append(f"{len(mtp)} MTP tensors (model.mtp.*) left out (option mtp=no)")
+            n_mtp = 0
+        elif n_mtp and sorted({int(MTP.match(n).group(1)) for n in mtp}) != list(range(n_mtp)):
+            raise UserError(f"{model_dir}: the MTP blocks are not numbered 0..{n_mtp - 1}")
+        md = gguf_metadata(cfg, source, n_mtp)
         tok_md, note = padded_tokenizer_metadata(model_dir, cfg, md[f"{ARCH}.vocab_size"])
         md.update(tok_md)
         if note:
             notes.append(note)
-        st = SafetensorsDir(model_dir)
-        names, experts, mtp = [], {}, []
+        names, experts = {}, {}  # (the name it maps as -> the stored name)
         for name in st.names():
-            m = EXPERT.match(name)
-            if name.startswith("model.mtp."):
-                mtp.append(name)
-            elif m:
+            as_name = mtp.get(name, name)
+            if name in mtp and not n_mtp:
+                continue
+            m = EXPERT.match(as_name)
+            if m:
                 experts.setdefault(int(m.group(1)), set()).add(name)
             else:
-                names.append(name)
-        if mtp:
-            notes.append(f"{len(mtp)} MTP tensors (model.mtp.*) left out: transformers ignores them and plinth "
-                         "runs MiMo's trunk only")
+                names[as_name] = name
         tensors: dict[str, np.ndarray] = {}
-        for hf, gg in map_names(names, NAMES, source).items():
+        for hf_as, gg in map_names(list(names), NAMES, source).items():
+            hf = names[hf_as]
             if gg.endswith("ffn_gate_up_exps"):  # transformers' fused [E, 2F, H]: gate rows first
                 gu = st.get(hf)
                 half = gu.shape[1] // 2
@@ -212,6 +239,9 @@ class MiMo2Converter:
                                                                         for e in range(n_exp)])
         if cfg.get("tie_word_embeddings") and tensors.pop("output.weight", None) is not None:
             notes.append("lm_head.weight left out: the config ties it to the embedding")
+        if n_mtp:
+            notes.append(f"{n_mtp} MTP block(s) written as blocks {n_layer}..{n_layer + n_mtp - 1} "
+                         "(nextn_predict_layers; drafter mtp)")
         lay = layout(cfg, source)
         for il, kind in enumerate(lay["mlp"]):
             has_router = f"blk.{il}.ffn_gate_inp.weight" in tensors

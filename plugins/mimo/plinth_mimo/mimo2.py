@@ -23,10 +23,16 @@ then ``logits = lm_head(rms_norm(x))``.
   which is the tensors' business, as in llama.cpp (the release: layer 0 dense).
 * Q/K/V separate or fused (``attn_qkv``, rows Q|K|V), as llama.cpp reads them.
 
-Files from llama.cpp's converter count the MTP blocks in ``block_count``
-(``nextn_predict_layers``); plinth runs the ``block_count - nextn_predict_layers`` trunk layers. A
-file that carries the MTP blocks' tensors is refused by the core's unread-tensor check (naming the
-first one): plinth does not run MiMo's MTP heads.
+MTP: llama.cpp's files count ``nextn_predict_layers`` MTP blocks in ``block_count`` (3 for MiMo, with
+or without their tensors); the trunk is the first ``block_count - nextn_predict_layers`` layers. An MTP
+block ``il`` whose tensors the file carries is a draft head (llama.cpp's ``graph_mtp``): with the token
+after position p and the trunk's residual h_p before the final norm,
+``x = eh_proj([rms_norm(embed(t), enorm) ; rms_norm(h_p, hnorm)])`` (``nextn.embed_tokens`` if the
+block has its own table), then a sliding-window block (attention with its sinks and the value scale,
+a dense SwiGLU), and the logits ``head(rms_norm(x, shared_head_norm or layer_output_norm or
+output_norm))`` (``nextn.shared_head_head`` if it has its own head). ``x`` (before that norm) is the
+next step's h. The first block is the draft head "mtp" (drafter ``mtp``); later ones are heads
+"mtp.1", "mtp.2".
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ import attrs
 
 from plinth import ops
 from plinth.errors import UserError
-from plinth.graph import (Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step, TensorSpec,
-                          attend)
+from plinth.graph import (KV, Architecture, BaseGraph, Batch, Cache, HParamsError, KeyReader, Linear, PerLayer, Rope,
+                          Step, TensorSpec, attend, seq_groups)
 
 ARCH = "mimo2"
 GATING_SIGMOID = 2  # llama.cpp's expert_gating_func for sigmoid routing (the only one MiMo uses)
@@ -58,7 +64,7 @@ class MiMo2HParams:
     norm_eps: float
     rope_base: float
     rope_base_swa: float
-    swa: tuple[bool, ...]
+    swa: tuple[bool, ...]  # per block, the MTP blocks included
     sliding_window: int
     value_scale: float
     n_ff: int
@@ -114,7 +120,7 @@ def read_hparams(r: KeyReader) -> MiMo2HParams:
             raise HParamsError(f"{r.source}: layer {il} has {n_head_kv[il]} KV heads for {n_head} query heads "
                                f"(key '{r.key('attention.head_count_kv')}'); GQA needs a divisor")
     window = r.get("attention.sliding_window")
-    swa = tuple(pattern[:n_layer])
+    swa = tuple(pattern)
     tokens = r.metadata.get("tokenizer.ggml.tokens")
     return MiMo2HParams(
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
@@ -185,18 +191,46 @@ def ffn_tensors(hp: MiMo2HParams, il: int) -> list[TensorSpec]:
     return specs
 
 
+def mtp_tensors(hp: MiMo2HParams, il: int) -> list[TensorSpec]:
+    """MTP block ``il`` (n_layer <= il < block_count): all optional (llama.cpp's files count the blocks
+    without always carrying them); the graph wants all of a block's own tensors or none."""
+    b, e, v = f"blk.{il}.", hp.n_embd, hp.n_vocab
+    specs = attention_tensors(hp, il) + [TensorSpec(b + "ffn_norm.weight", (e,)),
+                                         TensorSpec(b + "ffn_gate.weight", (hp.n_ff, e)),
+                                         TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
+                                         TensorSpec(b + "ffn_down.weight", (e, hp.n_ff)),
+                                         TensorSpec(b + "nextn.eh_proj.weight", (e, 2 * e)),
+                                         TensorSpec(b + "nextn.enorm.weight", (e,)),
+                                         TensorSpec(b + "nextn.hnorm.weight", (e,)),
+                                         TensorSpec(b + "nextn.embed_tokens.weight", (v, e)),
+                                         TensorSpec(b + "nextn.shared_head_head.weight", (v, e)),
+                                         TensorSpec(b + "nextn.shared_head_norm.weight", (e,)),
+                                         TensorSpec(b + "layer_output_norm.weight", (e,))]
+    return [attrs.evolve(s, required=False) for s in specs]
+
+
+#: an MTP block's own tensors (besides its attention's); the rest are optional
+MTP_REQUIRED = ("attn_norm.weight", "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                "ffn_down.weight", "nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
+
+
 # ============================================================================ graph
 
 class MiMo2Graph(BaseGraph):
     def __init__(self, hp: MiMo2HParams, weights: Mapping[str, Any], backend: Any) -> None:
         super().__init__(hp, weights, backend)
         w, xp = self.w, self.xp
-        base = [hp.rope_base_swa if hp.swa[il] else hp.rope_base for il in range(hp.n_layer)]
+        base = [hp.rope_base_swa if swa else hp.rope_base for swa in hp.swa]
         self.rope = Rope(hp.n_rot, base, xp, mode="neox")
         self.attn_scale = float(hp.head_dim_k) ** -0.5
+        self.mtp_blocks = [il for il in range(hp.n_layer, hp.n_layer + hp.n_nextn) if self.has_mtp_block(il)]
         self.qkv, self.attn_out, self.sinks, self.moe_layer, self.gate_up, self.down = [], [], [], [], [], []
-        for il in range(hp.n_layer):
+        for il in range(hp.n_layer + hp.n_nextn):
             b = f"blk.{il}."
+            if il >= hp.n_layer and il not in self.mtp_blocks:
+                for table in (self.qkv, self.attn_out, self.sinks, self.moe_layer, self.gate_up, self.down):
+                    table.append(None)
+                continue
             self.qkv.append(self.qkv_linear(il))
             self.attn_out.append(Linear.stack(w, [b + "attn_output.weight"], xp))
             self.sinks.append(w.get(b + "attn_sinks.weight"))
@@ -204,6 +238,14 @@ class MiMo2Graph(BaseGraph):
             self.moe_layer.append(moe)
             self.gate_up.append(None if moe else Linear.stack(w, [b + "ffn_gate.weight", b + "ffn_up.weight"], xp))
             self.down.append(None if moe else Linear.stack(w, [b + "ffn_down.weight"], xp))
+
+    def has_mtp_block(self, il: int) -> bool:
+        """Whether the file carries MTP block ``il``; half a block is refused by name."""
+        b = f"blk.{il}."
+        have = [b + n in self.w for n in MTP_REQUIRED]
+        if any(have) and not all(have):
+            raise UserError(f"missing tensor '{b}{MTP_REQUIRED[have.index(False)]}' (MTP block {il} is incomplete)")
+        return all(have)
 
     def qkv_linear(self, il: int) -> Linear:
         """Q|K|V of layer ``il``: the fused ``attn_qkv``, or the three stacked (one layout a layer)."""
@@ -287,6 +329,60 @@ class MiMo2Graph(BaseGraph):
                            w[b + "ffn_down_exps.weight"], act="silu")
 
 
+    # -------------------------------------------------------------- the MTP heads
+
+    def draft_heads(self) -> dict[str, Any]:
+        """The file's MTP blocks as draft heads: "mtp" (the first), "mtp.1", "mtp.2"..."""
+        return {("mtp" if j == 0 else f"mtp.{j}"): MtpHead(self, il) for j, il in enumerate(self.mtp_blocks)}
+
+    def mtp(self, il: int, batch: Batch, hidden: Any, cache: Cache) -> "MtpOutput":
+        """MTP block ``il`` over its own ``cache`` (see the module docstring). Row i pairs ``batch.tokens[i]``
+        (the token after position ``batch.positions[i]``) with ``hidden[i]`` [n_embd], the trunk's residual
+        before the final norm at that position (or this head's own ``hidden`` output when chaining)."""
+        hp, w, xp, b = self.hp, self.w, self.xp, f"blk.{il}."
+        table = w.get(b + "nextn.embed_tokens.weight")
+        table = self.embed_table if table is None else table
+        e = ops.rms_norm(table[xp.asarray(batch.tokens)], w[b + "nextn.enorm.weight"], hp.norm_eps)
+        h = ops.rms_norm(hidden, w[b + "nextn.hnorm.weight"], hp.norm_eps)
+        x = ops.linear(xp.concatenate([e, h], axis=-1), w[b + "nextn.eh_proj.weight"])
+        with cache.forward(batch):
+            x = self.layer(il, x, Step(batch=batch, cache=cache, groups=seq_groups(batch.seq_ids)))
+        norm = next((w[n] for n in (b + "nextn.shared_head_norm.weight", b + "layer_output_norm.weight",
+                                    self.output_norm) if n in w))
+        out = ops.rms_norm(x, norm, hp.norm_eps)
+        own = w.get(b + "nextn.shared_head_head.weight")
+        return MtpOutput(logits=self.head(out) if own is None else ops.linear(out, own), hidden=x)
+
+
+@attrs.frozen
+class MtpOutput:
+    """logits: [n, n_vocab], the token after next per row; hidden: [n, n_embd], the block's output before its
+    head norm (the next step's h)."""
+
+    logits: Any
+    hidden: Any
+
+
+class MtpHead:
+    """A draft head the core's :class:`~plinth.speculative.draft_head.HeadDrafter` drives: it reads tap
+    ``n_layer`` (the trunk's residual before the final norm) and keeps one :class:`KV` for its block."""
+
+    def __init__(self, graph: MiMo2Graph, il: int) -> None:
+        self._graph, self.il = graph, il
+        self.taps = (graph.hp.n_layer,)
+        self.xp = graph.xp
+
+    def new_cache(self) -> Cache:
+        n = self._graph.hp.n_layer + self._graph.hp.n_nextn
+        return Cache(n, self.xp, [(KV(),) if il == self.il else () for il in range(n)])
+
+    def run(self, batch: Batch, hidden: Any, cache: Cache) -> MtpOutput:
+        return self._graph.mtp(self.il, batch, hidden, cache)
+
+    def to_numpy(self, a: Any) -> Any:
+        return self._graph.backend.to_numpy(a)
+
+
 class MiMo2(Architecture):
     """mimo2: MiMo-V2-Flash's text model (trunk layers; see the module docstring)."""
 
@@ -297,8 +393,8 @@ class MiMo2(Architecture):
         return read_hparams(r)
 
     def tensors(self, hp: MiMo2HParams) -> list[TensorSpec]:
-        return model_tensors(hp) + [s for il in range(hp.n_layer)
-                                    for s in attention_tensors(hp, il) + ffn_tensors(hp, il)]
+        return (model_tensors(hp) + [s for il in range(hp.n_layer) for s in attention_tensors(hp, il) + ffn_tensors(hp, il)]
+                + [s for il in range(hp.n_layer, hp.n_layer + hp.n_nextn) for s in mtp_tensors(hp, il)])
 
     def synthetic_tensors(self, hp: MiMo2HParams) -> list[TensorSpec]:
         """A plain model (what plinth.testing's synthetic files hold): separate Q/K/V, an own head, sinks on
@@ -308,6 +404,9 @@ class MiMo2(Architecture):
             if s.required or s.name == "output.weight":
                 return True
             il = int(s.name.split(".")[1])
+            if il >= hp.n_layer:  # an MTP block: its own tensors, separate Q/K/V and sinks (no own table or head)
+                return s.name.endswith(MTP_REQUIRED + ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                       "attn_sinks.weight", "nextn.shared_head_norm.weight"))
             moe = hp.n_expert > 0 and (il > 0 or not hp.n_ff)  # (the release: layer 0 dense)
             if s.name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight")):
                 return True
@@ -319,4 +418,4 @@ class MiMo2(Architecture):
         return [s for s in self.tensors(hp) if keep(s)]
 
 
-__all__ = ["ARCH", "MiMo2", "MiMo2Graph", "MiMo2HParams", "read_hparams"]
+__all__ = ["ARCH", "MiMo2", "MiMo2Graph", "MiMo2HParams", "MtpHead", "MtpOutput", "read_hparams"]

@@ -144,3 +144,73 @@ def registry() -> Any:
     from plinth_mimo.plugin import plugin
 
     return make_registry(plugin)
+
+
+def mtp_state(cfg: dict[str, Any], seed: int, n_mtp: int = 1) -> dict[str, np.ndarray]:
+    """Random MTP blocks in the release's names (``model.mtp.layers.N.*``): a sliding-window attention block
+    with sinks and a dense SwiGLU, the input fusion (``eh_proj`` [E, 2E], ``enorm``, ``hnorm``) and the head
+    norm (``final_layernorm``), every norm weight around 1."""
+    rng = np.random.default_rng(seed)
+    e, h, d_k, d_v = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["v_head_dim"]
+    kv, ff = cfg["swa_num_key_value_heads"], cfg["intermediate_size"]
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    out = {}
+    for i in range(n_mtp):
+        p = f"model.mtp.layers.{i}."
+        out.update({p + "input_layernorm.weight": norm(e), p + "self_attn.q_proj.weight": mat(h * d_k, e),
+                    p + "self_attn.k_proj.weight": mat(kv * d_k, e), p + "self_attn.v_proj.weight": mat(kv * d_v, e),
+                    p + "self_attn.o_proj.weight": mat(e, h * d_v),
+                    p + "self_attn.attention_sink_bias": rng.standard_normal(h).astype(np.float32),
+                    p + "post_attention_layernorm.weight": norm(e), p + "mlp.gate_proj.weight": mat(ff, e),
+                    p + "mlp.up_proj.weight": mat(ff, e), p + "mlp.down_proj.weight": mat(e, ff),
+                    p + "eh_proj.weight": mat(e, 2 * e), p + "enorm.weight": norm(e), p + "hnorm.weight": norm(e),
+                    p + "final_layernorm.weight": norm(e)})
+    return out
+
+
+def mtp_reference_logits(model: Any, state: dict[str, np.ndarray], ids: list[int], block: int = 0) -> np.ndarray:
+    """MTP block ``block``'s logits for rows (token ids[p + 1], the trunk's pre-norm residual at p), p < n - 1:
+    transformers' own MiMoV2FlashDecoderLayer (a sliding layer) for the block, the input fusion and the
+    head norm written in torch from the model card (transformers builds no MTP)."""
+    import torch
+    from transformers import MiMoV2FlashConfig
+    from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as mm
+
+    cfg = model.config
+    one = MiMoV2FlashConfig(**{k: v for k, v in cfg.to_dict().items() if k in MiMoV2FlashConfig.__dataclass_fields__
+                               and k not in ("num_hidden_layers", "layer_types", "mlp_layer_types")},
+                            num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["dense"])
+    one._attn_implementation = "eager"
+    layer = mm.MiMoV2FlashDecoderLayer(one, 0).eval()
+    p = f"model.mtp.layers.{block}."
+    sd = {k[len(p):].replace("self_attn.attention_sink_bias", "self_attn.sinks"): torch.from_numpy(v)
+          for k, v in state.items() if k.startswith(p)}
+    fusion = {k: sd.pop(k) for k in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "final_layernorm.weight")}
+    layer.load_state_dict(sd, strict=True)
+    rot = mm.MiMoV2FlashRotaryEmbedding(one)
+    eps = cfg.rms_norm_eps
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    captured = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.setdefault("h", out))
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=False)
+        hook.remove()
+        h = captured["h"][0, :-1]
+        e = model.model.embed_tokens(torch.tensor(ids[1:]))
+        x = torch.cat([rms(e, fusion["enorm.weight"]), rms(h, fusion["hnorm.weight"])], -1) @ fusion["eh_proj.weight"].T
+        n = x.shape[0]
+        pos = torch.arange(n)[None]
+        cos, sin = rot(x[None], pos, "sliding_attention")
+        q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        mask = torch.where((k <= q) & (q - k < one.sliding_window), 0.0, float("-inf"))[None, None]
+        x = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=(cos, sin))[0]
+        return model.lm_head(rms(x, fusion["final_layernorm.weight"])).numpy()

@@ -115,3 +115,35 @@ def test_plinth_written_files_run_in_llama_cpp(folders, case):
     want = cases.reference_logits(ref, prompt)
     assert float(np.mean(got.argmax(-1) == want.argmax(-1))) >= 0.95
     print(f"{case}: llama.cpp on plinth's file, max |llama.cpp - transformers| = {np.abs(got - want).max():.3g}")
+
+
+def test_mtp_blocks_from_llama_cpps_converter(tmp_path, llama_cpp_converter):
+    """A checkpoint with two MTP blocks: llama.cpp's converter writes them as blocks n and n + 1 of its 3 MTP
+    slots, with the tensors plinth's converter writes (names and values); plinth's draft heads on its file
+    give the logits they give on plinth's file, and the mtp drafter is lossless on it."""
+    from plinth.gguf import GGUFFile
+    from plinth.graph import Batch
+    from plinth.testing.drafters import check_drafter_contract
+    from plinth_dflash.testkit import write_safetensors
+
+    folder, _ = cases.write_folder("release", tmp_path / "hf", for_llama_cpp=True)
+    write_safetensors(folder / "model-mtp.safetensors", cases.mtp_state(cases.CASES["release"]["config"], 7, n_mtp=2))
+    theirs = fixtures.convert_with_llama_cpp(folder, tmp_path / "llama_cpp.gguf", "--outtype", "f32")
+    ours = convert_folder(folder, tmp_path / "plinth.gguf", cases.registry())
+    t, o = GGUFFile(theirs), GGUFFile(ours)
+    assert (t.metadata["mimo2.nextn_predict_layers"], o.metadata["mimo2.nextn_predict_layers"]) == (3, 2)
+    assert sorted(t.tensors) == sorted(o.tensors) and "blk.5.nextn.eh_proj.weight" in t.tensors
+    for name in t.tensors:
+        np.testing.assert_array_equal(np.asarray(t.raw(name)), np.asarray(o.raw(name)), err_msg=name)
+    reg = cases.registry()
+    a, b = plinth.load_model(theirs, registry=reg), plinth.load_model(ours, registry=reg)
+    assert sorted(a.graph.draft_heads()) == sorted(b.graph.draft_heads()) == ["mtp", "mtp.1"]
+    ids = cases.prompts()[2][:50]
+    n = a.hparams.n_layer
+    tapped = a.new_context(taps=(n,)).decode(ids, output="all").features[n][:-1]
+    for name in ("mtp", "mtp.1"):
+        ha, hb = a.graph.draft_heads()[name], b.graph.draft_heads()[name]
+        batch = Batch.from_tokens(ids[1:], output="all")
+        np.testing.assert_array_equal(ha.run(batch, tapped, ha.new_cache()).logits,
+                                      hb.run(batch, tapped, hb.new_cache()).logits)
+    check_drafter_contract(a, lambda: reg.make_drafter("mtp", a, {"n_max": 3}), [ids[:12]], max_tokens=12, n_max=3)

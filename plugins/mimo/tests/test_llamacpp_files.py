@@ -45,7 +45,7 @@ def test_the_file_is_llama_cpps_layout(models, case):
     m = models[case]
     hp = m.hparams
     assert (m.arch, hp.n_layer, hp.n_nextn) == ("mimo2", cfg["num_hidden_layers"], 3)
-    assert list(hp.swa) == [t == cases.S for t in cfg["layer_types"]]
+    assert list(hp.swa) == [t == cases.S for t in cfg["layer_types"]] + [True] * 3  # (the MTP slots: sliding)
     assert m.metadata["general.file_type"] == 1  # f16
 
 
