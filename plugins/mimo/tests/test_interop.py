@@ -147,3 +147,22 @@ def test_mtp_blocks_from_llama_cpps_converter(tmp_path, llama_cpp_converter):
         np.testing.assert_array_equal(ha.run(batch, tapped, ha.new_cache()).logits,
                                       hb.run(batch, tapped, hb.new_cache()).logits)
     check_drafter_contract(a, lambda: reg.make_drafter("mtp", a, {"n_max": 3}), [ids[:12]], max_tokens=12, n_max=3)
+
+
+@pytest.mark.peer
+def test_plinth_mtp_file_opens_in_llama_cpp(tmp_path):
+    """plinth's file with two MTP blocks loads in llama.cpp, whose trunk gives transformers' logits."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("torch")
+    from plinth_dflash.testkit import write_safetensors
+
+    folder, ref = cases.write_folder("release", tmp_path / "hf")
+    write_safetensors(folder / "model-mtp.safetensors", cases.mtp_state(cases.CASES["release"]["config"], 7, n_mtp=2))
+    ours = convert_folder(folder, tmp_path / "plinth.gguf", cases.registry())
+    f32 = llama_cpp.GGML_TYPE_F32
+    llm = llama_cpp.Llama(model_path=str(ours), n_ctx=128, n_batch=128, logits_all=True, verbose=False, type_k=f32,
+                          type_v=f32, flash_attn=False)
+    ids = cases.prompts()[2][:60]
+    llm.eval(ids)
+    got = np.asarray(llm.scores[:len(ids)], dtype=np.float32)
+    assert float(np.abs(got - cases.reference_logits(ref, ids)).max()) <= ATOL
