@@ -190,7 +190,6 @@ def test_dflash_draft_over_a_typed_cache(path, registry, tmp_path):
     from plinth_dflash.drafter import make_dflash
     from plinth_dflash.testkit import write_tiny_draft
 
-    from plinth.cache import KVCache
     from plinth.generate import Generator
     from plinth.kvtypes import CacheTypes
     from plinth.sampling import Sampler, SamplerConfig
@@ -202,7 +201,7 @@ def test_dflash_draft_over_a_typed_cache(path, registry, tmp_path):
     hidden = {}
     for kind in ("f32", "q8_0"):
         d = make_dflash(model, {"draft": str(draft)})
-        d.cache = KVCache(d.graph.hp.n_layer, np, types=CacheTypes(k=kind, v=kind))
+        d.cache = d.graph.new_cache(types=CacheTypes(k=kind, v=kind))
         rng = np.random.default_rng(3)
         g = rng.standard_normal((12, N_EMBD)).astype(np.float32)
         d.graph.inject(d.cache, 0, np.arange(12), g)
@@ -214,7 +213,7 @@ def test_dflash_draft_over_a_typed_cache(path, registry, tmp_path):
     prompt = [int(t) for t in PROMPT[:10]]
     want = Generator(model, Sampler(greedy)).generate(prompt, 20)
     d = make_dflash(model, {"draft": str(draft)})
-    d.cache = KVCache(d.graph.hp.n_layer, np, types=CacheTypes(k="q4_0", v="q8_0"))
+    d.cache = d.graph.new_cache(types=CacheTypes(k="q4_0", v="q8_0"))
     gen = SpeculativeGenerator(model, [d], config=SpecConfig(n_max=4, verifier="greedy"), sampler=greedy)
     assert gen.generate(prompt, 20) == want
 

@@ -379,13 +379,55 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
         table[:, 2] += table[:, 1] - table[:, 0]  # (the key counts, this forward's rows included)
     else:
         table = kv.rows_table(groups)
-    # the bias addresses take the positions column: one list a step for all the layers with these key counts
-    table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
-                            lambda: _bias_column(step, kv, table[:, 2], window))
+    _key_columns(step, kv, table, window)
     kb, vb = kv.buffers(groups[0][0])[:2]
     if kb.shape[2] != q.shape[2]:
         raise ValueError(f"attention: the cached keys have head size {kb.shape[2]}, the queries {q.shape[2]}")
     return ops.attention_rows(q, table, kb.shape[1], vb.shape[2], scale, soft_cap)
+
+
+#: a sliding-window layer's rows skip the keys before their window in whole runs of this many keys (a
+#: multiple of the attention kernels' key blocks: the keys they still see fall in the blocks they fell in)
+WINDOW_SKIP = 64
+
+
+def _key_columns(step: Step, kv: Any, table: np.ndarray, window: int) -> None:
+    """Columns 2..5 of an attention table (key count, K and V addresses, bias address) for ``step``'s
+    groups: the bias addresses (one list a step for all the layers with these key counts); for a
+    sliding-window layer the keys before the earliest row's window are left out, in whole runs of
+    :data:`WINDOW_SKIP` (every key skipped is hidden from every row of the group: whole blocks of
+    -inf change no bit of the kernels' sums), so such a layer reads about its window of keys, not
+    the whole cache."""
+    if not window:
+        table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
+                                lambda: _bias_column(step, kv, table[:, 2], window))
+        return
+    lo, col = step.once(("attn_window_cols", window, table[:, 2].tobytes()),
+                        lambda: _window_columns(step, kv, table[:, 2].copy(), window))
+    kb, vb = kv.buffers(step.groups[0][0])[:2]
+    table[:, 2] -= lo
+    table[:, 3] += lo * kb.strides[0]
+    table[:, 4] += lo * vb.strides[0]
+    table[:, 5] = col
+
+
+def _window_columns(step: Step, kv: Any, n_kv: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group: the keys skipped before the window (a multiple of WINDOW_SKIP) and the address of the
+    bias against the keys left."""
+    positions = step.batch.positions
+    lo = np.zeros(len(step.groups), dtype=np.int64)
+    col = np.zeros(len(step.groups), dtype=np.int64)
+    for i, (seq, sel) in enumerate(step.groups):
+        n = int(n_kv[i])
+        kpos = kv.positions(seq)[:n]
+        first = int(np.min(positions[sel])) - window + 1  # the earliest key the group's rows may see
+        skip = int(np.searchsorted(kpos, first)) if n and (np.diff(kpos) > 0).all() else 0
+        skip = min(skip, n - 1) // WINDOW_SKIP * WINDOW_SKIP if n else 0
+        lo[i] = skip
+        bias = ops.attention_bias(positions[sel], kpos[skip:], causal=True, sliding_window=window, xp=np)
+        if bias is not None:
+            col[i] = _bias_address(step, bias, ("window", seq, window, n), sel.stop - sel.start, n - skip)
+    return lo, col
 
 
 def _bias_column(step: Step, kv: Any, n_kv: np.ndarray, window: int) -> np.ndarray:

@@ -211,7 +211,7 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
     """:func:`plinth.graph.attend`'s few-rows path for a typed :class:`plinth.cache.KV`: this forward's K / V
     rows are turned and packed once for the batch (:meth:`plinth.cache.Rows.encode`), copied into each
     sequence's buffers, and :func:`attention_rows_q` reads every sequence's stored blocks in one call."""
-    from ..graph import _bias_column
+    from ..graph import _key_columns
 
     groups = step.groups
     if not shared:
@@ -221,8 +221,7 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
         for seq, sel in groups:
             kv.append_stored(seq, positions[sel], shapes, ke[sel], ve[sel])
     table = kv.rows_table(groups)
-    table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
-                            lambda: _bias_column(step, kv, table[:, 2], window))
+    _key_columns(step, kv, table, window)
     kb = kv.buffers(groups[0][0])[0]
     kc, vc = kv.codecs
     hd_v = kv.widths[1]
