@@ -71,9 +71,9 @@ def build(tmp: Path):
 
 
 def decode_plinth(model, prompt, n):
-    from plinth.graph import Batch, KVCache
+    from plinth.graph import Batch
 
-    cache = KVCache(model.hparams.n_layer)
+    cache = model.new_context().cache
     t0 = time.perf_counter()
     logits = model.graph.forward(Batch.from_tokens(prompt), cache).logits
     t1 = time.perf_counter()

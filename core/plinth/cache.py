@@ -731,8 +731,7 @@ class Cache:
     """Every layer's cache kinds, and per sequence the positions of the tokens run so far.
 
     ``layout``: per layer a sequence of :class:`CacheKind` instances (fresh ones: the cache
-    owns them), as a graph's ``cache_layout()`` returns. Without a layout every layer gets
-    a :class:`KV` and a :class:`Recurrent` on first use (the 1.x behaviour).
+    owns them), as a graph's ``cache_layout()`` returns.
     """
 
     def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None, types: Any = None) -> None:
@@ -742,12 +741,13 @@ class Cache:
         self.xp = xp
         #: the storage types of the kinds that keep rows (:class:`plinth.kvtypes.CacheTypes`; float32 by default)
         self.types = types if types is not None else CacheTypes()
-        self._lazy = layout is None
-        if layout is not None and len(layout) != n_layer:
+        if layout is None:
+            raise TypeError("a Cache needs a layout: per layer, the cache kinds it keeps (a graph's cache_layout())")
+        if len(layout) != n_layer:
             raise ValueError(f"the cache layout has {len(layout)} layers, the model {n_layer}")
         self.layers: list[list[CacheKind]] = [[] for _ in range(n_layer)]
         self._found: dict[tuple[int, type], Any] = {}  # find() answers (the layout never loses a kind)
-        for il, kinds in enumerate(layout or [()] * n_layer):
+        for il, kinds in enumerate(layout):
             for kind in kinds:
                 self._add(il, kind)
         self._pos: dict[int, np.ndarray] = {}  # seq -> positions of the tokens run (committed)
@@ -776,8 +776,6 @@ class Cache:
         for k in self.layers[il]:
             if isinstance(k, SharedKV):
                 return self.find(k.source, kind)
-        if self._lazy:
-            return self._add(il, kind())
         raise KeyError(f"layer {il} keeps no {kind.__name__} cache (its layout: "
                        f"{[type(k).__name__ for k in self.layers[il]] or 'nothing'})")
 
@@ -842,22 +840,6 @@ class Cache:
             if k.rollback == "snapshot" and (any(k.holds(s) for s in self.seqs()) if seq is None else k.holds(seq)):
                 return True
         return False
-
-    # -------------------------------------------------------------- 1.x conveniences
-
-    def update(self, layer: int, seq: int, positions: np.ndarray, k: Any, v: Any) -> tuple[Any, Any, np.ndarray]:
-        """Append K/V rows of ``seq`` to ``layer``'s :class:`KV` and return all of them (see :meth:`KV.update`)."""
-        if seq not in self._pending:
-            self._pending[seq] = np.asarray(positions)
-        return self.kv(layer).update(seq, positions, k, v)
-
-    def layer_kv(self, layer: int, seq: int) -> tuple[Any, Any] | None:
-        for k in self.layers[layer]:
-            if isinstance(k, KV) and k.holds(seq):
-                kk, vv, _ = k.get(seq)
-                return kk, vv
-        return None
-
 
     # -------------------------------------------------------------- the forward transaction
 
@@ -973,10 +955,7 @@ class Cache:
             raise ValueError(f"cannot restore sequence {seq}: the cache changed below the snapshot")
         for il, kinds in enumerate(self.layers):
             for j, k in enumerate(kinds):
-                if (il, j) in snap.layers:
-                    k.restore(seq, snap.layers[(il, j)])
-                else:  # a kind added after the snapshot (lazy layout)
-                    k.clear(seq)
+                k.restore(seq, snap.layers[(il, j)])
         self._pending.pop(seq, None)
         if snap.n_cached:
             self._pos[seq] = snap.positions.copy()
@@ -993,7 +972,6 @@ class Cache:
                 table.pop(seq, None)
 
 
-KVCache = Cache  # the 1.x name
 
 
 def format_bytes_by_kind(by_kind: dict[str, int]) -> str:

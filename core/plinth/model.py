@@ -54,9 +54,11 @@ class Context:
                 raise ValueError(f"feature tap {t} out of range: layers are 0..{n_layer} (n_layer = {n_layer})")
         self.model = model
         self.pooling = pooling
-        layout = getattr(model.graph, "cache_layout", None)
+        if not callable(getattr(model.graph, "cache_layout", None)):
+            raise UserError(f"{model.path.name}: the {model.arch} graph (plugin {model.plugin}) declares no "
+                            "cache_layout(); a graph says per layer what it keeps (plinth.graph.Graph)")
         types = cache_types if cache_types is not None else getattr(model, "cache_types", None)
-        self.cache = Cache(n_layer, model.backend.xp, layout() if layout is not None else None, types=types)
+        self.cache = Cache(n_layer, model.backend.xp, model.graph.cache_layout(), types=types)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         return self._run(batch, lambda: self.model.graph.forward(batch, self.cache, taps=self.taps,

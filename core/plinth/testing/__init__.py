@@ -115,15 +115,14 @@ def check_prefill_then_decode(graph: Any, n_layer: int, tokens: list[int], n_pre
 
 
 def new_cache(graph: Any, n_layer: int, xp: Any = None) -> Any:
-    """An empty :class:`plinth.graph.Cache` with ``graph``'s cache layout (if it declares one), on ``xp``
-    (default: the graph's array module, else numpy)."""
+    """An empty :class:`plinth.graph.Cache` with ``graph``'s cache layout, on ``xp`` (default: the graph's
+    array module, else numpy)."""
     import numpy as np
 
     from ..cache import Cache
 
-    layout = getattr(graph, "cache_layout", None)
     xp = xp if xp is not None else getattr(graph, "xp", None)
-    return Cache(n_layer, xp if xp is not None else np, layout() if layout is not None else None)
+    return Cache(n_layer, xp if xp is not None else np, graph.cache_layout())
 
 
 def greedy_through_cache(graph: Any, n_layer: int, prompt: list[int], n_new: int) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from plinth import ops
-from plinth.graph import Batch, KVCache
+from plinth.graph import KV, Batch, Cache
 
 from . import constants as C
 from .format import DFlashHParams
@@ -87,8 +87,9 @@ class DraftGraph:
         self.scales = [float(hp.attn_scale) if hp.attn_scale else 1.0 / float(hp.hd(il)) ** 0.5
                        for il in range(hp.n_layer)]
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.hp.n_layer, self.xp)
+    def new_cache(self, types: Any = None) -> Cache:
+        """An empty cache: one :class:`~plinth.graph.KV` a layer (``types``: its storage types)."""
+        return Cache(self.hp.n_layer, self.xp, [(KV(),) for _ in range(self.hp.n_layer)], types=types)
 
     # ------------------------------------------------------------------ injection branch
 
@@ -117,7 +118,7 @@ class DraftGraph:
         """K (k-norm, RoPE at ``positions``) and V of fused rows g: [n, E] for layer ``il``."""
         return self.kv(il, g, self.ropes[il](positions))
 
-    def inject(self, cache: KVCache, seq: int, positions: np.ndarray, g: Any) -> None:
+    def inject(self, cache: Cache, seq: int, positions: np.ndarray, g: Any) -> None:
         """Write the context K/V of fused rows g: [n, E] at target ``positions`` into every layer: one cache
         transaction (all layers' rows land together, or none if a layer raises)."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -127,11 +128,11 @@ class DraftGraph:
         with cache.forward(rows):
             for il in range(self.hp.n_layer):
                 k, v = self.context_kv(il, g, positions)
-                cache.update(il, seq, positions, k, v)
+                cache.kv(il).update(seq, positions, k, v)
 
     # ------------------------------------------------------------------ token branch
 
-    def _attention(self, il: int, u: Any, cache: KVCache, seq: int, positions: np.ndarray) -> Any:
+    def _attention(self, il: int, u: Any, cache: Cache, seq: int, positions: np.ndarray) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = u.shape[0]
         q = ops.linear(u, w[b + "attn_q.weight"]).reshape(n, hp.n_head, hp.hd(il))
@@ -140,7 +141,7 @@ class DraftGraph:
         q = ops.apply_rope(q, mode="neox", cos_sin=cs)
         k, v = self.kv(il, u, cs)
         # the block's K/V join the cache for this forward only (rolled back by forward_block)
-        kc, vc, kpos = cache.update(il, seq, positions, k, v)
+        kc, vc, kpos = cache.kv(il).update(seq, positions, k, v)
         window = hp.sliding_window if hp.swa_layers[il] else None
         out = ops.attention(q, kc, vc, q_pos=positions, k_pos=kpos, scale=self.scales[il],
                             causal=hp.causal_layers[il], sliding_window=window, sinks=w.get(b + "attn_sinks.weight"))
@@ -151,7 +152,7 @@ class DraftGraph:
         return ops.glu_ffn(x, w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"], w[b + "ffn_down.weight"],
                            act=self.hp.hidden_act)
 
-    def layer(self, il: int, h: Any, cache: KVCache, seq: int, positions: np.ndarray) -> Any:
+    def layer(self, il: int, h: Any, cache: Cache, seq: int, positions: np.ndarray) -> Any:
         hp, w, b = self.hp, self.w, f"blk.{il}."
         n = h.shape[0]
         u = ops.rms_norm(h, w[b + "attn_norm.weight"], hp.norm_eps)
@@ -180,7 +181,7 @@ class DraftGraph:
             out = out * w[b + C.T_LAYER_OUT_SCALE].reshape(1)
         return out
 
-    def forward_block(self, cache: KVCache, seq: int, tokens: Any, positions: Any) -> Any:
+    def forward_block(self, cache: Cache, seq: int, tokens: Any, positions: Any) -> Any:
         """Final-normed hidden states [b, E] of the block ``tokens`` at ``positions`` (one sequence).
 
         The cache is left exactly as it was: the block's K/V are never committed.

@@ -117,7 +117,7 @@ def test_injected_kv_matches_separate_encoder_and_formula(drafter, targets):
         half = hp.head_dim // 2
         k = np.concatenate([k[..., :half] * c - k[..., half:] * s, k[..., :half] * s + k[..., half:] * c], -1)
         v = (g @ w[f"blk.{il}.attn_v.weight"].T).reshape(8, hp.n_head_kv, hp.head_dim)
-        kc, vc = dr.cache.layer_kv(il, 0)
+        kc, vc, _ = dr.cache.kv(il).get(0)
         np.testing.assert_allclose(kc, k, atol=1e-5)
         np.testing.assert_allclose(vc, v, atol=1e-5)
     assert dr.cache.positions(0).tolist() == list(range(8))
@@ -165,11 +165,11 @@ def test_block_is_non_causal_unless_flagged(drafter, targets):
 def test_noise_and_rejected_rows_do_not_persist(drafter, targets):
     dr = drafter()
     ctx, _ = prefill(dr, targets["qwen3"])
-    before = [np.array(dr.cache.layer_kv(il, 0)[0]) for il in range(2)]
+    before = [np.array(dr.cache.kv(il).get(0)[0]) for il in range(2)]
     d1 = dr.draft(0, 7, history=PROMPT + [9], pos=8)
     assert dr.cache.positions(0).tolist() == list(range(8))
     for il in range(2):
-        np.testing.assert_array_equal(dr.cache.layer_kv(il, 0)[0], before[il])
+        np.testing.assert_array_equal(dr.cache.kv(il).get(0)[0], before[il])
     assert dr.draft(0, 7, history=PROMPT + [9], pos=8).tokens == d1.tokens  # no leftovers change the next draft
     verify = [9, *d1.tokens[:5]]
     vo = ctx.forward(Batch.from_tokens(verify, start=8, output="all"))
@@ -244,8 +244,8 @@ def test_per_tensor_scales(drafter, targets, variant):
     for d in (plain, scaled):
         prefill(d, targets["qwen3"])
     for il in range(2):
-        np.testing.assert_allclose(scaled.cache.layer_kv(il, 0)[0], plain.cache.layer_kv(il, 0)[0], atol=1e-4)
-        np.testing.assert_allclose(scaled.cache.layer_kv(il, 0)[1], plain.cache.layer_kv(il, 0)[1], atol=1e-4)
+        np.testing.assert_allclose(scaled.cache.kv(il).get(0)[0], plain.cache.kv(il).get(0)[0], atol=1e-4)
+        np.testing.assert_allclose(scaled.cache.kv(il).get(0)[1], plain.cache.kv(il).get(0)[1], atol=1e-4)
     np.testing.assert_allclose(scaled.draft_logits(0, 9, 8, 7), plain.draft_logits(0, 9, 8, 7), atol=1e-3)
     assert scaled.draft(0, 7, history=PROMPT + [9], pos=8).tokens == plain.draft(0, 7, history=PROMPT + [9],
                                                                                  pos=8).tokens
