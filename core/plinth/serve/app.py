@@ -306,6 +306,8 @@ class _Choices:
         self.echo = echo  # per choice: the prompt text to put before its completion (echo), or None
         self.queue = queue
         self.disconnected = False
+        #: per choice, the reader of a reply that may hold tool calls (plinth.serve.structured), or None
+        self.tools: list[Any] | None = None
 
 
 class Handlers:
@@ -539,6 +541,17 @@ class Handlers:
                              presence_penalty=p.presence_penalty, logit_bias=p.logit_bias,
                              seed=None if p.seed is None else (p.seed + j) % 2**64)
 
+    def _grammar(self, p: Params) -> Any:
+        """The request's grammar compiled for the model (each choice starts its own state), or None."""
+        from .structured import StructuredError, compile_for
+
+        if p.structured is None or p.structured.grammar is None:
+            return None
+        try:
+            return compile_for(p.structured, self.server.tokenizer, self.server.model.n_vocab)
+        except StructuredError as exc:
+            raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
+
     def _submit(self, reqs: list[Request]) -> None:
         """Queue every request, or none (those already queued are cancelled)."""
         taken: list[Request] = []
@@ -565,6 +578,7 @@ class Handlers:
                     raise APIError(400, "the prompt is empty after tokenization", param="prompt")
                 if len(ids) >= n_ctx:
                     raise context_error(len(ids), n_ctx, "messages" if chat else "prompt")
+            grammar = await run_in_threadpool(self._grammar, p)
             queue: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
             box = self.boxes.get(loop) or self.boxes.setdefault(loop, Mailbox(loop))
@@ -586,7 +600,8 @@ class Handlers:
 
                     req = Request(prompt_ids=ids, max_tokens=max_tokens, sampling=self._sampling(p, j), emit=emit,
                                   stop=p.stop, logprobs=p.logprobs, speculative=p.speculative, leader=leader,
-                                  prompt_logprobs=p.logprobs if p.echo and p.logprobs is not None else None)
+                                  prompt_logprobs=p.logprobs if p.echo and p.logprobs is not None else None,
+                                  constraint=grammar.start() if grammar is not None else None)
                     if p.n > 1 and leader is None:
                         req.followed, leader = True, req
                     reqs.append(req)
@@ -613,6 +628,10 @@ class Handlers:
         usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
         server.count(endpoint, 200)
         choices = _Choices(reqs, echo, queue)
+        if chat and p.structured is not None and p.structured.calls_tools:
+            from .structured import ToolCallStream
+
+            choices.tools = [ToolCallStream(p.structured) for _ in reqs]
         if p.stream:
             return StreamingResponse(self._stream(choices, fmt, usage, p.include_usage),
                                      media_type="text/event-stream",
@@ -662,7 +681,13 @@ class Handlers:
             if choices.echo[index] is not None:
                 text = choices.echo[index] + text
                 infos = [t for e in evs if e.prompt for t in e.prompt] + infos
-            out.append(fmt.choice(index, text, infos, _openai_finish(ends[index].finish or "")))
+            choice = fmt.choice(index, text, infos, _openai_finish(ends[index].finish or ""))
+            if choices.tools is not None:  # tool calls read from the reply
+                tcs = choices.tools[index]
+                tcs.feed(text)
+                _, choice["finish_reason"] = tcs.finish(choice["finish_reason"])
+                choice["message"] = tcs.message()
+            out.append(choice)
         stats = ends[0].stats if len(reqs) == 1 else [ends[i].stats for i in range(len(reqs))]
         return JSONResponse(fmt.whole(out, usage, stats))
 
@@ -684,14 +709,22 @@ class Handlers:
                     if choices.echo[index] is not None:
                         text = choices.echo[index] + text
                         infos = list(ev.prompt or ()) + infos
-                if text or infos:
+                if choices.tools is not None:  # OpenAI's tool-call deltas (content while the reply is text)
+                    for d in self._tool_deltas(fmt, index, infos, choices.tools[index].feed(text)):
+                        yield d
+                elif text or infos:
                     yield _sse(fmt.chunk(index, infos, text, None))
                 if ev.finish is not None:
                     ended += 1
                     if ev.finish == "error" or (ev.finish == "cancelled" and ev.error):
                         yield _sse(APIError(500, ev.error or "generation failed", type="server_error").body())
                         break
-                    last = fmt.chunk(index, [], "", _openai_finish(ev.finish))
+                    finish = _openai_finish(ev.finish)
+                    if choices.tools is not None:
+                        rest, finish = choices.tools[index].finish(finish)
+                        for d in self._tool_deltas(fmt, index, [], rest):
+                            yield d
+                    last = fmt.chunk(index, [], "", finish)
                     last["plinth"] = ev.stats
                     yield _sse(last)
             else:
@@ -706,6 +739,19 @@ class Handlers:
             for r in reqs:
                 if not r.done:
                     self.sched.cancel(r)
+
+
+    @staticmethod
+    def _tool_deltas(fmt: _Formatter, index: int, infos: list[TokenInfo], deltas: list[dict]) -> list[str]:
+        """Chunks of one choice's deltas (the step's log-probabilities on the first; an empty delta carries
+        them when the reply's text is held back)."""
+        out = []
+        for d in deltas or ([{}] if infos else []):
+            c = fmt.chunk(index, infos, "", None)
+            c["choices"][0]["delta"] = d
+            infos = []
+            out.append(_sse(c))
+        return out
 
 
 def build_app(server: Server) -> Starlette:

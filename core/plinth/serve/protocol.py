@@ -123,6 +123,7 @@ class Params:
     prompts: tuple[str | tuple[int, ...], ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     dropped: tuple[str, ...] = ()  # unknown fields dropped (lenient)
+    structured: Any = None  # the grammar and tool settings (plinth.serve.structured.Structured)
 
     @property
     def prompt(self) -> str | None:
@@ -139,17 +140,24 @@ class Params:
         return None
 
 
+def _structured(body: dict, chat: bool) -> Any:
+    """The request's grammar / tool settings (:func:`plinth.serve.structured.parse`); 400 naming the field."""
+    from .structured import StructuredError, parse
+
+    try:
+        return parse(body, chat=chat)
+    except StructuredError as exc:
+        raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
+
+
 def _check_fields(body: dict, known: tuple[str, ...], lenient: bool) -> tuple[str, ...]:
     """Refuse (or, lenient, drop) fields the endpoint does not know; refuse the grammar fields by name."""
     dropped = []
     for name in body:
         if name in known:
             continue
-        if name in GRAMMAR_FIELDS:
-            if body[name] is None:
-                continue
-            raise unserved(name, "constrained decoding (structured output, tools, grammars) is not served by "
-                           "this server")
+        if name in GRAMMAR_FIELDS:  # read (and refused where not served) by plinth.serve.structured
+            continue
         if not lenient:
             raise APIError(400, f"'{name}': unknown field; this server does not honour it (a server started with "
                            "--lenient drops unknown fields instead)", param=name, code="unknown_parameter")
@@ -234,6 +242,7 @@ def _common(body: Any, chat: bool, lenient: bool) -> dict[str, Any]:
         speculative=_boolean(body, "speculative", True),
         n=_integer(body, "n", 1, 1, MAX_CHOICES),
         dropped=dropped,
+        structured=_structured(body, chat),
     )
 
 
@@ -290,8 +299,9 @@ def chat_params(body: Any, lenient: bool = False) -> Params:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "expected an object with a string 'role'")
         for key in m:
-            if key not in ("role", "content", "name"):
-                raise unserved(f"messages[{i}].{key}", "not served in a message (role, content and name are)")
+            if key not in ("role", "content", "name", "tool_calls", "tool_call_id", "refusal"):
+                raise unserved(f"messages[{i}].{key}", "not served in a message (role, content, name, and a tool "
+                               "call's and result's fields are)")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -308,6 +318,14 @@ def chat_params(body: Any, lenient: bool = False) -> Params:
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
         out.append(msg)
+    s = fields["structured"]
+    if s.calls_tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        from .structured import StructuredError, chat_messages
+
+        try:  # tools described in the system message, earlier calls and results rendered
+            out = chat_messages(messages, s)
+        except StructuredError as exc:
+            raise unserved(exc.param, exc.message.removeprefix(f"'{exc.param}': ")) from None
     fields["messages"] = tuple(out)
     want = _boolean(body, "logprobs", False)
     top = _integer(body, "top_logprobs", None, 0, 20)
