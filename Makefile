@@ -13,7 +13,7 @@ BIN     = $(VENV)/bin
 PLUGINS = $(sort $(dir $(wildcard plugins/*/pyproject.toml)))
 PROMPT ?= Write one sentence about the sea.
 
-.PHONY: install demo test test-ref test-interop test-lossless test-ref-speculators test-ref-mlx-dspark test-peer test-gpu test-fuzz test-browser test-clients test-ray bench clean
+.PHONY: install demo test test-ref test-interop test-lossless test-ref-speculators test-ref-mlx-dspark test-peer test-kv-accuracy test-gpu test-fuzz test-browser test-clients test-ray bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,12 @@ test-lossless: install
 test-peer: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer,ref]"
 	$(BIN)/python -m pytest -q -m peer
+
+# issue 37: a q4_0 K/V cache's top-1 agreement with the f32 cache against llama.cpp's with its f16 cache
+# (SmolLM2, 1024 tokens; the full figures: benchmarks/bench_kv_accuracy.py)
+test-kv-accuracy: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[peer]"
+	$(BIN)/python -m pytest -q -s -m peer tests/test_kv_accuracy.py
 
 test-gpu: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[cuda]"
