@@ -368,7 +368,7 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
     if kv.roles and not kv.cache.types.plain:  # a typed cache (plinth.kvtypes): a kernel that reads its blocks
         from .ops.attend_q import attend_rows_typed
 
-        return attend_rows_typed(q, k, v, kv, shared, step, scale, window, soft_cap)
+        return attend_rows_typed(q, k, v, kv, shared, step, scale, window, soft_cap, _key_columns)
     groups = step.groups
     if not shared:
         table = kv.reserve_rows(groups, (k.shape[1:], v.shape[1:]))

@@ -207,12 +207,12 @@ def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
 
 
 def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: bool, step, scale: float,
-                      window: int, soft_cap: float | None) -> np.ndarray:
+                      window: int, soft_cap: float | None, key_columns) -> np.ndarray:
     """:func:`plinth.graph.attend`'s few-rows path for a typed :class:`plinth.cache.KV`: this forward's K / V
     rows are turned and packed once for the batch (:meth:`plinth.cache.Rows.encode`), copied into each
-    sequence's buffers, and :func:`attention_rows_q` reads every sequence's stored blocks in one call."""
-    from ..graph import _key_columns
-
+    sequence's buffers, and :func:`attention_rows_q` reads every sequence's stored blocks in one call.
+    ``key_columns(step, kv, table, window)`` fills the table's key count, address and bias columns (the
+    graph's, as for a float32 cache)."""
     groups = step.groups
     if not shared:
         ke, ve = kv.encode(k, v)
@@ -221,7 +221,7 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
         for seq, sel in groups:
             kv.append_stored(seq, positions[sel], shapes, ke[sel], ve[sel])
     table = kv.rows_table(groups)
-    _key_columns(step, kv, table, window)
+    key_columns(step, kv, table, window)
     kb = kv.buffers(groups[0][0])[0]
     kc, vc = kv.codecs
     hd_v = kv.widths[1]

@@ -502,7 +502,7 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
             if not np.isfinite(s[0]) or s[0] == 0:
                 raise DFlashFormatError(f"{path}: per-tensor scale '{sname}' = {s[0]}: must be finite and non-zero")
         if keep and _kept_linear(spec.name, gf.tensors[spec.name]):
-            from plinth.quant import QuantWeight  # the projections stay in their blocks (and scale), as a target's do
+            from plinth.graph import QuantWeight  # the projections stay in their blocks (and scale), as a target's do
 
             info = gf.tensors[spec.name]
             weights[spec.name] = QuantWeight(gf.raw(spec.name), info.ggml_type, tuple(info.shape), s)
@@ -531,7 +531,7 @@ def _keeps_blocks(backend: Any) -> bool:
 
 
 def _kept_linear(name: str, info: Any) -> bool:
-    from plinth.quant import KEPT_TYPES, block_values
+    from plinth.graph import KEPT_TYPES, block_values
 
     return (_LINEAR.fullmatch(name) is not None and info.type_name in KEPT_TYPES and len(info.shape) == 2
             and info.shape[1] % block_values(info.type_name) == 0)
