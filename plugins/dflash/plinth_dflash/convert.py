@@ -433,9 +433,11 @@ def flatten_speculators_config(cfg: Mapping[str, Any], model_dir: Any, extra_key
                 "final_logit_softcapping"):
         if cfg.get(key) is not None:
             d[key] = cfg[key]
-    if cfg.get("sliding_window_non_causal") is not None and any(
-            t == "sliding_attention" for t in flat.get("layer_types") or ()):
-        flat["is_causal"] = not bool(cfg["sliding_window_non_causal"])
+    # speculators' mask: full layers are never causal; sliding layers are causal within the block unless
+    # sliding_window_non_causal (create_anchor_block_mask_mod). Unset is_causal makes the sliding layers alone
+    # causal (config_to_metadata's reference rule); is_causal = false makes none causal.
+    if cfg.get("sliding_window_non_causal") and any(t == "sliding_attention" for t in flat.get("layer_types") or ()):
+        flat["is_causal"] = False
     flat.pop("dflash_config", None)
     flat["dflash_config"] = d
     flat["architectures"] = list(cfg.get("architectures") or [])

@@ -4,6 +4,8 @@ Run with the speculators environment (``make test-ref-speculators`` builds it):
 
     .venv-speculators/bin/python plugins/dspark/scripts/make_golden.py OUT.npz [--check-training]
     .venv-speculators/bin/python plugins/dspark/scripts/make_golden.py OUT.npz --dflash   # DFlash / DFlash2 cases
+    .venv-speculators/bin/python plugins/dspark/scripts/make_golden.py OUT.npz --gemma4-verifier
+                                         # DSpark drafts as speculators builds them for a Gemma 4 verifier
 
 Every case: a tiny qwen3-backbone DSpark draft (E = 64, 2 layers, vocabulary 96) with every weight redrawn
 at O(1) scale by numpy (speculators NaN-initialises embed_tokens / lm_head and draws markov_w1 at std 0.01),
@@ -37,7 +39,13 @@ N_CTX = 9
 def _stub_datasets() -> None:
     """speculators' package import pulls `datasets` through eagle3's data module, unused here."""
     m = types.ModuleType("datasets")
-    m.__getattr__ = lambda name: type(name, (), {})  # type: ignore[attr-defined]
+
+    def attr(name: str) -> type:
+        if name.startswith("__"):  # module introspection (inspect, pickling) must see a plain module
+            raise AttributeError(name)
+        return type(name, (), {})
+
+    m.__getattr__ = attr  # type: ignore[attr-defined]
     sys.modules.setdefault("datasets", m)
 
 
@@ -45,7 +53,7 @@ def is_backbone(name: str) -> bool:
     return name.startswith(("fc.", "hidden_norm.", "layers.", "norm.", "embed_tokens."))
 
 
-def build(block: int, anchor_first: bool, vd: int, conf: bool, seed: int):
+def build(block: int, anchor_first: bool, vd: int, conf: bool, seed: int, tl=None, non_causal: bool = False):
     import torch
     from transformers import Qwen3Config
 
@@ -53,14 +61,16 @@ def build(block: int, anchor_first: bool, vd: int, conf: bool, seed: int):
     from speculators.models.dspark import DSparkDraftModel
     from speculators.models.dspark.config import DSparkSpeculatorConfig
 
-    tl = Qwen3Config(vocab_size=VOCAB, hidden_size=E, intermediate_size=FF, num_hidden_layers=LAYERS,
-                     num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=E // HEADS, rms_norm_eps=1e-6,
-                     rope_theta=10000.0, max_position_embeddings=4096, attention_bias=False)
+    if tl is None:
+        tl = Qwen3Config(vocab_size=VOCAB, hidden_size=E, intermediate_size=FF, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=E // HEADS, rms_norm_eps=1e-6,
+                         rope_theta=10000.0, max_position_embeddings=4096, attention_bias=False)
     tl._attn_implementation = "eager"
     cfg = DSparkSpeculatorConfig(transformer_layer_config=tl, draft_vocab_size=vd, block_size=block,
                                  aux_hidden_state_layer_ids=list(TAPS), mask_token_id=MASK,
                                  sample_from_anchor=anchor_first, markov_rank=RANK, markov_head_type="vanilla",
-                                 enable_confidence_head=conf, confidence_head_with_markov=True)
+                                 enable_confidence_head=conf, confidence_head_with_markov=True,
+                                 sliding_window_non_causal=non_causal)
     model = DSparkDraftModel(cfg).eval()
     rng = np.random.default_rng(seed)
     rng_bb = np.random.default_rng(0)  # one backbone for every case; the heads differ
@@ -89,8 +99,30 @@ def build(block: int, anchor_first: bool, vd: int, conf: bool, seed: int):
     return model, cfg, sd
 
 
-def inference(model, feats: np.ndarray, anchor: int, n: int):
-    """The oracle's inference pass for one block of ``n`` prediction rows after context rows 0..P-1."""
+def speculators_masks(model, p: int, b: int) -> list:
+    """Per layer, speculators' own eager mask (``create_anchor_block_mask_mod`` + ``create_float_mask``) for one
+    block of ``b`` rows anchored at position ``p`` over base rows 0..p (row p, the anchor's own base row, is
+    hidden by the mask): full layers see every context row and the whole block, sliding layers context rows
+    at >= p - sliding_window and, unless ``sliding_window_non_causal``, the block causally."""
+    import torch
+    from speculators.models.attention import create_float_mask
+    from speculators.models.dflash.attention import create_anchor_block_mask_mod
+
+    def mask(window):
+        mod, q_len, kv_len = create_anchor_block_mask_mod(
+            document_ids=torch.zeros(p + 1, dtype=torch.long), total_seq_len=p + 1,
+            anchor_positions=torch.tensor([p]), block_size=b, sliding_window=window,
+            sliding_window_non_causal=model.sliding_window_non_causal)
+        return create_float_mask(mod, B=None, H=None, Q_LEN=q_len, KV_LEN=kv_len, dtype=torch.float32)
+
+    full, sliding = mask(None), mask(model.sliding_window) if model.uses_sliding_window_attn else None
+    return [sliding if il in model.sliding_window_indices else full for il in range(len(model.layers))]
+
+
+def inference(model, feats: np.ndarray, anchor: int, n: int, masked: bool = False):
+    """The oracle's inference pass for one block of ``n`` prediction rows after context rows 0..P-1.
+
+    ``masked``: through speculators' own masks (sliding layers), with the base rows 0..P (a zero row P)."""
     import torch
 
     cfg = model.config
@@ -101,12 +133,19 @@ def inference(model, feats: np.ndarray, anchor: int, n: int):
         ids = torch.full((1, b), cfg.mask_token_id, dtype=torch.long)
         ids[0, 0] = anchor
         x = model.embed_tokens(ids)
-        ctx = model.hidden_norm(model.fc(torch.from_numpy(feats)[None]))
-        pos = torch.arange(p + b)[None]
+        if masked:
+            base = np.concatenate([feats, np.zeros((1, feats.shape[1]), np.float32)])
+            ctx = model.hidden_norm(model.fc(torch.from_numpy(base)[None]))
+            pos = torch.cat([torch.arange(p + 1), torch.arange(p, p + b)])[None]
+            masks = speculators_masks(model, p, b)
+        else:
+            ctx = model.hidden_norm(model.fc(torch.from_numpy(feats)[None]))
+            pos = torch.arange(p + b)[None]
+            masks = [None] * len(model.layers)
         pe = model.rotary_emb(x, pos)
-        for layer in model.layers:
-            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=None, position_ids=pos,
-                      position_embeddings=pe)
+        for layer, m in zip(model.layers, masks):
+            x = layer(hidden_states=x, target_hidden=ctx, attention_mask=m,  # [1, 1, b, P + 1 + b] or None
+                      position_ids=pos, position_embeddings=pe)
         hidden = model.norm(x)[0, s:]  # [n, E]
         z = model.lm_head(hidden)  # [n, V_d]
         mh = model.markov_head
@@ -290,8 +329,60 @@ def main(out: str, check: bool) -> None:
     print(f"wrote {out}: {len(CASES)} cases")
 
 
+#: (name, block size, sample_from_anchor, draft vocabulary, sliding_window_non_causal)
+GEMMA4_VERIFIER_CASES = [("g4v-b6-af-causal", 6, True, VOCAB, False), ("g4v-b7-ba-noncausal", 7, False, 40, True),
+                         ("g4v-b4-ba-causal", 4, False, VOCAB, False)]
+
+
+def gemma4_verifier_layer_config():
+    """The draft decoder config speculators itself builds for a Gemma 4 verifier (``create_transformer_layer_config``,
+    the default training path): a Qwen3 config with the verifier's ``hidden_activation`` (gelu_pytorch_tanh), its
+    sliding ``head_dim`` (16 here, not E / heads), its sliding RoPE, a sliding then a full layer. The window is
+    wider than context + block: speculators' window counts back from the anchor, llama.cpp's (and plinth's) from
+    each query, so the two agree only where the window does not cut."""
+    import tempfile
+
+    _stub_datasets()
+    from speculators.train.cli import create_transformer_layer_config
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+
+    with tempfile.TemporaryDirectory() as d:
+        Gemma4TextConfig(vocab_size=VOCAB, hidden_size=E, intermediate_size=FF, num_hidden_layers=4,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=16, global_head_dim=32,
+                         hidden_size_per_layer_input=0,
+                         layer_types=["sliding_attention"] * 3 + ["full_attention"]).save_pretrained(d)
+        return create_transformer_layer_config(d, num_layers=LAYERS, draft_arch="qwen3", hidden_act=None,
+                                               sliding_window=64, full_attention_indices=[1])
+
+
+def main_gemma4_verifier(out: str) -> None:
+    rng = np.random.default_rng(9)
+    arrays, meta = {}, {}
+    for ci, (name, block, af, vd, non_causal) in enumerate(GEMMA4_VERIFIER_CASES):
+        tl = gemma4_verifier_layer_config()
+        model, cfg, sd = build(block, af, vd, True, seed=300 + ci, tl=tl, non_causal=non_causal)
+        for k, v in sd.items():
+            if not k.startswith("verifier_"):
+                arrays[f"{name}/w/{k}"] = v.astype(np.float16) if v.dtype == np.float32 else v
+        meta[name] = dict(block_size=block, sample_from_anchor=af, draft_vocab_size=vd, conf=True,
+                          config=json.loads(cfg.to_json_string()))
+        feats = rng.standard_normal((N_CTX, len(TAPS) * E)).astype(np.float32)
+        anchor = int(rng.integers(0, VOCAB - 1))
+        logits, toks, cf = inference(model, feats, anchor, block if af else block - 1, masked=True)
+        arrays[f"{name}/feats"] = feats
+        arrays[f"{name}/anchor"] = np.array([anchor])
+        arrays[f"{name}/logits"] = logits
+        arrays[f"{name}/tokens"] = toks
+        arrays[f"{name}/conf"] = cf
+    arrays["meta_json"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez_compressed(out, **arrays)
+    print(f"wrote {out}: {len(GEMMA4_VERIFIER_CASES)} cases over speculators' Gemma 4 verifier draft config")
+
+
 if __name__ == "__main__":
-    if "--dflash" in sys.argv:
+    if "--gemma4-verifier" in sys.argv:
+        main_gemma4_verifier(sys.argv[1])
+    elif "--dflash" in sys.argv:
         main_dflash(sys.argv[1])
     else:
         main(sys.argv[1], "--check-training" in sys.argv)

@@ -189,3 +189,34 @@ def test_mlx_dspark_agrees_with_the_golden_file():
     res = subprocess.run([exe, str(script), str(GOLDEN)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "24/24 cases agree" in res.stdout
+
+
+# ---------------------------------------------------------------------------- a Gemma 4 verifier's draft
+
+GEMMA4_VERIFIER_GOLDEN = Path(__file__).parent / "golden" / "speculators_gemma4_verifier.npz"
+
+
+def test_matches_speculators_drafts_for_a_gemma4_verifier(tmp_path, target):
+    """speculators' draft for a Gemma 4 verifier (its own create_transformer_layer_config: Qwen3 layers with
+    gelu_pytorch_tanh, the verifier's sliding head size 16 != E / heads, a sliding then a full layer) through
+    speculators' own masks: the sliding layer causal within the block or not (sliding_window_non_causal),
+    anchor-first and 1+N, full and reduced vocabularies. Tokens identical, logits and confidences within 1e-4."""
+    arrays, meta = load_golden(GEMMA4_VERIFIER_GOLDEN)
+    assert {m["config"]["transformer_layer_config"]["hidden_act"] for m in meta.values()} == {"gelu_pytorch_tanh"}
+    assert {tuple(m["config"]["transformer_layer_config"]["layer_types"]) for m in meta.values()} == {
+        ("sliding_attention", "full_attention")}
+    for case in sorted(meta):
+        got = run_case(tmp_path, arrays, meta, case, target)
+        np.testing.assert_array_equal(got["tokens"], arrays[f"{case}/tokens"], err_msg=case)
+        for key in ("logits", "conf"):
+            d = float(np.abs(got[key] - arrays[f"{case}/{key}"]).max())
+            assert d < TOL, (case, key, d)
+
+
+@pytest.mark.speculators
+def test_live_speculators_rebuilds_the_gemma4_verifier_golden_file(tmp_path):
+    new, _ = load_golden(rebuild_golden(tmp_path, "--gemma4-verifier"))
+    old, _ = load_golden(GEMMA4_VERIFIER_GOLDEN)
+    assert new.keys() == old.keys()
+    for k in old:
+        np.testing.assert_allclose(new[k].astype(np.float64), old[k].astype(np.float64), atol=TOL, err_msg=k)
