@@ -1,6 +1,7 @@
 """DFlash feature extraction from mimo2's layers: the taps (input of layer k, k = n_layer the residual before
-the final norm) feed a random DFlash draft whose greedy output equals plain greedy decoding, on the numpy
-and strict backends (the drafter test kit's contract: output and the target's cache after rollback)."""
+the final norm) feed random block drafts (DFlash, DFlash2, LiLiCorr, DSpark) whose greedy output equals
+plain greedy decoding, on the numpy and strict backends (the drafter test kit's contract: output and the
+target's cache after rollback)."""
 
 from __future__ import annotations
 
@@ -48,5 +49,28 @@ def test_random_dflash_draft_is_lossless(target_file, tmp_path, backend):
     draft = str(write_tiny_draft(tmp_path / "draft.gguf", "dflash", n_embd=64, n_vocab=257, taps=(1, 3, 4),
                                  block_size=6))
     stats = check_drafter_contract(model, lambda: make_dflash(model, {"draft": draft}), PROMPTS, max_tokens=20,
+                                   n_max=5)
+    assert all(s.n_drafts > 0 for s in stats)
+
+
+@pytest.mark.parametrize("variant", ["dflash2", "lilicorr", "dspark"])
+def test_every_block_drafter_is_lossless(target_file, tmp_path, variant):
+    import plinth
+    from plinth.testing.drafters import check_drafter_contract
+
+    model = plinth.load_model(target_file, registry=make_registry("mimo", "dflash", "dspark"))
+    if variant == "dspark":
+        from plinth_dspark.drafter import make_dspark as make
+        from plinth_dspark.testkit import write_tiny_dspark
+
+        draft = write_tiny_dspark(tmp_path / "d.gguf", n_embd=64, n_vocab=257, mask_token=255, taps=(2, 4),
+                                  block_size=6)
+    else:
+        from plinth_dflash.drafter import make_dflash as make
+        from plinth_dflash.testkit import write_tiny_draft
+
+        draft = write_tiny_draft(tmp_path / "d.gguf", variant, n_embd=64, n_vocab=257, taps=(2, 4), block_size=6,
+                                 causal=variant == "lilicorr" or None)
+    stats = check_drafter_contract(model, lambda: make(model, {"draft": str(draft)}), PROMPTS, max_tokens=16,
                                    n_max=5)
     assert all(s.n_drafts > 0 for s in stats)
