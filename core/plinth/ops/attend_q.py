@@ -120,9 +120,17 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: 
     for j0 in range(0, n, KB):
         nk = min(KB, n - j0)
         for kk in range(nk):
-            _unpack(kb, ((j0 + kk) * n_head_kv + hk) * kbytes, kcode, hd, f16, kbuf)
-            for d in range(hd):
-                kt[d, kk] = kbuf[d]
+            at = ((j0 + kk) * n_head_kv + hk) * kbytes
+            if kcode == 3:  # q8_0 straight into the block's column
+                for b in range(hd // 32):
+                    ob = at + b * 34
+                    dq = _half(kb, ob, f16)
+                    for i in range(32):
+                        kt[b * 32 + i, kk] = dq * np.float32(np.int8(kb[ob + 2 + i]))
+            else:
+                _unpack(kb, at, kcode, hd, f16, kbuf)
+                for d in range(hd):
+                    kt[d, kk] = kbuf[d]
         for qi in range(n_q):
             for kk in range(KB):
                 acc[kk] = np.float32(0.0)
