@@ -52,3 +52,46 @@ def write_tiny_dspark(path: str | Path, *, seed: int = 0, rank: int = 16, draft_
                                   conf_with_markov=conf_with_markov, w2_scale=w2_scale, seed=seed, scale=head_scale))
     tensors.update(extra_tensors or {})
     return write_gguf(path, md, tensors)
+
+
+#: Gemma 4 DSpark heads in DeepSpec's schema, as mlx-dspark's gemma4 family reads them (full layers only):
+#: (name, block size, attention_k_eq_v, partial_rotary_factor, confidence head)
+GEMMA4_MLX_CASES = [("keqv-b6-conf", 6, True, 0.25, True), ("vproj-b4-noconf", 4, False, 0.5, False)]
+
+
+def write_gemma4_mlx_cases(root: str | Path, n_vocab: int = 257, n_ctx: int = 9) -> list[Path]:
+    """Checkpoint folders of random Gemma 4 DSpark heads (``Gemma4DSparkModel``, DeepSpec's flat schema over
+    ``gemma4_text``: top-level taps, block size, mask and Markov keys; own ``embed_tokens`` and ``lm_head``; no
+    soft-capping), each with ``feats.npy`` (context features) and ``case.json`` (anchor, block length, mask)
+    for mlx-dspark (scripts/check_mlx_dspark.py --gemma4) and plinth (tests/test_gemma4.py). Deterministic."""
+    import json
+
+    from plinth_dflash.testkit import hf_gemma4_draft_config, hf_gemma4_draft_tensors, write_safetensors
+
+    root = Path(root)
+    out = []
+    for ci, (name, block, keqv, partial, conf) in enumerate(GEMMA4_MLX_CASES):
+        rng = np.random.default_rng(500 + ci)
+        cfg = hf_gemma4_draft_config(n_vocab=n_vocab, mask_token=n_vocab - 2, architecture="Gemma4DSparkModel",
+                                     layer_types=["full_attention"] * 2, k_eq_v=keqv, partial_rotary=partial,
+                                     block_size=block, target_layer_ids=(0, 2), tie_word_embeddings=False)
+        d = cfg.pop("dflash_config")
+        cfg.update(d)  # DeepSpec's schema: the DFlash keys at the top
+        cfg.update(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=conf,
+                   confidence_head_with_markov=True, num_target_layers=3)
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+        t = hf_gemma4_draft_tensors({**cfg, "dflash_config": d}, seed=600 + ci, own_embd=True, own_head=True)
+        e, r = cfg["hidden_size"], 8
+        t["markov_head.markov_w1.weight"] = (0.5 * rng.standard_normal((n_vocab, r))).astype(np.float32)
+        t["markov_head.markov_w2.weight"] = (0.5 * rng.standard_normal((n_vocab, r))).astype(np.float32)
+        if conf:
+            t["confidence_head.proj.weight"] = (0.3 * rng.standard_normal((1, e + r))).astype(np.float32)
+            t["confidence_head.proj.bias"] = np.array([0.1], dtype=np.float32)
+        write_safetensors(folder / "model.safetensors", t)
+        np.save(folder / "feats.npy", rng.standard_normal((n_ctx, 2 * e)).astype(np.float32))
+        (folder / "case.json").write_text(json.dumps({"anchor": int(rng.integers(0, n_vocab - 2)), "block": block,
+                                                      "mask": n_vocab - 2}))
+        out.append(folder)
+    return out

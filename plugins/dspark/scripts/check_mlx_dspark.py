@@ -10,6 +10,11 @@ sample_block -> markov step_bias -> confidence_logits); its chained tokens must 
 its biased logits / confidences lie within 1e-4. plinth-dspark is checked against the same golden file in
 tests/test_reference.py, so agreement here makes the three implementations agree. Prints one line per case
 and exits non-zero on a mismatch.
+
+    .venv-mlx/bin/python plugins/dspark/scripts/check_mlx_dspark.py FOLDERS OUT.npz --gemma4
+
+runs mlx-dspark's Gemma 4 drafter family on the checkpoint folders plinth-dspark's test writes and stores
+its outputs (tests/test_gemma4.py compares plinth with them).
 """
 
 from __future__ import annotations
@@ -73,5 +78,43 @@ def main(golden: str) -> int:
     return 1 if bad else 0
 
 
+def gemma4(folders: str, out: str) -> int:
+    """mlx-dspark's gemma4 family (DeepSpec-schema Gemma 4 DSpark heads: full layers of ``global_head_dim``,
+    K = V or not, V norms, proportional RoPE, sandwich norms, layer_scalar, embeddings times sqrt(E)) on the
+    checkpoint folders plinth's test writes (``plinth_dspark.testkit.write_gemma4_mlx_cases``; each holds
+    ``feats.npy`` and ``case.json`` with the anchor and the block length). Writes ``<case>/logits`` (biased),
+    ``<case>/tokens`` and ``<case>/conf`` to ``out``."""
+    import mlx.core as mx
+    from mlx_dspark.load import load_drafter
+
+    arrays = {}
+    for folder in sorted(Path(folders).iterdir()):
+        if not (folder / "case.json").exists():
+            continue
+        case = json.loads((folder / "case.json").read_text())
+        drafter, _ = load_drafter(str(folder), quantize=False)
+        assert drafter.config.family == "gemma4", drafter.config.family
+        feats = np.load(folder / "feats.npy")
+        anchor, b = int(case["anchor"]), int(case["block"])
+        caches = drafter.make_ctx_cache()
+        drafter.update_context(mx.array(feats)[None], 0, caches)
+        ids = [anchor] + [int(case["mask"])] * (b - 1)
+        hidden = drafter.backbone(drafter.embed(mx.array(ids)[None]), feats.shape[0], caches)
+        hs = drafter.head_slice(hidden, b)[0]
+        base = drafter.compute_logits(hs)
+        toks = np.array(drafter.sample_block(base, anchor)).astype(np.int64)
+        prev = mx.array(np.concatenate([[anchor], toks[:-1]]).astype(np.int32))
+        arrays[f"{folder.name}/logits"] = np.array(base + drafter.markov_head.step_bias(prev))
+        arrays[f"{folder.name}/tokens"] = toks
+        if drafter.confidence_head is not None:
+            arrays[f"{folder.name}/conf"] = np.array(mx.sigmoid(drafter.confidence_logits(hs, prev)))
+        print(f"{folder.name}: {b} rows, tokens {toks.tolist()}")
+    np.savez_compressed(out, **arrays)
+    print(f"wrote {out}: {len({k.split('/')[0] for k in arrays})} gemma4 cases")
+    return 0
+
+
 if __name__ == "__main__":
+    if "--gemma4" in sys.argv:
+        sys.exit(gemma4(sys.argv[1], sys.argv[2]))
     sys.exit(main(sys.argv[1]))

@@ -110,3 +110,73 @@ def test_gemma4_dspark_refusals_are_named(tmp_path):
         (d / "config.json").write_text(json.dumps({**cfg, **edit}))
         with pytest.raises(UserError, match=match):
             convert(d, tmp_path / "x.gguf")
+
+
+# ------------------------------------------------------------------ mlx-dspark's gemma4 family as the oracle
+
+MLX_GOLDEN = __import__("pathlib").Path(__file__).parent / "golden" / "mlx_dspark_gemma4.npz"
+TOL = 1e-4
+
+
+def plinth_gemma4_case(folder, target, out_dir):
+    from plinth.speculative.base import TargetOutput
+    from plinth_dspark.convert import Gemma4DSparkConverter
+    from plinth_dspark.drafter import make_dspark
+
+    out = out_dir / f"{folder.name}.gguf"
+    Gemma4DSparkConverter().convert(str(folder), str(out), {})
+    dr = make_dspark(target, {"draft": str(out)})
+    feats = np.load(folder / "feats.npy")
+    case = json.loads((folder / "case.json").read_text())
+    e, p = feats.shape[1] // 2, feats.shape[0]
+    taps = dr.hp.target_layers
+    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(p, np.int64), positions=np.arange(p),
+                            features={taps[0]: feats[:, :e], taps[1]: feats[:, e:]}))
+    return dr.block_outputs(0, case["anchor"], p, case["block"])
+
+
+def compare_with_mlx(arrays, folders, target, out_dir):
+    worst = 0.0
+    for folder in folders:
+        got = plinth_gemma4_case(folder, target, out_dir)
+        np.testing.assert_array_equal(got["tokens"], arrays[f"{folder.name}/tokens"], err_msg=folder.name)
+        for key in ("logits", "conf"):
+            if f"{folder.name}/{key}" in arrays:
+                d = float(np.abs(got[key] - arrays[f"{folder.name}/{key}"]).max())
+                assert d < TOL, (folder.name, key, d)
+                worst = max(worst, d)
+            else:
+                assert key not in got, folder.name
+    return worst
+
+
+def test_matches_mlx_dspark_gemma4_family(tmp_path, gemma4_target):
+    """mlx-dspark 0.20.3's gemma4 drafter family (full layers of global_head_dim, K = V or v_proj, V norms,
+    proportional RoPE, sandwich norms, layer_scalar) on the same checkpoints: chained tokens identical, biased
+    logits and confidences within 1e-4 (golden file from scripts/check_mlx_dspark.py --gemma4)."""
+    from plinth_dspark.testkit import write_gemma4_mlx_cases
+
+    folders = write_gemma4_mlx_cases(tmp_path / "cases")
+    z = np.load(MLX_GOLDEN)
+    compare_with_mlx({k: z[k] for k in z.files}, folders, gemma4_target, tmp_path)
+
+
+@pytest.mark.mlx_dspark
+def test_live_mlx_dspark_gemma4_family(tmp_path, gemma4_target):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from plinth_dspark.testkit import write_gemma4_mlx_cases
+
+    exe = os.environ.get("PLINTH_MLX_DSPARK_PYTHON")
+    if not exe or not Path(exe).exists():
+        pytest.skip("no mlx-dspark environment: make test-ref-mlx-dspark (sets PLINTH_MLX_DSPARK_PYTHON)")
+    folders = write_gemma4_mlx_cases(tmp_path / "cases")
+    out = tmp_path / "mlx.npz"
+    script = Path(__file__).parents[1] / "scripts" / "check_mlx_dspark.py"
+    res = subprocess.run([exe, str(script), str(tmp_path / "cases"), str(out), "--gemma4"], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    z = np.load(out)
+    compare_with_mlx({k: z[k] for k in z.files}, folders, gemma4_target, tmp_path)
