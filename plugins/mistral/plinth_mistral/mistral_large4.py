@@ -431,11 +431,13 @@ class MistralLarge4Graph(BaseGraph):
                 if hp.has_indexer(s) and all(hp.kv_source[il] >= s for il in range(s, hp.n_layer))]
 
     def forward_stage(self, batch: Batch, cache: Cache, x: Any, start: int, stop: int, **kw: Any) -> Any:
-        """:meth:`BaseGraph.forward_stage`; a stage starting elsewhere than :meth:`split_points` is refused."""
-        if 0 < start < self.hp.n_layer and start not in self.split_points():
-            raise ValueError(f"{self.hp.arch}: a pipeline stage cannot start at layer {start} (a 'shared' indexer "
-                             "layer, or a later layer reads a latent from before it); this model splits at layers "
-                             f"{self.split_points() or 'none'}")
+        """:meth:`BaseGraph.forward_stage`; a stage starting or ending elsewhere than :meth:`split_points` is
+        refused before it computes (the first stage sees the bad cut in its ``stop``)."""
+        for cut in (start, stop):
+            if 0 < cut < self.hp.n_layer and cut not in self.split_points():
+                raise ValueError(f"{self.hp.arch}: a pipeline stage cannot start at layer {cut} (a 'shared' indexer "
+                                 "layer, or a later layer reads a latent from before it); this model splits at "
+                                 f"layers {self.split_points() or 'none'}")
         return super().forward_stage(batch, cache, x, start, stop, **kw)
 
     # -------------------------------------------------------------- RoPE and scaling

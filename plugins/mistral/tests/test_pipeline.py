@@ -53,6 +53,10 @@ def test_a_split_across_shared_state_is_refused(mistral_models, case, start, why
     with pytest.raises(ValueError, match=why):
         model.graph.forward_stage(Batch.from_tokens([1, 2, 3]), model.new_context().cache, x, start,
                                   model.hparams.n_layer)
+    cache = model.new_context().cache
+    with pytest.raises(ValueError, match=why.replace("layers none", "layer")):  # the stage before the cut refuses too
+        model.graph.forward_stage(Batch.from_tokens([1, 2, 3]), cache, None, 0, start)
+    assert cache.n_cached(0) == 0  # before computing anything
 
 
 class _Handle:
