@@ -5,12 +5,21 @@ from __future__ import annotations
 import pytest
 
 
+def has_gemma() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("plinth_gemma") is not None
+
+
 @pytest.fixture(scope="session")
 def targets(tmp_path_factory):
-    from plinth_dflash.testkit import tiny_target
+    from plinth_dflash.testkit import tiny_gemma4_target, tiny_target
 
     d = tmp_path_factory.mktemp("targets")
-    return {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
+    out = {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
+    if has_gemma():
+        out["gemma4"] = tiny_gemma4_target(d / "gemma4.gguf")
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +28,7 @@ def strict_targets(targets):
     import plinth
     from plinth.testing import make_registry
 
-    reg = make_registry("llama")
+    reg = make_registry("llama", *(("gemma",) if has_gemma() else ()))
     return {arch: plinth.load_model(m.path, backend="strict", registry=reg) for arch, m in targets.items()}
 
 

@@ -8,11 +8,13 @@ import pytest
 from plinth.testing import CONTRACT_BACKENDS
 
 VARIANTS = ("dflash", "dflash2", "lilicorr")
+#: qwen3, llama and, with plinth-gemma installed, gemma4 (the conftest's targets)
+TARGETS = ("qwen3", "llama") + (("gemma4",) if __import__("importlib.util").util.find_spec("plinth_gemma") else ())
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
 
 
 @pytest.mark.parametrize("backend", CONTRACT_BACKENDS)
-@pytest.mark.parametrize("target", ["qwen3", "llama"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_drafter_contract_on_tiny_targets(targets_on, draft_file, target, variant, backend):
     from plinth.testing.drafters import check_drafter_contract

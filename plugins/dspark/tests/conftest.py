@@ -7,10 +7,16 @@ import pytest
 
 @pytest.fixture(scope="session")
 def targets(tmp_path_factory):
-    from plinth_dflash.testkit import tiny_target
+    """Tiny qwen3 and llama targets, and gemma4 when plinth-gemma is installed."""
+    import importlib.util
+
+    from plinth_dflash.testkit import tiny_gemma4_target, tiny_target
 
     d = tmp_path_factory.mktemp("targets")
-    return {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
+    out = {arch: tiny_target(d / f"{arch}.gguf", arch, n_layer=3, seed=5) for arch in ("qwen3", "llama")}
+    if importlib.util.find_spec("plinth_gemma") is not None:
+        out["gemma4"] = tiny_gemma4_target(d / "gemma4.gguf")
+    return out
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 PROMPTS = [[3, 17, 42, 8, 23], [60, 2, 2, 2, 9, 31, 77, 4, 50, 12, 1]]
+#: qwen3, llama and, with plinth-gemma installed, gemma4 (the conftest's targets)
+TARGETS = ("qwen3", "llama") + (("gemma4",) if __import__("importlib.util").util.find_spec("plinth_gemma") else ())
 VARIANTS = {
     "anchor-first": dict(),
     "bonus-anchor": dict(sample_from_anchor=False),
@@ -20,7 +22,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("target", ["qwen3", "llama"])
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_drafter_contract_on_tiny_targets(targets, dspark_file, target, variant):
     from plinth.testing.drafters import check_drafter_contract
