@@ -310,3 +310,13 @@ def test_server_steps_and_prompt_cache_on_a_typed_cache(path, registry):
         assert sched.metrics.prompt_cache_hits >= 1
     finally:
         sched.stop()
+
+
+def test_rows_grow_no_further_than_the_context(path, registry):
+    """A sequence's buffers grow by doubling but never past the context (llama.cpp sizes its cache to n_ctx):
+    70 + 20 tokens in a 100-token context hold 100 rows, not 140."""
+    model = plinth.load_model(path, registry=registry, n_ctx=100, cache_type_k="q8_0", cache_type_v="q8_0")
+    ctx = model.new_context()
+    ctx.decode([int(t) for t in PROMPT[:35]] * 2)
+    ctx.decode([int(t) for t in PROMPT[:20]])
+    assert ctx.cache.kv(0).buffers(0)[0].shape[0] == 100

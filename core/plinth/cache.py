@@ -261,6 +261,8 @@ class Rows(CacheKind):
         if bufs is None or bufs[0].shape[0] < n_new:
             xp = self.xp
             cap = max(n_new, 2 * (bufs[0].shape[0] if bufs is not None else 0), 16)
+            if self.cache.max_rows:  # (never past the context: a sequence never holds more rows)
+                cap = max(n_new, min(cap, self.cache.max_rows))
             codecs = self._codecs(shapes)
             self.widths = [int(shape[-1]) if len(shape) else 1 for shape in shapes]
             grown = [xp.empty((cap,) + tuple(shape), dtype=xp.float32) if c is None else c.alloc(cap, tuple(shape))
@@ -734,13 +736,16 @@ class Cache:
     owns them), as a graph's ``cache_layout()`` returns.
     """
 
-    def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None, types: Any = None) -> None:
+    def __init__(self, n_layer: int, xp: Any = np, layout: Layout | None = None, types: Any = None,
+                 max_rows: int | None = None) -> None:
         from .kvtypes import CacheTypes
 
         self.n_layer = n_layer
         self.xp = xp
         #: the storage types of the kinds that keep rows (:class:`plinth.kvtypes.CacheTypes`; float32 by default)
         self.types = types if types is not None else CacheTypes()
+        #: the most rows a sequence's buffers grow to (the context size: its rows grow by doubling up to it)
+        self.max_rows = int(max_rows) if max_rows else None
         if layout is None:
             raise TypeError("a Cache needs a layout: per layer, the cache kinds it keeps (a graph's cache_layout())")
         if len(layout) != n_layer:

@@ -58,7 +58,7 @@ class Context:
             raise UserError(f"{model.path.name}: the {model.arch} graph (plugin {model.plugin}) declares no "
                             "cache_layout(); a graph says per layer what it keeps (plinth.graph.Graph)")
         types = cache_types if cache_types is not None else getattr(model, "cache_types", None)
-        self.cache = Cache(n_layer, model.backend.xp, model.graph.cache_layout(), types=types)
+        self.cache = Cache(n_layer, model.backend.xp, model.graph.cache_layout(), types=types, max_rows=model.n_ctx)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         return self._run(batch, lambda: self.model.graph.forward(batch, self.cache, taps=self.taps,
