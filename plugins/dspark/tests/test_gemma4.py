@@ -180,3 +180,64 @@ def test_live_mlx_dspark_gemma4_family(tmp_path, gemma4_target):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     z = np.load(out)
     compare_with_mlx({k: z[k] for k in z.files}, folders, gemma4_target, tmp_path)
+
+
+# ------------------------------------------------------------------ llama.cpp's own converter (files in the wild)
+
+@pytest.mark.interop
+@pytest.mark.ref
+def test_llama_cpp_written_gemma4_dspark_file_drafts_as_plinths(tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (Gemma4DSparkModel, --target-model-dir for the tokenizer) on the K = V
+    case folder; plinth loads its file and drafts exactly what it drafts from its own converter's file (block
+    logits, confidences, tokens), and the two files hold the same dflash keys with the same values (plinth's
+    adds a few, listed below) and the same tensors."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from plinth.gguf import GGUFFile
+    from plinth.speculative.base import TargetOutput
+    from plinth.testing import load_module
+    from plinth.testing.interop import llama_cpp_sources
+    from plinth_dflash.testkit import tiny_target
+    from plinth_dspark.convert import Gemma4DSparkConverter
+    from plinth_dspark.drafter import make_dspark
+    from plinth_dspark.testkit import write_gemma4_mlx_cases
+
+    src = llama_cpp_sources()
+    gemma_golden = Path(__file__).parents[2] / "gemma" / "tests" / "golden" / "make_golden.py"
+    if src is None or not gemma_golden.exists():
+        pytest.skip("needs the llama.cpp sources (llama-cpp-python 0.3.36 sdist) and plinth-gemma's test folders")
+    pytest.importorskip("torch")  # llama.cpp's converter
+    g = load_module(gemma_golden)
+    tok_dir, _ = g.write_gemma_folder(sorted(g.CASES)[0], tmp_path / "target")  # a Gemma 4 tokenizer folder
+    folder = write_gemma4_mlx_cases(tmp_path / "cases", n_vocab=g.GEMMA_N_VOCAB)[0]
+    theirs, ours = tmp_path / "llama_cpp.gguf", tmp_path / "plinth.gguf"
+    script = Path(__file__).parents[1] / "scripts" / "llama_cpp_convert.py"
+    r = subprocess.run([sys.executable, str(script), str(src), str(folder), "--outfile", str(theirs), "--outtype",
+                        "f32", "--target-model-dir", str(tok_dir)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, (r.stderr or r.stdout)[-3000:]
+    Gemma4DSparkConverter().convert(str(folder), str(ours), {})
+    a, b = GGUFFile(theirs), GGUFFile(ours)
+    keys = lambda gf: {k: np.asarray(v).tolist() for k, v in gf.metadata.items() if k.startswith("dflash.")}  # noqa: E731
+    ka, kb = keys(a), keys(b)
+    # plinth's file adds its V-norm and tied keys, the early converter's mask key, the informational
+    # target_hidden_size and vocab_size (llama.cpp's carries the vocabulary in its tokenizer keys)
+    assert set(kb) - set(ka) <= {"dflash.attention.value_norm", "dflash.tie_word_embeddings", "dflash.mask_token_id",
+                                 "dflash.vocab_size", "dflash.target_hidden_size"}, sorted(set(kb) - set(ka))
+    for k in set(ka) & set(kb):
+        assert ka[k] == pytest.approx(kb[k]) if isinstance(ka[k], float) else ka[k] == kb[k], k
+    assert {n: tuple(i.shape) for n, i in a.tensors.items()} == {n: tuple(i.shape) for n, i in b.tensors.items()}
+    target = tiny_target(tmp_path / "t.gguf", "qwen3", n_vocab=g.GEMMA_N_VOCAB, n_embd=64, n_layer=3, seed=2)
+    feats = np.load(folder / "feats.npy")
+    case = json.loads((folder / "case.json").read_text())
+    outs = []
+    for path in (theirs, ours):
+        dr = make_dspark(target, {"draft": str(path)})
+        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(len(feats), np.int64),
+                                positions=np.arange(len(feats)), features={1: feats[:, :64], 3: feats[:, 64:]}))
+        outs.append(dr.block_outputs(0, case["anchor"], len(feats), case["block"]))
+    for key in ("logits", "conf", "tokens"):
+        np.testing.assert_array_equal(outs[0][key], outs[1][key], err_msg=key)
