@@ -13,7 +13,7 @@ The model card, top to bottom:
   weightless per-head q norm, RoPE on the trailing ``n_rot`` dims (interleaved pairs), per-head
   sinks, a raw sliding window of ``n_swa`` keys, the output de-roped at the query position and
   projected by a grouped low-rank ``Wo_a`` (``o_groups`` blocks) then ``Wo_b``.
-  Per layer, ``compress_ratios[il]`` picks its attention type (:meth:`DeepSeek4Params.attention_type`):
+  Per layer, ``compress_ratios[il]`` picks its attention type (:meth:`DeepSeek4HParams.attention_type`):
 
   - 0, "window": the window only (main RoPE base, no YaRN);
   - the CSA ratio (4), "csa": overlapping blocks (entry j pools block j-1's first-half channels
@@ -75,7 +75,7 @@ ROLLBACK_ROWS = 16
 # ============================================================================ hparams
 
 @attrs.frozen
-class DeepSeek4Params:
+class DeepSeek4HParams:
     n_vocab: int
     n_embd: int
     n_layer: int
@@ -135,12 +135,12 @@ class DeepSeek4Params:
         return int(il) < self.n_hash_layers
 
 
-def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4Params:
-    return DeepSeek4Params(**read_v4_params(KeyReader(metadata, source, ARCH), metadata, source))
+def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek4HParams:
+    return DeepSeek4HParams(**read_v4_params(KeyReader(metadata, source, ARCH), metadata, source))
 
 
 def read_v4_params(r: KeyReader, metadata: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """The fields of :class:`DeepSeek4Params` from the keys under ``r.arch`` (``deepseek4``, or
+    """The fields of :class:`DeepSeek4HParams` from the keys under ``r.arch`` (``deepseek4``, or
     ``deepseek41``, which inherits every V4 key)."""
     n_layer = r.get("block_count")
     n_nextn = r.get("nextn_predict_layers", required=False, default=0)
@@ -265,7 +265,7 @@ def expert_ids(table: np.ndarray, n_expert: int, name: str) -> np.ndarray:
     return ids
 
 
-def tensor_specs(hp: DeepSeek4Params) -> list[TensorSpec]:
+def tensor_specs(hp: DeepSeek4HParams) -> list[TensorSpec]:
     """GGUF tensor names and numpy-order shapes (llama.cpp's deepseek4 names)."""
     e, v, hc, d = hp.n_embd, hp.n_vocab, hp.hc, hp.head_dim
     n_mix = (2 + hc) * hc
@@ -390,7 +390,7 @@ def hc_mixes(X: Any, fn: Any, norm_eps: float) -> Any:
     return ops.linear(flat, fn) * (np.float32(1.0) / xp.sqrt(ms))
 
 
-def hc_mix(X: Any, fn: Any, base: Any, scale: Any, hp: DeepSeek4Params) -> HcMix:
+def hc_mix(X: Any, fn: Any, base: Any, scale: Any, hp: DeepSeek4HParams) -> HcMix:
     """pre, post, comb of one sublayer from its input streams X: [n, hc, E]."""
     hc = hp.hc
     m = hc_mixes(X, fn, hp.norm_eps)
@@ -617,7 +617,7 @@ class DeepSeek4Graph(BaseGraph):
                 self.tid2eid[il] = xp.asarray(expert_ids(self.backend.to_numpy(weights[b + "ffn_gate_tid2eid.weight"]),
                                                          hp.n_expert, f"blk.{il}.ffn_gate_tid2eid.weight"))
 
-    def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
+    def stream_sources(self, hp: DeepSeek4HParams, weights: Mapping[str, Any]) -> dict[int, int]:
         """Per compressed layer, the layer that compresses the stream it reads: V4 layers own theirs."""
         return {il: il for il in range(hp.n_layer + hp.n_nextn) if hp.attention_type(il) != WINDOW}
 
@@ -862,13 +862,13 @@ class DeepSeek4(Architecture):
     name = ARCH
     graph = DeepSeek4Graph
 
-    def hparams(self, r: KeyReader) -> DeepSeek4Params:
-        return DeepSeek4Params(**read_v4_params(r, r.metadata, r.source))
+    def hparams(self, r: KeyReader) -> DeepSeek4HParams:
+        return DeepSeek4HParams(**read_v4_params(r, r.metadata, r.source))
 
-    def tensors(self, hp: DeepSeek4Params) -> list[TensorSpec]:
+    def tensors(self, hp: DeepSeek4HParams) -> list[TensorSpec]:
         return tensor_specs(hp)
 
 
-__all__ = ["CompressedStream", "Compressor", "DeepSeek4", "DeepSeek4Graph", "DeepSeek4Params", "HcMix",
+__all__ = ["CompressedStream", "Compressor", "DeepSeek4", "DeepSeek4Graph", "DeepSeek4HParams", "HcMix",
            "IndexerStream", "MtpHead", "TopKSelection", "WindowKeys", "compress", "hc_mix", "indexer_topk",
            "load_hparams", "sinkhorn", "tensor_specs"]

@@ -44,7 +44,7 @@ from .deepseek4 import (
     WINDOW,
     DeepSeek4,
     DeepSeek4Graph,
-    DeepSeek4Params,
+    DeepSeek4HParams,
     hc_collapse,
     hc_expand,
     hc_mix,
@@ -53,7 +53,7 @@ from .deepseek4 import (
 )
 from .engram import (
     AtLeast,
-    EngramParams,
+    EngramHParams,
     EngramTokens,
     EngramWeights,
     advise_random_access,
@@ -74,11 +74,11 @@ CANDIDATE_KEYS = ("attention.candidate_source_layer_id", "attention.candidate_bl
 # ============================================================================ hparams
 
 @attrs.frozen
-class DeepSeek41Params(DeepSeek4Params):
-    engram: EngramParams | None = None  # None: no Engram layer
+class DeepSeek41HParams(DeepSeek4HParams):
+    engram: EngramHParams | None = None  # None: no Engram layer
 
 
-def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek41Params:
+def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek41HParams:
     r = KeyReader(metadata, source, ARCH)
     fields = read_v4_params(r, metadata, source)
     for name in CANDIDATE_KEYS:
@@ -86,12 +86,12 @@ def load_hparams(metadata: Mapping[str, Any], source: str) -> DeepSeek41Params:
             raise HParamsError(f"{source}: key '{r.key(name)}' (V4.1 candidate-block pre-selection) is not "
                                "supported: plinth implements V4.1 with per-layer compressors only")
     engram = read_engram(r, fields["n_layer"], fields["n_vocab"]) if r.has("engram.layer_ids") else None
-    return DeepSeek41Params(**fields, engram=engram)
+    return DeepSeek41HParams(**fields, engram=engram)
 
 
 # ============================================================================ tensors
 
-def tensor_specs(hp: DeepSeek41Params) -> list[TensorSpec]:
+def tensor_specs(hp: DeepSeek41HParams) -> list[TensorSpec]:
     """deepseek4's tensors without the hc head, plus the Engram tensors and the optional vision
     routing bias. The hc head and V4.1 sparse-attention tensors are declared optional so that a
     file carrying them is refused by name (:class:`DeepSeek41Graph`) instead of silently ignored."""
@@ -125,7 +125,7 @@ def _compressor_part(name: str) -> bool:
 class DeepSeek41Graph(DeepSeek4Graph):
     """Forward of a deepseek41 model: deepseek4's sublayers, wired with lagged mixes and Engram."""
 
-    def __init__(self, hp: DeepSeek41Params, weights: Mapping[str, Any], backend: Any) -> None:
+    def __init__(self, hp: DeepSeek41HParams, weights: Mapping[str, Any], backend: Any) -> None:
         head = [n for n in HC_HEAD if n in weights]
         if head:
             raise UserError(f"{ARCH}: the file has {head}, but V4.1 has no learned hc head (the last FFN's "
@@ -135,7 +135,7 @@ class DeepSeek41Graph(DeepSeek4Graph):
             raise UserError(f"{ARCH}: {owners[0]} makes its layer a V4.1 index-key owner (index keys derived from "
                             "a shared compressed latent), which plinth does not implement")
         super().__init__(hp, weights, backend)
-        self.hp: DeepSeek41Params = hp
+        self.hp: DeepSeek41HParams = hp
         ep = hp.engram
         self.engram: dict[int, EngramWeights] = {}
         if ep is not None:
@@ -150,7 +150,7 @@ class DeepSeek41Graph(DeepSeek4Graph):
         self.vision_bias = {il: weights[f"blk.{il}.exp_probs_b_vl.bias"] for il in range(hp.n_layer)
                             if f"blk.{il}.exp_probs_b_vl.bias" in weights}
 
-    def stream_sources(self, hp: DeepSeek4Params, weights: Mapping[str, Any]) -> dict[int, int]:
+    def stream_sources(self, hp: DeepSeek4HParams, weights: Mapping[str, Any]) -> dict[int, int]:
         """V4.1 roles by tensor presence: a compressed layer with ``attn_compressor_kv`` compresses its own
         stream (a KV source); one without reads the latest earlier source's, which must have its ratio.
         A compressor without a gate is allowed at ratio 1 only; a CSA layer must own its compressor and
@@ -286,11 +286,11 @@ class DeepSeek41(DeepSeek4):
     name = ARCH
     graph = DeepSeek41Graph
 
-    def hparams(self, r: KeyReader) -> DeepSeek41Params:
+    def hparams(self, r: KeyReader) -> DeepSeek41HParams:
         return load_hparams(r.metadata, r.source)
 
-    def tensors(self, hp: DeepSeek41Params) -> list[TensorSpec]:
+    def tensors(self, hp: DeepSeek41HParams) -> list[TensorSpec]:
         return tensor_specs(hp)
 
 
-__all__ = ["DeepSeek41", "DeepSeek41Graph", "DeepSeek41Params", "load_hparams", "tensor_specs"]
+__all__ = ["DeepSeek41", "DeepSeek41Graph", "DeepSeek41HParams", "load_hparams", "tensor_specs"]

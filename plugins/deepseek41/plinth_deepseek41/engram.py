@@ -35,7 +35,7 @@ GATE_FLOOR = 1e-6
 
 
 @attrs.frozen(eq=False)
-class EngramParams:
+class EngramHParams:
     """The Engram constants of a file.
 
     layer_ids: the layers whose input gets Engram memory (before the block);
@@ -66,7 +66,7 @@ class EngramParams:
         return int((self.offsets[e] + self.primes[e]).max())
 
 
-def read_engram(r: KeyReader, n_layer: int, n_vocab: int) -> EngramParams:
+def read_engram(r: KeyReader, n_layer: int, n_vocab: int) -> EngramHParams:
     """The ``engram.*`` keys, validated (every problem an :class:`HParamsError` naming its key)."""
     src = r.source
     layer_ids = r.get_array("engram.layer_ids")
@@ -115,7 +115,7 @@ def read_engram(r: KeyReader, n_layer: int, n_vocab: int) -> EngramParams:
         raise HParamsError(f"{src}: key '{r.key('engram.token_map')}' has {len(token_map)} entries, fewer than "
                            f"n_vocab = {n_vocab}")
     pad = r.get("engram.pad_id")
-    return EngramParams(
+    return EngramHParams(
         layer_ids=tuple(int(i) for i in layer_ids), n_head=n_head, key_length=dk, max_ngram=n, pad_id=pad,
         multipliers=np.asarray(mult, dtype=np.uint64).reshape(n_e, n),
         primes=np.asarray(primes, dtype=np.uint64).reshape(n_e, n_cols),
@@ -152,7 +152,7 @@ class EngramTokens(Recurrent):
     kind = "engram_tokens"
 
 
-def map_tokens(tokens: np.ndarray, is_embd: np.ndarray | None, ep: EngramParams) -> np.ndarray:
+def map_tokens(tokens: np.ndarray, is_embd: np.ndarray | None, ep: EngramHParams) -> np.ndarray:
     """ctx[0] of each row: ``token_map[t]``, or pad for embedding rows and ids outside the map. -> uint64 [n]."""
     tokens = np.asarray(tokens, dtype=np.int64)
     inside = (tokens >= 0) & (tokens < ep.token_map.shape[0])
@@ -251,7 +251,7 @@ def engram_mix(X: Any, emb: Any, w: EngramWeights, eps: float) -> Any:
 
 
 def engram_rows_for_batch(tokens: np.ndarray, is_embd: np.ndarray | None, seq_rows: Sequence[tuple[int, Any]],
-                          histories: dict[int, np.ndarray], ep: EngramParams) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                          histories: dict[int, np.ndarray], ep: EngramHParams) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """The n-gram contexts of every row, ctx uint64 [n, N], and each sequence's history after this batch.
 
     seq_rows: (seq, row selector) with each sequence's rows in position order; histories: the
@@ -269,5 +269,5 @@ def engram_rows_for_batch(tokens: np.ndarray, is_embd: np.ndarray | None, seq_ro
     return ctx, after
 
 
-__all__ = ["AtLeast", "advise_random_access", "EngramParams", "EngramTokens", "EngramWeights", "engram_mix", "engram_rows_for_batch",
+__all__ = ["AtLeast", "advise_random_access", "EngramHParams", "EngramTokens", "EngramWeights", "engram_mix", "engram_rows_for_batch",
            "gather_rows", "hash_rows", "map_tokens", "ngram_context", "read_engram"]

@@ -53,7 +53,7 @@ ABSORB_MAX_ROWS = 16
 # ============================================================================ hparams
 
 @attrs.frozen
-class MistralLarge4Params:
+class MistralLarge4HParams:
     arch: str
     n_vocab: int
     n_embd: int
@@ -185,8 +185,8 @@ def _check_fixed(r: KeyReader, source: str, n_head: int) -> None:
             raise HParamsError(f"{source}: key '{r.key(key)}' = {got!r}: this architecture needs {want!r} ({why})")
 
 
-def read_hparams(r: KeyReader) -> MistralLarge4Params:
-    """The file's keys as :class:`MistralLarge4Params`; a layer pattern the graph cannot run is refused."""
+def read_hparams(r: KeyReader) -> MistralLarge4HParams:
+    """The file's keys as :class:`MistralLarge4HParams`; a layer pattern the graph cannot run is refused."""
     source, metadata = r.source, r.metadata
     n_layer = r.get("block_count")
     n_head = r.get("attention.head_count")
@@ -218,7 +218,7 @@ def read_hparams(r: KeyReader) -> MistralLarge4Params:
         kv = modes[il] + ("" if kv_source[il] == il else f"<-{kv_source[il]}")
         roles.append(f"{il}: kv {kv}, indexer {idx_types[il]}, {'rope' if rope[il] else 'nope'}, "
                      f"{'moe' if il >= n_dense else 'dense'}")
-    return MistralLarge4Params(
+    return MistralLarge4HParams(
         arch=r.arch,
         n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
         n_embd=r.get("embedding_length"),
@@ -261,7 +261,7 @@ def read_hparams(r: KeyReader) -> MistralLarge4Params:
 
 # ============================================================================ tensors (per block)
 
-def model_tensors(hp: MistralLarge4Params) -> list[TensorSpec]:
+def model_tensors(hp: MistralLarge4HParams) -> list[TensorSpec]:
     """Embedding, final norm, the untied head and the optional LeRoPE scaling."""
     e, v = hp.n_embd, hp.n_vocab
     return [
@@ -272,7 +272,7 @@ def model_tensors(hp: MistralLarge4Params) -> list[TensorSpec]:
     ]
 
 
-def attention_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+def attention_tensors(hp: MistralLarge4HParams, il: int) -> list[TensorSpec]:
     """MLA of layer ``il``: reuse layers have no KV-A projection (they read their source's latent)."""
     b, e, h = f"blk.{il}.", hp.n_embd, hp.n_head
     specs = [
@@ -289,7 +289,7 @@ def attention_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
     return specs
 
 
-def indexer_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+def indexer_tensors(hp: MistralLarge4HParams, il: int) -> list[TensorSpec]:
     """The Lightning indexer of a "full" layer (none on "shared" layers)."""
     if not hp.has_indexer(il):
         return []
@@ -307,7 +307,7 @@ def indexer_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
     ]
 
 
-def ffn_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
+def ffn_tensors(hp: MistralLarge4HParams, il: int) -> list[TensorSpec]:
     """Dense SwiGLU (the leading layers), or routed experts plus shared experts."""
     b, e = f"blk.{il}.", hp.n_embd
     specs = [TensorSpec(b + "ffn_norm.weight", (e,))]
@@ -332,7 +332,7 @@ def ffn_tensors(hp: MistralLarge4Params, il: int) -> list[TensorSpec]:
 
 # ============================================================================ rope
 
-def rope_inv_freq(hp: MistralLarge4Params, alpha: Any = None) -> np.ndarray:
+def rope_inv_freq(hp: MistralLarge4HParams, alpha: Any = None) -> np.ndarray:
     """YaRN inverse frequencies [n_rot / 2] times the learned scaling ``exp(alpha)`` (LeRoPE), in float32.
 
     The steps and their float32 rounding follow the reference (base power, extrapolated and
@@ -369,7 +369,7 @@ class LayerCacheWidths:
     index_key: int  # floats of the indexer key (0: no own indexer)
 
 
-def cache_widths(hp: MistralLarge4Params) -> list[LayerCacheWidths]:
+def cache_widths(hp: MistralLarge4HParams) -> list[LayerCacheWidths]:
     """Per layer, the floats cached per token. "reuse" layers hold nothing."""
     out = []
     for il in range(hp.n_layer):
@@ -378,7 +378,7 @@ def cache_widths(hp: MistralLarge4Params) -> list[LayerCacheWidths]:
     return out
 
 
-def cache_bytes_per_token(hp: MistralLarge4Params) -> tuple[int, int]:
+def cache_bytes_per_token(hp: MistralLarge4HParams) -> tuple[int, int]:
     """(latent cache, an expanded per-head K/V cache of the same model) in bytes per token (float32).
 
     The expanded figure is what a plain K/V cache would hold: per owning layer H keys of
@@ -393,7 +393,7 @@ def cache_bytes_per_token(hp: MistralLarge4Params) -> tuple[int, int]:
     return latent, expanded
 
 
-def layer_cache_kinds(hp: MistralLarge4Params, il: int) -> tuple[Any, ...]:
+def layer_cache_kinds(hp: MistralLarge4HParams, il: int) -> tuple[Any, ...]:
     """The cache kinds of layer ``il`` (fresh instances): the latent and/or indexer keys, or a share."""
     kinds: list[Any] = [Latent()] if hp.owns_kv(il) else [SharedKV(hp.kv_source[il])]
     if hp.has_indexer(il):
@@ -410,7 +410,7 @@ class MistralLarge4Graph(BaseGraph):
     (the latest full indexer layer's key selection per sequence, read by "shared" layers).
     """
 
-    def __init__(self, hp: MistralLarge4Params, weights: Mapping[str, Any], backend: Any) -> None:
+    def __init__(self, hp: MistralLarge4HParams, weights: Mapping[str, Any], backend: Any) -> None:
         super().__init__(hp, weights, backend, softcap=hp.logit_softcap)  # output [V, E], soft-capped
         alpha = weights.get("rope_alpha.weight")
         self.inv_freq = rope_inv_freq(hp, None if alpha is None else backend.to_numpy(alpha))
@@ -620,13 +620,13 @@ class MistralLarge4(Architecture):
     name = ARCH
     graph = MistralLarge4Graph
 
-    def hparams(self, r: KeyReader) -> MistralLarge4Params:
+    def hparams(self, r: KeyReader) -> MistralLarge4HParams:
         return read_hparams(r)
 
-    def tensors(self, hp: MistralLarge4Params) -> list[TensorSpec]:
+    def tensors(self, hp: MistralLarge4HParams) -> list[TensorSpec]:
         return model_tensors(hp) + [s for il in range(hp.n_layer) for s in
                                     attention_tensors(hp, il) + indexer_tensors(hp, il) + ffn_tensors(hp, il)]
 
 
-__all__ = ["ARCH", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph", "MistralLarge4Params",
+__all__ = ["ARCH", "LayerCacheWidths", "MistralLarge4", "MistralLarge4Graph", "MistralLarge4HParams",
            "cache_bytes_per_token", "cache_widths", "layer_cache_kinds", "read_hparams", "sharing_modes"]
