@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from plinth.graph import KV, Cache, CompressedKV, IndexerKeys, Latent, Recurrent, SharedKV
+from plinth.graph import KV, Cache, CompressedKV, IndexerKeys, Latent, Recurrent, SharedKV, run_layers
 
 RNG = np.random.default_rng(0)
 
@@ -88,6 +88,8 @@ def test_one_forward_is_one_transaction():
         assert cache.in_forward and cache.n_cached(0) == 0
     assert not cache.in_forward and cache.n_cached(0) == 2
     np.testing.assert_array_equal(cache.positions(0), [0, 1])
+    with pytest.raises(RuntimeError, match="cache.forward"):  # the layer loop outside a transaction
+        run_layers(np.zeros((1, 2), np.float32), 1, lambda il, x: x, cache)
 
 
 def test_latent_and_indexer_keys_in_one_layer():

@@ -993,16 +993,14 @@ def run_layers(x: Any, n_layer: int, layer: Callable[[int, Any], Any], cache: Ca
     """``x = layer(il, x)`` for every layer ``start..n_layer-1``, inside the forward's transaction.
 
     Run it inside ``with cache.forward(batch):`` (as :meth:`plinth.graph.BaseGraph.forward_stage`
-    does); the layers' writes are committed when that block ends. Outside one (a graph that
-    called :meth:`Cache.begin` itself) the loop is its own transaction: committed at the end,
-    dropped if a layer raises. Returns the final residual and the feature taps asked for: the
-    input of layer k for each tap k, and for tap ``n_layer`` the residual after the last layer run
-    (before the final norm when ``n_layer`` is the model's last). A pipeline stage runs its slice
-    with ``start`` and ``n_layer`` = the first layer of the next stage.
+    does; outside one it is refused): the layers' writes are committed when that block ends.
+    Returns the final residual and the feature taps asked for: the input of layer k for each tap k,
+    and for tap ``n_layer`` the residual after the last layer run (before the final norm when
+    ``n_layer`` is the model's last). A pipeline stage runs its slice with ``start`` and
+    ``n_layer`` = the first layer of the next stage.
     """
     if not cache.in_forward:
-        with cache._transaction():
-            return run_layers(x, n_layer, layer, cache, taps, start)
+        raise RuntimeError("run_layers runs inside the forward's cache transaction: `with cache.forward(batch):`")
     features: dict[int, Any] = {}
     for il in range(start, n_layer):
         if il in taps:
