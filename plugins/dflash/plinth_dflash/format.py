@@ -574,6 +574,15 @@ def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int,
                      f"{[i for i, w in enumerate(hp.swa_layers) if w]}")
     if any(hp.causal_layers):
         lines.append(f"causal_layers    {[i for i, c in enumerate(hp.causal_layers) if c]}")
+    if hp.swa_rope:
+        lines.append(f"sliding_layers   head_dim {hp.hd(hp.swa_layers.index(True))}, RoPE base {hp.rope_base_swa:g} "
+                     f"over {hp.n_rot_swa or hp.n_rot} dims (no rope_freqs)")
+    if hp.head_count_kv:
+        lines.append(f"kv_heads         per layer {list(hp.head_count_kv)}")
+    k_eq_v = [il for il in range(hp.n_layer) if f"blk.{il}.attn_v.weight" not in tensors]
+    if k_eq_v or hp.value_norm:
+        lines.append(f"values           {'K = V (no attn_v) on layers ' + str(k_eq_v) if k_eq_v else 'own attn_v'}"
+                     f"{'; every V through an RMSNorm' if hp.value_norm else '; those V through an RMSNorm'}")
     if hp.variant == "dflash2":
         lines.append(f"selector         rank {hp.selector_rank}, top-k {hp.selector_top_k}; conv kernel "
                      f"{hp.conv_kernel}, group {hp.conv_group}")

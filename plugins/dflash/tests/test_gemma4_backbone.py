@@ -198,3 +198,15 @@ def test_gemma4_backbone_refusals_are_named(tmp_path, edit, match):
 
     with pytest.raises(UserError, match=match):
         convert_gemma4(tmp_path, **edit)
+
+
+def test_plinth_info_describes_gemma4_layers(tmp_path):
+    from plinth.gguf import GGUFFile
+    from plinth_dflash.format import describe
+
+    gf = GGUFFile(draft(tmp_path))
+    lines = describe(dict(gf.metadata), {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()}, "g4")
+    text = "\n".join(lines)
+    assert "sliding_layers   head_dim 16, RoPE base 10000 over 16 dims (no rope_freqs)" in text
+    assert "kv_heads         per layer [2, 1]" in text
+    assert "values           K = V (no attn_v) on layers [1]; every V through an RMSNorm" in text
