@@ -130,7 +130,7 @@ def plinth_gemma4_case(folder, target, out_dir):
     case = json.loads((folder / "case.json").read_text())
     e, p = feats.shape[1] // 2, feats.shape[0]
     taps = dr.hp.target_layers
-    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(p, np.int64), positions=np.arange(p),
+    dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.zeros(p, np.int64), positions=np.arange(p),
                             features={taps[0]: feats[:, :e], taps[1]: feats[:, e:]}))
     return dr.block_outputs(0, case["anchor"], p, case["block"])
 
@@ -236,8 +236,26 @@ def test_llama_cpp_written_gemma4_dspark_file_drafts_as_plinths(tmp_path):
     outs = []
     for path in (theirs, ours):
         dr = make_dspark(target, {"draft": str(path)})
-        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(len(feats), np.int64),
+        dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.zeros(len(feats), np.int64),
                                 positions=np.arange(len(feats)), features={1: feats[:, :64], 3: feats[:, 64:]}))
         outs.append(dr.block_outputs(0, case["anchor"], len(feats), case["block"]))
     for key in ("logits", "conf", "tokens"):
         np.testing.assert_array_equal(outs[0][key], outs[1][key], err_msg=key)
+
+
+def test_plinth_convert_takes_gemma4_drafts(tmp_path, plinth_registry):
+    """`plinth convert` (the registry's converters by `architectures`) on a Gemma4DSparkModel export and on a
+    DFlashDraftModel whose decoder is gemma4_text (which plinth refused before: 'only the Qwen3-style DFlash
+    backbone is supported')."""
+    from plinth.convert import convert as plinth_convert
+    from plinth.gguf import GGUFFile
+    from plinth_dflash.plugin import plugin as dflash_plugin
+    from plinth_dflash.testkit import write_hf_gemma4_draft
+    from plinth_dspark.plugin import plugin as dspark_plugin
+
+    reg = plinth_registry(dflash_plugin, dspark_plugin)
+    out = plinth_convert(gemma4_dspark_dir(tmp_path), tmp_path / "dspark.gguf", registry=reg)
+    assert "markov_w1.weight" in GGUFFile(out).tensors
+    hf = write_hf_gemma4_draft(tmp_path / "dflash", n_vocab=V, mask_token=255)
+    gf = GGUFFile(plinth_convert(hf, tmp_path / "dflash.gguf", registry=reg))
+    assert bool(gf.metadata["dflash.attention.value_norm"]) and "rope_freqs.weight" in gf.tensors
