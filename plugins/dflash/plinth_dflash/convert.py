@@ -187,11 +187,11 @@ def gemma4_layer_geometry(cfg: Mapping[str, Any], model_dir: Any, n_layer: int) 
         over[il] = val
     dims = [int(over.get(il, {}).get("head_dim", hd)) for il in range(n_layer)]
     kvs = [int(over.get(il, {}).get("num_key_value_heads", nkv)) for il in range(n_layer)]
-    for kind in ("sliding_attention", "full_attention"):
-        got = {(dims[il], kvs[il]) for il in range(n_layer) if types[il] == kind}
+    for layer_type in ("sliding_attention", "full_attention"):
+        got = {(dims[il], kvs[il]) for il in range(n_layer) if types[il] == layer_type}
         if len(got) > 1:
-            raise _refuse(model_dir, f"{kind} layers of different head sizes {sorted(got)}; a dflash draft has one "
-                          "head size per layer type")
+            raise _refuse(model_dir, f"{layer_type} layers of different head sizes {sorted(got)}; a dflash draft "
+                          "has one head size per layer type")
     return dims, kvs
 
 
@@ -232,10 +232,10 @@ def gemma4_backbone(cfg: Mapping[str, Any], d: Mapping[str, Any], model_dir: Any
         "n_kv": kvs if len(set(kvs)) > 1 else kvs[0],
     }
 
-    def rope(kind: str) -> Mapping[str, Any]:
-        p = rp.get(kind, rp) if isinstance(rp, Mapping) else None
+    def rope(layer_type: str) -> Mapping[str, Any]:
+        p = rp.get(layer_type, rp) if isinstance(rp, Mapping) else None
         if not isinstance(p, Mapping):
-            raise _refuse(model_dir, f"rope_parameters has no {kind!r} entry")
+            raise _refuse(model_dir, f"rope_parameters has no {layer_type!r} entry")
         return p
 
     if any(swa):

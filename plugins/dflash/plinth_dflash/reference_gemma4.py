@@ -93,13 +93,14 @@ class Gemma4DraftReference:
             q_pos = torch.as_tensor(np.asarray(pos), dtype=torch.long)
             k_pos = torch.cat([torch.as_tensor(np.asarray(ctx_pos), dtype=torch.long), q_pos])
             for il, layer in enumerate(self.layers):
-                kind = cfg.layer_types[il]
-                cos_q, sin_q = self.rotary(h, q_pos[None], kind)
-                cos_k, sin_k = self.rotary(h, k_pos[None], kind)
+                layer_type = cfg.layer_types[il]
+                cos_q, sin_q = self.rotary(h, q_pos[None], layer_type)
+                cos_k, sin_k = self.rotary(h, k_pos[None], layer_type)
                 residual = h
                 x = layer.input_layernorm(h)
+                window = cfg.sliding_window if layer_type == "sliding_attention" else None
                 out = self._attention(layer.self_attn, x, g, cos_q, sin_q, cos_k, sin_k, q_pos, k_pos,
-                                      self.causal[il], cfg.sliding_window if kind == "sliding_attention" else None)
+                                      self.causal[il], window)
                 h = residual + layer.post_attention_layernorm(out)
                 residual = h
                 h = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
