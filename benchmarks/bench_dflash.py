@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = model.new_context(taps=dr.requirements().taps)
         out = ctx.forward(Batch.from_tokens(prompt, output="last"))
         dr.begin(0, prompt)
-        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
+        dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
                                 features=out.features))
         pos = len(prompt)
         history = prompt + [int(np.argmax(model.backend.to_numpy(out.logits[-1])))]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             def verify_step():
                 vo = ctx.forward(Batch.from_tokens(verify, start=pos, output="all"))
                 model.backend.to_numpy(vo.logits).argmax(-1)
-                dr.process(TargetOutput(seq=0, kind="verify", tokens=np.asarray(verify),
+                dr.process(TargetOutput(seq=0, phase="verify", tokens=np.asarray(verify),
                                         positions=np.arange(pos, pos + len(verify)), features=vo.features))
                 ctx.cache.seq_rm(0, pos + 1)
                 dr.accept(0, 0)

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     out = ctx.forward(Batch.from_tokens(prompt, output="last"))
     for dr in drafters.values():
         dr.begin(0, prompt)
-        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
+        dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
                                 features=out.features))
     pos = len(prompt)
     history = prompt + [int(np.argmax(model.backend.to_numpy(out.logits[-1])))]
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.p_min is None:
         probe = make_dspark(model, {"draft": str(p_e2e)})
         probe.begin(0, prompt)
-        probe.process(TargetOutput(seq=0, kind="prefill", tokens=np.asarray(prompt),
+        probe.process(TargetOutput(seq=0, phase="prefill", tokens=np.asarray(prompt),
                                    positions=np.arange(len(prompt)), features=out.features))
         args.p_min = round(float(np.median(probe.draft(0, args.e2e_block, history=history, pos=pos).confidences)), 3)
     plain = Generator(model)

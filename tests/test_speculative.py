@@ -354,8 +354,8 @@ def test_incompatible_drafters_are_refused_with_the_mismatch(tiny):
 def test_taps_reach_the_drafter(tiny):
     d = OracleDrafter(tiny, taps=(1, tiny.hparams.n_layer))
     SpeculativeGenerator(tiny, [d], config=SpecConfig(n_max=2)).generate(PROMPTS[0], 8)
-    assert d.seen_kinds[0] == "prefill" and "verify" in d.seen_kinds
-    assert len(d.accepted) == d.seen_kinds.count("verify")
+    assert d.seen_phases[0] == "prefill" and "verify" in d.seen_phases
+    assert len(d.accepted) == d.seen_phases.count("verify")
 
 
 # ---------------------------------------------------------------------------- cache snapshot / restore

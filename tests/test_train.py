@@ -99,7 +99,7 @@ def test_torch_draft_equals_plugin_forward(tiny, tmp_path):
     dr = DSparkDrafter(tgt, load_dspark(path, tgt.backend))
     dr.begin(0, toks[:pos].tolist())
     e = hp.n_embd
-    dr.process(TargetOutput(seq=0, kind="prefill", tokens=toks[:pos], positions=np.arange(pos),
+    dr.process(TargetOutput(seq=0, phase="prefill", tokens=toks[:pos], positions=np.arange(pos),
                             features={t: feats[:pos, i * e:(i + 1) * e] for i, t in enumerate(c.taps)}))
     out = dr.block_outputs(0, int(toks[pos]), pos, 8)
     embed = torch.nn.Embedding.from_pretrained(torch.from_numpy(embed_table(tgt)))

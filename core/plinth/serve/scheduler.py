@@ -432,7 +432,7 @@ class Scheduler:
         logits = out.logits[mine] if mine and out.logits is not None else None
         for drafter, r in zip(self.drafters, self.requirements):
             feats = {t: out.features[t][rows] for t in r.taps if t in out.features}
-            drafter.process(TargetOutput(seq=req.seq, kind=kind, tokens=batch.tokens[rows],
+            drafter.process(TargetOutput(seq=req.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
                                          has_embeddings=False, logits=logits))
 

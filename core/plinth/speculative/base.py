@@ -109,7 +109,7 @@ class Draft:
 class TargetOutput:
     """One target forward of one sequence, as a drafter sees it in ``process``.
 
-    kind: "prefill" (prompt rows) or "verify" (``[last, d_1..d_k]``).
+    phase: "prefill" (prompt rows) or "verify" (``[last, d_1..d_k]``).
     tokens / positions: [n] the rows of this sequence in the batch.
     features: {tap: [n, n_embd]} on the target's backend, for the taps asked for.
     has_embeddings: some rows were embeddings, not tokens (block drafters skip such batches).
@@ -117,7 +117,7 @@ class TargetOutput:
     """
 
     seq: int
-    kind: str
+    phase: str
     tokens: np.ndarray
     positions: np.ndarray
     features: dict[int, Any] = attrs.field(factory=dict)

@@ -224,7 +224,7 @@ class SpeculativeGenerator(Generator):
         rows = np.nonzero(batch.seq_ids == self.seq)[0]
         for drafter, req in zip(self.drafters, self.requirements):
             feats = {t: out.features[t] for t in req.taps if t in out.features}
-            drafter.process(TargetOutput(seq=self.seq, kind=kind, tokens=batch.tokens[rows],
+            drafter.process(TargetOutput(seq=self.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
                                          has_embeddings=has_embd, logits=out.logits))
 

@@ -35,7 +35,7 @@ class OracleDrafter(BaseDrafter):
         self.taps = tuple(taps)
         self.continuation: dict[int, list[int]] = {}
         self.prompt_len: dict[int, int] = {}
-        self.seen_kinds: list[str] = []
+        self.seen_phases: list[str] = []
         self.accepted: list[int] = []
 
     def requirements(self) -> DrafterRequirements:
@@ -48,7 +48,7 @@ class OracleDrafter(BaseDrafter):
         self.prompt_len[seq] = len(prompt_ids)
 
     def process(self, target_output: Any) -> None:
-        self.seen_kinds.append(target_output.kind)
+        self.seen_phases.append(target_output.phase)
         for t in self.taps:
             if t not in target_output.features:
                 raise AssertionError(f"tap {t} missing from the target output")

@@ -158,7 +158,7 @@ class DFlashDrafter(BaseDrafter):
         self.cache.seq_rm(out.seq, int(positions.min()))
         self.graph.inject(self.cache, out.seq, positions, g)
         self.stats["injected_rows"] += int(positions.size)
-        if out.kind == "verify":
+        if out.phase == "verify":
             self._verify_start[out.seq] = int(positions.min())
         if self.hp.variant == "lilicorr":
             self._anchor[out.seq] = (positions, g)

@@ -145,7 +145,7 @@ def plinth_rounds(target: Any, drafter: Any, prompt: Sequence[int], block: int, 
     prompt = [int(t) for t in prompt]
     drafter.begin(seq, prompt)
     out = ctx.forward(Batch.from_tokens(prompt, seq=seq, output="last"))
-    drafter.process(TargetOutput(seq=seq, kind="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
+    drafter.process(TargetOutput(seq=seq, phase="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
                                  features=out.features))
     history = prompt + [int(np.argmax(be.to_numpy(out.logits)[-1]))]
     rounds_out: list[dict[str, Any]] = []
@@ -161,7 +161,7 @@ def plinth_rounds(target: Any, drafter: Any, prompt: Sequence[int], block: int, 
         acc = 0
         while acc < len(toks) and toks[acc] == int(post[acc]):
             acc += 1
-        drafter.process(TargetOutput(seq=seq, kind="verify", tokens=np.asarray(verify),
+        drafter.process(TargetOutput(seq=seq, phase="verify", tokens=np.asarray(verify),
                                      positions=np.arange(start, start + len(verify)), features=vo.features))
         drafter.accept(seq, acc)
         ctx.cache.seq_rm(seq, start + acc + 1)

@@ -189,7 +189,7 @@ def plinth_rounds(target, path, block, inputs):
 
     def feed(kind, rows, start):
         pos = np.arange(start, start + rows.shape[0])
-        dr.process(TargetOutput(seq=0, kind=kind, tokens=np.zeros(len(pos), np.int64), positions=pos,
+        dr.process(TargetOutput(seq=0, phase=kind, tokens=np.zeros(len(pos), np.int64), positions=pos,
                                 features={t: rows[:, i * e:(i + 1) * e] for i, t in enumerate(taps)}))
 
     out = []

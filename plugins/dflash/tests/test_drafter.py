@@ -19,7 +19,7 @@ def prefill(dr, target, prompt=PROMPT, seq=0):
     ctx = target.new_context(taps=dr.requirements().taps)
     out = ctx.forward(Batch.from_tokens(prompt, seq=seq, output="last"))
     dr.begin(seq, prompt)
-    dr.process(TargetOutput(seq=seq, kind="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
+    dr.process(TargetOutput(seq=seq, phase="prefill", tokens=np.asarray(prompt), positions=np.arange(len(prompt)),
                             features=out.features))
     return ctx, out
 
@@ -85,7 +85,7 @@ def test_feature_sanitisation(drafter, targets):
     clean_feats = {k: v.copy() for k, v in feats.items()}
     clean_feats[1][2, 5] = 0.0
     clean_feats[3][4, 7] = 65504.0
-    mk = lambda fs: TargetOutput(seq=0, kind="prefill", tokens=np.asarray(PROMPT), positions=np.arange(8), features=fs)
+    mk = lambda fs: TargetOutput(seq=0, phase="prefill", tokens=np.asarray(PROMPT), positions=np.arange(8), features=fs)
     ref.begin(0, PROMPT)
     ref.process(mk(clean_feats))
     with pytest.warns(FeatureWarning):
@@ -173,13 +173,13 @@ def test_noise_and_rejected_rows_do_not_persist(drafter, targets):
     assert dr.draft(0, 7, history=PROMPT + [9], pos=8).tokens == d1.tokens  # no leftovers change the next draft
     verify = [9, *d1.tokens[:5]]
     vo = ctx.forward(Batch.from_tokens(verify, start=8, output="all"))
-    dr.process(TargetOutput(seq=0, kind="verify", tokens=np.asarray(verify), positions=np.arange(8, 14),
+    dr.process(TargetOutput(seq=0, phase="verify", tokens=np.asarray(verify), positions=np.arange(8, 14),
                             features=vo.features))
     assert dr.cache.positions(0).tolist() == list(range(14))
     dr.accept(0, 2)  # rows 8 (anchor), 9, 10 kept
     assert dr.cache.positions(0).tolist() == list(range(11))
     # draft() also drops anything at or after its anchor position, should an engine skip accept()
-    dr.process(TargetOutput(seq=0, kind="verify", tokens=np.asarray(verify), positions=np.arange(8, 14),
+    dr.process(TargetOutput(seq=0, phase="verify", tokens=np.asarray(verify), positions=np.arange(8, 14),
                             features=vo.features))
     dr.draft(0, 3, history=PROMPT + [9, 1, 2], pos=10)
     assert dr.cache.positions(0).tolist() == list(range(10))
@@ -228,7 +228,7 @@ def test_p_min_and_n_min(drafter, targets, variant):
 def test_embedding_batches_are_skipped(drafter, targets):
     dr = drafter()
     ctx, out = prefill(dr, targets["qwen3"])
-    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(2, int), positions=np.arange(8, 10),
+    dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.zeros(2, int), positions=np.arange(8, 10),
                             features={1: np.ones((2, 64), np.float32), 3: np.ones((2, 64), np.float32)},
                             has_embeddings=True))
     assert dr.cache.positions(0).tolist() == list(range(8)) and dr.stats["skipped_batches"] == 1
@@ -334,7 +334,7 @@ def test_every_misfit_is_one_named_line(tmp_path, targets, draft_file):
         path = draft_file(**kw)
         check_one_line_refusal(lambda: make_dflash(target, {"draft": str(path)}), match, path.name)
     dr = make_dflash(t, {"draft": str(draft_file(taps=(1, 3)))})
-    wide = TargetOutput(seq=0, kind="prefill", tokens=np.arange(4), positions=np.arange(4),
+    wide = TargetOutput(seq=0, phase="prefill", tokens=np.arange(4), positions=np.arange(4),
                         features={1: np.zeros((4, 128), np.float32), 3: np.zeros((4, 128), np.float32)})
     check_one_line_refusal(lambda: dr.process(wide), r"tap 1 as rows of shape \[4, 128\].*width E = 64", "dflash")
     assert dr.stats["injected_rows"] == 0 and not dr.cache.positions(0).size

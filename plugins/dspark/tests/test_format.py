@@ -124,7 +124,7 @@ def test_w2_scale_is_folded_in(targets, dspark_file):
     for scale in (None, 3.0):
         dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(w2_scale=scale, seed=4))})
         f = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
-        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.arange(5), positions=np.arange(5),
+        dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.arange(5), positions=np.arange(5),
                                 features={1: f, 3: f}))
         outs.append(dr.block_outputs(0, 7, 5, 6))
     np.testing.assert_allclose(outs[0]["logits"], outs[1]["logits"], rtol=1e-5, atol=1e-5)
@@ -161,7 +161,7 @@ def test_backbone_sinks_and_sliding_layers_change_the_draft(targets, dspark_file
     outs = []
     for kw in ({}, {"extra_tensors": sinks}, {"sliding_window": 3, "swa_pattern": [True, False]}):
         dr = make_dspark(targets["qwen3"], {"draft": str(dspark_file(seed=2, **kw))})
-        dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.arange(9), positions=np.arange(9),
+        dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.arange(9), positions=np.arange(9),
                                 features={1: f, 3: f}))
         outs.append(dr.block_outputs(0, 7, 9, 5)["logits"])
     assert not np.allclose(outs[0], outs[1]) and not np.allclose(outs[0], outs[2])
@@ -212,6 +212,6 @@ def test_every_misfit_is_one_named_line(tmp_path, targets, dspark_file):
         path = dspark_file(**kw)
         check_one_line_refusal(lambda: make_dspark(target, {"draft": str(path)}), match, path.name)
     dr = make_dspark(t, {"draft": str(dspark_file())})
-    wide = TargetOutput(seq=0, kind="prefill", tokens=np.arange(3), positions=np.arange(3),
+    wide = TargetOutput(seq=0, phase="prefill", tokens=np.arange(3), positions=np.arange(3),
                         features={1: np.zeros((3, 64), np.float32), 3: np.zeros((3, 256), np.float32)})
     check_one_line_refusal(lambda: dr.process(wide), r"tap 3 as rows of shape \[3, 256\]", "dspark")

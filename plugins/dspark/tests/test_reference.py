@@ -74,7 +74,7 @@ def run_case(tmp_path: Path, arrays: dict, meta: dict, case: str, target) -> dic
     e = feats.shape[1] // 2
     p = feats.shape[0]
     taps = dr.hp.target_layers
-    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(p, dtype=np.int64), positions=np.arange(p),
+    dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.zeros(p, dtype=np.int64), positions=np.arange(p),
                             features={taps[0]: feats[:, :e], taps[1]: feats[:, e:]}))
     anchor = int(arrays[f"{case}/anchor"][0])
     n = int(arrays[f"{case}/tokens"].shape[0])
@@ -154,7 +154,7 @@ def run_dflash_case(tmp_path: Path, arrays: dict, meta: dict, case: str, target)
     feats = arrays[f"{case}/feats"]
     e, p = feats.shape[1] // 2, feats.shape[0]
     taps = dr.hp.target_layers
-    dr.process(TargetOutput(seq=0, kind="prefill", tokens=np.zeros(p, dtype=np.int64), positions=np.arange(p),
+    dr.process(TargetOutput(seq=0, phase="prefill", tokens=np.zeros(p, dtype=np.int64), positions=np.arange(p),
                             features={taps[0]: feats[:, :e], taps[1]: feats[:, e:]}))
     b = meta[case]["block_size"]
     return np.asarray(dr.draft_logits(0, int(arrays[f"{case}/anchor"][0]), p, b - 1))
