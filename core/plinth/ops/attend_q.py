@@ -1,10 +1,10 @@
 """Attention over a typed K/V cache (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1: :mod:`plinth.kvtypes`),
 reading the stored blocks directly: no float32 copy of the cache is made.
 
-A task is one query row and a run of the query heads that share a kv head (as in
-:mod:`plinth.ops.compiled`). For each of its keys the task unpacks that key's row of its kv head
-(``hd`` values, gguf-py's dequantization) into a buffer of the task's own and takes every query
-head's dot product with it; the softmax is the plain two-pass one; then each value row with a
+A task is up to ROWS query rows of one sequence and a run of the query heads that share a kv head
+(as in :mod:`plinth.ops.compiled`). For each of its keys the task unpacks that key's row of its kv
+head (``hd`` values, gguf-py's dequantization) into a block of the task's own and takes every row's
+and query head's dot product with it; the softmax is the plain two-pass one; then each value row with a
 non-zero weight is unpacked once for the run and added into each head's sums. A row's trailing
 masked keys (a verify batch's later rows) are left out before anything is summed, so a row's
 arithmetic is the same whether it runs alone or beside other rows and sequences: the same bits
@@ -27,15 +27,6 @@ from ..quant.jitcache import f32_at, u8_at
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: float16 bits -> float32 (the kernels' scales and f16 rows)
 _F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-@njit(cache=True, nogil=True)
-def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
-    g = 0
-    while j >= table[g, 1] - table[g, 0]:
-        j -= table[g, 1] - table[g, 0]
-        g += 1
-    return g, table[g, 0] + j
 
 
 @njit(cache=True, fastmath=_FLAGS, nogil=True, inline="always")
@@ -84,37 +75,54 @@ def _add_value(src: np.ndarray, at: int, code: int, p: np.ndarray, jj: int, n_q:
                 o[qi, d] += pj * vbuf[d]
 
 
+#: query rows of one sequence a task takes together (each key row it unpacks serves them all)
+ROWS = 8
+
+
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
-def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: int, vcode: int,
-          kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32, f16: np.ndarray) -> None:
+def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.ndarray, n_head_kv: int, kcode: int,
+          vcode: int, kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32, f16: np.ndarray) -> None:
+    """Task t: chunk ``t // (n_head_kv * runs)`` of ``chunks`` (its group and rows r0..r1 of q), one kv head
+    and a run of its query heads. Every row keeps its own key count (its trailing masked keys left out)
+    and runs the steps it would run alone; the key and value rows are unpacked once for all of them."""
     n_head, hd = q.shape[1], q.shape[2]
     hd_v = out.shape[2]
     per_kv = n_head // n_head_kv
     runs = (per_kv + run - 1) // run
-    j = t // (n_head_kv * runs)
-    rest = t - j * n_head_kv * runs
+    c = t // (n_head_kv * runs)
+    rest = t - c * n_head_kv * runs
     hk = rest // runs
     h0 = hk * per_kv + (rest - hk * runs) * run
     n_q = min(run, (hk + 1) * per_kv - h0)
-    g, r = _selected(table, j)
-    n = table[g, 2]
+    g, r0, r1 = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+    nr = r1 - r0
+    n_all = table[g, 2]
     has_bias = table[g, 5] != 0
-    bias = carray(f32_at(table[g, 5] + (r - table[g, 0]) * n * 4 if has_bias else table[g, 3]),
-                  (n if has_bias else 0,))
-    if has_bias:
-        while n > 1 and bias[n - 1] == -np.inf:  # the row's trailing masked keys
-            n -= 1
+    bias = carray(f32_at(table[g, 5] if has_bias else table[g, 3]), ((table[g, 1] - table[g, 0]) * n_all
+                                                                    if has_bias else 0,))
+    ns = np.empty(nr, dtype=np.int64)  # per row, its keys
+    n = 0
+    for ri in range(nr):
+        m = n_all
+        if has_bias:
+            b0 = (r0 + ri - table[g, 0]) * n_all
+            while m > 1 and bias[b0 + m - 1] == -np.inf:  # the row's trailing masked keys
+                m -= 1
+        ns[ri] = m
+        n = max(n, m)
     kb = carray(u8_at(table[g, 3]), (n * n_head_kv * kbytes,))
     vb = carray(u8_at(table[g, 4]), (n * n_head_kv * vbytes,))
-    qv = np.empty((n_q, hd), dtype=np.float32)
-    for qi in range(n_q):
-        for d in range(hd):
-            qv[qi, d] = q[r, h0 + qi, d]
-    s = np.empty((n_q, n), dtype=np.float32)
+    nrq = nr * n_q
+    qv = np.empty((nrq, hd), dtype=np.float32)
+    for ri in range(nr):
+        for qi in range(n_q):
+            for d in range(hd):
+                qv[ri * n_q + qi, d] = q[r0 + ri, h0 + qi, d]
+    s = np.zeros((nrq, n), dtype=np.float32)
     kbuf = np.empty(hd, dtype=np.float32)
     vbuf = np.empty(hd_v, dtype=np.float32)
-    o = np.zeros((n_q, hd_v), dtype=np.float32)
-    mx = np.full(n_q, -np.inf, dtype=np.float32)
+    o = np.zeros((nrq, hd_v), dtype=np.float32)
+    mx = np.full(nrq, -np.inf, dtype=np.float32)
     kt = np.zeros((hd, KB), dtype=np.float32)
     acc = np.empty(KB, dtype=np.float32)
     for j0 in range(0, n, KB):
@@ -131,42 +139,48 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, n_head_kv: 
                 _unpack(kb, at, kcode, hd, f16, kbuf)
                 for d in range(hd):
                     kt[d, kk] = kbuf[d]
-        for qi in range(n_q):
-            for kk in range(KB):
-                acc[kk] = np.float32(0.0)
-            for d in range(hd):
-                qd = qv[qi, d]
+        for ri in range(nr):
+            if j0 >= ns[ri]:
+                continue
+            b0 = (r0 + ri - table[g, 0]) * n_all
+            for qi in range(n_q):
+                x = ri * n_q + qi
                 for kk in range(KB):
-                    acc[kk] += qd * kt[d, kk]
-            for kk in range(nk):
-                jj = j0 + kk
-                a = acc[kk] * sc
-                if cap > 0:
-                    a = np.float32(math.tanh(a / cap)) * cap
-                if has_bias:
-                    a += bias[jj]
-                s[qi, jj] = a
-                if a > mx[qi]:
-                    mx[qi] = a
-    for qi in range(n_q):
-        if mx[qi] == -np.inf:  # sees no key: zeros
+                    acc[kk] = np.float32(0.0)
+                for d in range(hd):
+                    qd = qv[x, d]
+                    for kk in range(KB):
+                        acc[kk] += qd * kt[d, kk]
+                for kk in range(min(nk, ns[ri] - j0)):
+                    jj = j0 + kk
+                    a = acc[kk] * sc
+                    if cap > 0:
+                        a = np.float32(math.tanh(a / cap)) * cap
+                    if has_bias:
+                        a += bias[b0 + jj]
+                    s[x, jj] = a
+                    if a > mx[x]:
+                        mx[x] = a
+    for x in range(nrq):
+        m = ns[x // n_q]
+        if mx[x] == -np.inf:  # sees no key: zeros
+            for jj in range(m):
+                s[x, jj] = np.float32(0.0)
             continue
         den = np.float32(0.0)
-        for jj in range(n):
-            p = np.float32(math.exp(s[qi, jj] - mx[qi]))
-            s[qi, jj] = p
+        for jj in range(m):
+            p = np.float32(math.exp(s[x, jj] - mx[x]))
+            s[x, jj] = p
             den += p
-        mx[qi] = np.float32(1.0) / den
-    for qi in range(n_q):
-        if mx[qi] == -np.inf:
-            for jj in range(n):
-                s[qi, jj] = np.float32(0.0)
-    for jj in range(n):
-        _add_value(vb, (jj * n_head_kv + hk) * vbytes, vcode, s, jj, n_q, hd_v, f16, vbuf, o)
-    for qi in range(n_q):
-        inv = mx[qi]
+        mx[x] = np.float32(1.0) / den
+    for jj in range(n):  # (past a row's own keys its weights stay 0: skipped)
+        _add_value(vb, (jj * n_head_kv + hk) * vbytes, vcode, s, jj, nrq, hd_v, f16, vbuf, o)
+    for x in range(nrq):
+        ri = x // n_q
+        qi = x - ri * n_q
+        inv = mx[x]
         for d in range(hd_v):
-            out[r, h0 + qi, d] = np.float32(0.0) if inv == -np.inf else o[qi, d] * inv
+            out[r0 + ri, h0 + qi, d] = np.float32(0.0) if inv == -np.inf else o[x, d] * inv
 
 
 @njit(cache=True, parallel=True, nogil=True)
@@ -175,20 +189,27 @@ def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: i
                       f16: np.ndarray) -> None:
     """The parallel region of :func:`attention_rows_q`: ``table`` int64 [n_groups, 6] as
     :func:`plinth.ops.attention_rows` takes it, its K / V addresses those of uint8 buffers of
-    ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` / ``vcode``."""
+    ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` / ``vcode``. A group's rows go in
+    chunks of up to ROWS."""
     n_groups = table.shape[0]
     n_head = q.shape[1]
-    n_sel = 0
+    n_chunks = 0
     for g in range(n_groups):
-        n_sel += table[g, 1] - table[g, 0]
+        n_chunks += (table[g, 1] - table[g, 0] + ROWS - 1) // ROWS
+    chunks = np.empty((n_chunks, 3), dtype=np.int64)
+    c = 0
+    for g in range(n_groups):
+        for r0 in range(table[g, 0], table[g, 1], ROWS):
+            chunks[c, 0], chunks[c, 1], chunks[c, 2] = g, r0, min(r0 + ROWS, table[g, 1])
+            c += 1
     per_kv = n_head // n_head_kv
     run = per_kv
-    while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
+    while run > 1 and n_chunks * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
         run = (run + 1) // 2
-    n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
+    n_tasks = n_chunks * n_head_kv * ((per_kv + run - 1) // run)
     sc, cap = np.float32(scale), np.float32(soft_cap)
     for t in prange(n_tasks):
-        _task(t, q, out, table, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap, f16)
+        _task(t, q, out, table, chunks, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap, f16)
 
 
 def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcodec, vcodec, scale: float,
