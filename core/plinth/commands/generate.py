@@ -198,7 +198,9 @@ def run_generate(args: argparse.Namespace) -> int:
         from ..cache import format_bytes_by_kind
 
         print(f"[{gen.stats.summary()}]", file=sys.stderr)
-        print(f"[cache: {format_bytes_by_kind(gen.context.cache.nbytes_by_kind())}]", file=sys.stderr)
+        types = getattr(gen.context.cache, "types", None)  # (a pipeline's cache: f32 only)
+        typed = "" if types is None or types.plain else f"; k {types.k.name}, v {types.v.name}"
+        print(f"[cache: {format_bytes_by_kind(gen.context.cache.nbytes_by_kind())}{typed}]", file=sys.stderr)
     if gen.stats.n_generated == 0 and gen.stats.stop_reason == "end of generation token" and not args.chat:
         hint = " (the model has a chat template: try --chat)" if tok.chat_template else ""
         print(f"plinth: the model ended the text at once{hint}", file=sys.stderr)
