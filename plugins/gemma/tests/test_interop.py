@@ -38,7 +38,7 @@ def registry():
 
 def reference_logits(folder, ids):
     pytest.importorskip("torch")
-    return golden.HFReference(folder).logits(ids)
+    return golden.hf_reference(folder).logits(ids)
 
 
 def prompt(case, n=40):

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.testing import greedy_through_cache, load_module
+from plinth.testing import load_module
+from plinth.testing.golden import load_golden_rows
+from plinth.testing.reference import assert_greedy_matches, assert_logits_close, assert_record_reproduces
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -27,7 +29,7 @@ CASES = sorted(golden.CASES)
 
 
 def load(case):
-    return golden.load(GOLDEN / f"{case}.npz")
+    return load_golden_rows(GOLDEN / f"{case}.npz")
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +73,7 @@ def test_logits_match_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, rows, ref, _ in runs:
-        got = model.logits(prompt)[rows]
-        assert got.shape == ref.shape
-        diff = float(np.max(np.abs(got - ref)))
-        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - transformers| = {diff:.3g}"
+        assert_logits_close(model.logits(prompt)[rows], ref, LOGIT_ATOL, f"{case}, prompt of {len(prompt)}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -82,9 +81,7 @@ def test_greedy_continuation_matches_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, _, _, ref in runs:
-        got = greedy_through_cache(model.graph, model.hparams.n_layer, prompt, len(ref))
-        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
+        assert_greedy_matches(model.graph, model.hparams.n_layer, prompt, ref, f"{case}, prompt of {len(prompt)}")
 
 
 def test_shared_layers_hold_no_cache_bytes(models):
@@ -109,11 +106,8 @@ def test_shared_layers_hold_no_cache_bytes(models):
 def test_golden_logits_are_reproducible(case, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    rec = golden.reference(case, tmp_path, with_greedy=False)
     _, runs = load(case)
-    for i, (prompt, rows, logits, _) in enumerate(runs):
-        assert rec[f"prompt_{i}"].tolist() == prompt
-        np.testing.assert_allclose(rec[f"logits_{i}"], logits, atol=1e-5, rtol=0)
+    assert_record_reproduces(golden.reference(case, tmp_path, with_greedy=False), runs, atol=1e-5)
 
 
 @pytest.mark.ref

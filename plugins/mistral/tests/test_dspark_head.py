@@ -159,7 +159,7 @@ def test_transformers_ignores_the_draft_head(tmp_path):
     from plinth.model import load_model
 
     convert_with_draft(tmp_path, draft_state())
-    ref = golden.HFReference(tmp_path / "hf")
+    ref = golden.hf_reference(tmp_path / "hf")
     model = load_model(tmp_path / "m.gguf", registry=golden.registry())
     prompt = golden.prompts("issue")[2]
     assert float(np.abs(model.logits(prompt) - ref.logits(prompt)).max()) <= 1e-4

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from plinth.graph import Batch
-from plinth.testing import greedy_through_cache, load_golden, load_module, new_cache
+from plinth.testing import load_golden, load_module, new_cache
+from plinth.testing.reference import (assert_converted_matches, assert_greedy_matches, assert_logits_close,
+                                      assert_record_reproduces, greedy_full)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -66,10 +68,7 @@ def test_logits_match_reference(mistral_models, case):
     model = mistral_models(case)
     _, runs = load(case)
     for prompt, ref, _ in runs:
-        got = model.logits(prompt)
-        assert got.shape == ref.shape
-        diff = float(np.max(np.abs(got - ref)))
-        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - transformers| = {diff:.3g}"
+        assert_logits_close(model.logits(prompt), ref, LOGIT_ATOL, f"{case}, prompt of {len(prompt)}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -97,9 +96,7 @@ def test_greedy_continuation_matches_reference(mistral_models, case):
     model = mistral_models(case)
     _, runs = load(case)
     for prompt, _, ref in runs:
-        got = greedy_through_cache(model.graph, model.hparams.n_layer, prompt, len(ref))
-        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
+        assert_greedy_matches(model.graph, model.hparams.n_layer, prompt, ref, f"{case}, prompt of {len(prompt)}")
 
 
 @pytest.mark.ref
@@ -107,11 +104,8 @@ def test_greedy_continuation_matches_reference(mistral_models, case):
 def test_golden_logits_are_reproducible(case, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    rec = golden.reference(case, tmp_path, with_greedy=False)
     _, runs = load(case)
-    for i, (prompt, logits, _) in enumerate(runs):
-        assert rec[f"prompt_{i}"].tolist() == prompt
-        np.testing.assert_allclose(rec[f"logits_{i}"], logits, atol=1e-5, rtol=0)
+    assert_record_reproduces(golden.reference(case, tmp_path, with_greedy=False), runs, atol=1e-5)
 
 
 @pytest.mark.ref
@@ -119,10 +113,10 @@ def test_golden_greedy_is_reproducible(tmp_path):
     """The 7-token prompt's greedy continuation of the issue case, recomputed live."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    ref = golden.HFReference(golden.write_hf_folder("issue", tmp_path / "hf"))
+    ref = golden.hf_reference(golden.write_hf_folder("issue", tmp_path / "hf"))
     _, runs = load("issue")
     prompt, _, greedy_ref = runs[1]
-    assert golden.greedy_full(ref, prompt, len(greedy_ref)) == greedy_ref
+    assert greedy_full(ref, prompt, len(greedy_ref)) == greedy_ref
 
 
 @pytest.mark.ref
@@ -131,15 +125,8 @@ def test_folder_saved_by_transformers_converts_and_matches(tmp_path):
     plinth convert and gives the reference's logits."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from plinth.convert import convert
-    from plinth.model import load_model
 
-    ref = golden.HFReference(golden.write_hf_folder("issue", tmp_path / "numpy-hf"))
+    ref = golden.hf_reference(golden.write_hf_folder("issue", tmp_path / "numpy-hf"))
     saved = tmp_path / "saved-by-transformers"
     ref.model.save_pretrained(saved)
-    reg = golden.registry()
-    convert(saved, tmp_path / "m.gguf", registry=reg)
-    model = load_model(tmp_path / "m.gguf", registry=reg)
-    for prompt in golden.prompts("issue"):
-        diff = float(np.abs(model.logits(prompt) - ref.logits(prompt)).max())
-        assert diff <= LOGIT_ATOL, f"prompt of {len(prompt)}: {diff:.3g}"
+    assert_converted_matches(saved, ref, golden.prompts("issue"), golden.registry(), tmp_path / "m.gguf", LOGIT_ATOL)

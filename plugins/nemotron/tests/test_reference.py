@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.testing import greedy_through_cache, load_golden, load_module
+from plinth.testing import load_golden, load_module
+from plinth.testing.reference import (assert_converted_matches, assert_greedy_matches, assert_logits_close,
+                                      assert_record_reproduces, greedy_full)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -62,10 +64,7 @@ def test_logits_match_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, ref, _ in runs:
-        got = model.logits(prompt)
-        assert got.shape == ref.shape
-        diff = float(np.max(np.abs(got - ref)))
-        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - transformers| = {diff:.3g}"
+        assert_logits_close(model.logits(prompt), ref, LOGIT_ATOL, f"{case}, prompt of {len(prompt)}")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -73,9 +72,7 @@ def test_greedy_continuation_matches_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, _, ref in runs:
-        got = greedy_through_cache(model.graph, model.hparams.n_layer, prompt, len(ref))
-        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
+        assert_greedy_matches(model.graph, model.hparams.n_layer, prompt, ref, f"{case}, prompt of {len(prompt)}")
 
 
 def test_puzzle_case_is_heterogeneous(models):
@@ -95,11 +92,8 @@ def test_puzzle_case_is_heterogeneous(models):
 def test_golden_logits_are_reproducible(case, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    rec = golden.reference(case, tmp_path, with_greedy=False)
     _, runs = load(case)
-    for i, (prompt, logits, _) in enumerate(runs):
-        assert rec[f"prompt_{i}"].tolist() == prompt
-        np.testing.assert_allclose(rec[f"logits_{i}"], logits, atol=1e-5, rtol=0)
+    assert_record_reproduces(golden.reference(case, tmp_path, with_greedy=False), runs, atol=1e-5)
 
 
 @pytest.mark.ref
@@ -112,7 +106,7 @@ def test_golden_greedy_is_reproducible(case, tmp_path):
     ref = golden.reference_model(case, golden.write_hf_folder(case, tmp_path / "hf"))
     _, runs = load(case)
     prompt, _, greedy_ref = runs[0]
-    assert golden.greedy_full(ref, prompt, len(greedy_ref)) == greedy_ref
+    assert greedy_full(ref, prompt, len(greedy_ref)) == greedy_ref
 
 
 @pytest.mark.ref
@@ -121,18 +115,12 @@ def test_folder_saved_by_transformers_converts_and_matches(case, tmp_path):
     """transformers' own save_pretrained output (its names, its dtype handling) goes through plinth convert."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from plinth.convert import convert
-    from plinth.model import load_model
 
-    ref = golden.HFReference(golden.write_hf_folder(case, tmp_path / "numpy-hf"))
+    ref = golden.hf_reference(golden.write_hf_folder(case, tmp_path / "numpy-hf"))
     saved = tmp_path / "saved-by-transformers"
     ref.model.save_pretrained(saved)
-    reg = golden.registry()
-    convert(saved, tmp_path / "m.gguf", registry=reg)
-    model = load_model(tmp_path / "m.gguf", registry=reg)
-    for prompt in golden.prompts(case):
-        diff = float(np.abs(model.logits(prompt) - ref.logits(prompt)).max())
-        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: {diff:.3g}"
+    assert_converted_matches(saved, ref, golden.prompts(case), golden.registry(), tmp_path / "m.gguf", LOGIT_ATOL,
+                             case)
     assert torch is not None
 
 

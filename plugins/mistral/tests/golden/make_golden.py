@@ -189,14 +189,14 @@ def registry() -> Any:
 
 def plinth_model(case: str, tmp: Path, reg: Any = None, backend: str = "numpy") -> Any:
     """The case converted by plinth's converter and loaded through the plugin (on ``backend``)."""
-    from plinth.convert import convert
     from plinth.model import load_model
+    from plinth.testing.golden import convert_and_load
 
     reg = reg or registry()
     out = tmp / f"{case}.gguf"
-    if not out.exists():
-        convert(write_hf_folder(case, tmp / f"{case}-hf"), out, registry=reg)
-    return load_model(out, registry=reg, backend=backend)
+    if out.exists():
+        return load_model(out, registry=reg, backend=backend)
+    return convert_and_load(write_hf_folder(case, tmp / f"{case}-hf"), out, reg, backend=backend)
 
 
 def prompts(case: str) -> list[list[int]]:
@@ -208,58 +208,30 @@ def prompts(case: str) -> list[list[int]]:
 
 # --------------------------------------------------------------------------- reference side (torch)
 
-class HFReference:
-    def __init__(self, folder: Path) -> None:
-        import torch
-        from transformers import MistralLarge4ForConditionalGeneration
+def hf_reference(folder: Path) -> Any:
+    """``MistralLarge4ForConditionalGeneration.from_pretrained(folder)``: float32, eager attention, every
+    tensor loaded."""
+    from transformers import MistralLarge4ForConditionalGeneration
 
-        model, info = MistralLarge4ForConditionalGeneration.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
-        bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        if bad:
-            raise RuntimeError(f"{folder}: transformers did not load every tensor: {bad}")
-        self.model = model.eval()
+    from plinth.testing.reference import HFReference
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        import torch
-
-        with torch.no_grad():
-            return self.model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
-
-
-def greedy_full(ref: Any, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(ref.logits(ids)[-1])))
-    return ids[len(prompt):]
+    return HFReference(MistralLarge4ForConditionalGeneration, folder)
 
 
 def reference(case: str, tmp: Path, with_greedy: bool = True) -> dict[str, Any]:
     """The golden record of ``case`` computed now (``with_greedy=False``: logits only, much faster)."""
-    import torch
+    from plinth.testing.reference import reference_record
 
-    torch.manual_seed(0)
-    ref = HFReference(write_hf_folder(case, tmp / f"{case}-hf"))
     c = CASES[case]
-    rec: dict[str, Any] = {"info": json.dumps({"seed": c["seed"], "prompt_seed": c["prompt_seed"],
-                                               "config": config(case)})}
-    for i, prompt in enumerate(prompts(case)):
-        rec[f"prompt_{i}"] = np.asarray(prompt, dtype=np.int32)
-        rec[f"logits_{i}"] = ref.logits(prompt).astype(np.float32)
-        if with_greedy:
-            rec[f"greedy_{i}"] = np.asarray(greedy_full(ref, prompt, N_GREEDY), dtype=np.int32)
-    return rec
+    info = {"seed": c["seed"], "prompt_seed": c["prompt_seed"], "config": config(case)}
+    return reference_record(info, prompts(case), lambda: hf_reference(write_hf_folder(case, tmp / f"{case}-hf")),
+                            N_GREEDY, with_greedy=with_greedy)
 
 
 def main(argv: list[str]) -> int:
-    import tempfile
+    from plinth.testing.golden import write_golden_files
 
-    names = argv or sorted(CASES)
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in names:
-            rec = reference(case, Path(tmp))
-            np.savez_compressed(HERE / f"{case}.npz", **rec)
-            print(f"{case}: wrote {HERE / (case + '.npz')}")
+    write_golden_files(HERE, argv or sorted(CASES), reference)
     return 0
 
 

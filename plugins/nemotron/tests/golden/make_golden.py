@@ -27,12 +27,13 @@ and seeds; the weights are not stored (they are redrawn from the seed).
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from plinth.testing import write_safetensors
 
 HERE = Path(__file__).resolve().parent
 
@@ -191,25 +192,6 @@ def hf_random_state(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     return sd
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A minimal safetensors writer (F32 only): 8-byte header length, JSON header, raw data."""
-    header: dict[str, Any] = {}
-    offset = 0
-    blobs = []
-    for name, arr in tensors.items():
-        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for b in blobs:
-            f.write(b)
-
-
 def write_hf_folder(case: str, folder: Path, state: dict[str, np.ndarray] | None = None) -> Path:
     c = CASES[case]
     folder.mkdir(parents=True, exist_ok=True)
@@ -227,14 +209,9 @@ def registry() -> Any:
 
 def plinth_model(case: str, tmp: Path, reg: Any = None) -> Any:
     """The case converted by plinth's converter and loaded through the plugin."""
-    from plinth.convert import convert
-    from plinth.model import load_model
+    from plinth.testing.golden import convert_and_load
 
-    reg = reg or registry()
-    folder = write_hf_folder(case, tmp / f"{case}-hf")
-    out = tmp / f"{case}.gguf"
-    convert(folder, out, registry=reg)
-    return load_model(out, registry=reg)
+    return convert_and_load(write_hf_folder(case, tmp / f"{case}-hf"), tmp / f"{case}.gguf", reg or registry())
 
 
 def prompts(case: str) -> list[list[int]]:
@@ -300,65 +277,36 @@ class PuzzleReference:
             return (self.norm(x) @ self.head.T)[0].float().numpy()
 
 
-class HFReference:
-    def __init__(self, folder: Path) -> None:
-        import torch
-        from transformers import NemotronHForCausalLM
+def hf_reference(folder: Path) -> Any:
+    """``NemotronHForCausalLM.from_pretrained(folder)``: float32, eager attention, every tensor loaded."""
+    from transformers import NemotronHForCausalLM
 
-        model, info = NemotronHForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                           output_loading_info=True)
-        bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        if bad:
-            raise RuntimeError(f"{folder}: transformers did not load every tensor: {bad}")
-        self.model = model.eval()
+    from plinth.testing.reference import HFReference
 
-    def logits(self, ids: list[int]) -> np.ndarray:
-        import torch
-
-        with torch.no_grad():
-            return self.model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+    return HFReference(NemotronHForCausalLM, folder)
 
 
 def reference_model(case: str, folder: Path) -> Any:
     c = CASES[case]
     if "block_configs" in c["config"]:
         return PuzzleReference(c["config"], hf_random_state(c["config"], c["seed"]))
-    return HFReference(folder)
-
-
-def greedy_full(ref: Any, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(np.argmax(ref.logits(ids)[-1])))
-    return ids[len(prompt):]
+    return hf_reference(folder)
 
 
 def reference(case: str, tmp: Path, with_greedy: bool = True) -> dict[str, Any]:
     """The golden record of ``case`` computed now (``with_greedy=False``: logits only, much faster)."""
-    import torch
+    from plinth.testing.reference import reference_record
 
-    torch.manual_seed(0)
-    ref = reference_model(case, write_hf_folder(case, tmp / f"{case}-hf"))
     c = CASES[case]
-    rec: dict[str, Any] = {"info": json.dumps({"seed": c["seed"], "prompt_seed": c["prompt_seed"],
-                                               "arch": c["arch"], "config": c["config"]})}
-    for i, prompt in enumerate(prompts(case)):
-        rec[f"prompt_{i}"] = np.asarray(prompt, dtype=np.int32)
-        rec[f"logits_{i}"] = ref.logits(prompt).astype(np.float32)
-        if with_greedy:
-            rec[f"greedy_{i}"] = np.asarray(greedy_full(ref, prompt, N_GREEDY), dtype=np.int32)
-    return rec
+    info = {"seed": c["seed"], "prompt_seed": c["prompt_seed"], "arch": c["arch"], "config": c["config"]}
+    return reference_record(info, prompts(case), lambda: reference_model(case, write_hf_folder(case, tmp / f"{case}-hf")),
+                            N_GREEDY, with_greedy=with_greedy)
 
 
 def main(argv: list[str]) -> int:
-    import tempfile
+    from plinth.testing.golden import write_golden_files
 
-    names = argv or sorted(CASES)
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in names:
-            rec = reference(case, Path(tmp))
-            np.savez_compressed(HERE / f"{case}.npz", **rec)
-            print(f"{case}: wrote {HERE / (case + '.npz')}")
+    write_golden_files(HERE, argv or sorted(CASES), reference)
     return 0
 
 
