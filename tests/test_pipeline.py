@@ -6,7 +6,6 @@ stages as real Ray actors on a two-node cluster (opt-in: make test-ray)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -32,28 +31,13 @@ def single(model_path):
     return plinth.load_model(model_path)
 
 
-class _Handle:
-    """What the pipeline uses of a Ray actor handle: ``handle.method.remote(*args)``, run here at once."""
-
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-        return types.SimpleNamespace(remote=lambda *a, **k: fn(*a, **k))
-
-
 @pytest.fixture()
 def in_process(monkeypatch, model_path):
     """A PipelineModel over stages in this process (``_get`` of a plain value is the value)."""
-    monkeypatch.setattr(pipeline, "_get", lambda refs: refs)
+    from plinth.testing.pipeline import in_process_pipeline
 
     def make(stages: int, split=None):
-        ranges = pipeline.split_layers(5, stages, split)
-        handles = [_Handle(pipeline.Stage(str(model_path), a, b, n_ctx=256, backend="numpy",
-                                          plugins={"plugins": "llama"}, threads=None)) for a, b in ranges]
-        infos = [h.info.remote(metadata=i == 0) for i, h in enumerate(handles)]
-        return pipeline.PipelineModel(handles, ranges, infos, infos[0].pop("metadata"))
+        return in_process_pipeline(monkeypatch, model_path, stages, n_layer=5, split=split, plugins="llama")
 
     return make
 

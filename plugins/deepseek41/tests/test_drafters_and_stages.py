@@ -116,25 +116,9 @@ def test_forward_stage_chain_equals_forward(which, request):
 
 
 def test_in_process_pipeline_decodes_as_one_process(v4, monkeypatch):
-    from plinth import pipeline
+    from plinth.testing.pipeline import in_process_pipeline
 
-    monkeypatch.setattr(pipeline, "_get", lambda refs: refs)
-
-    class Handle:
-        def __init__(self, obj):
-            self._obj = obj
-
-        def __getattr__(self, name):
-            import types
-
-            fn = getattr(self._obj, name)
-            return types.SimpleNamespace(remote=lambda *a, **k: fn(*a, **k))
-
-    ranges = pipeline.split_layers(v4.hparams.n_layer, 2)
-    handles = [Handle(pipeline.Stage(str(v4.path), a, b, n_ctx=256, backend="numpy",
-                                     plugins={"plugins": "deepseek41"}, threads=None)) for a, b in ranges]
-    infos = [h.info.remote(metadata=i == 0) for i, h in enumerate(handles)]
-    pm = pipeline.PipelineModel(handles, ranges, infos, infos[0].pop("metadata"))
+    pm = in_process_pipeline(monkeypatch, v4.path, 2, n_layer=v4.hparams.n_layer, plugins="deepseek41")
     ids = prompts()[1][:12]
     ctx, one = pm.new_context(), v4.new_context()
     np.testing.assert_allclose(ctx.decode(ids).logits, one.decode(ids).logits, atol=2e-5, rtol=0)

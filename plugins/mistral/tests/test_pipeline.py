@@ -5,13 +5,11 @@ latent of an earlier stage) is refused by name before any compute."""
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
-from plinth import pipeline
 from plinth.graph import Batch
+from plinth.testing.pipeline import in_process_pipeline
 
 
 def tokens(n, seed=0, vocab=256):
@@ -59,28 +57,12 @@ def test_a_split_across_shared_state_is_refused(mistral_models, case, start, why
     assert cache.n_cached(0) == 0  # before computing anything
 
 
-class _Handle:
-    """What the pipeline uses of a Ray actor handle: ``handle.method.remote(*args)``, run here at once."""
-
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-        return types.SimpleNamespace(remote=lambda *a, **k: fn(*a, **k))
-
-
 def test_pipeline_of_stages_equals_one_process(mistral_models, with_byte_vocab, tmp_path, monkeypatch):
     from plinth.generate import Generator
     from plinth.model import load_model
 
-    monkeypatch.setattr(pipeline, "_get", lambda refs: refs)
     path = with_byte_vocab(mistral_models("dense_topk").path, tmp_path / "dense_topk-vocab.gguf")
-    ranges = pipeline.split_layers(4, 2)
-    handles = [_Handle(pipeline.Stage(str(path), a, b, n_ctx=256, backend="numpy", plugins={"plugins": "mistral"},
-                                      threads=None)) for a, b in ranges]
-    infos = [h.info.remote(metadata=i == 0) for i, h in enumerate(handles)]
-    pm = pipeline.PipelineModel(handles, ranges, infos, infos[0].pop("metadata"))
+    pm = in_process_pipeline(monkeypatch, path, 2, n_layer=4, plugins="mistral")
     single = load_model(path)
     ids = tokens(20, 3)
     np.testing.assert_array_equal(pm.logits(ids), single.logits(ids))
