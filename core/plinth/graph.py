@@ -121,7 +121,7 @@ class Graph(Protocol):
 
     ``cache_layout()``: per layer, fresh :class:`CacheKind` instances (the layer's memory).
     ``forward(batch, cache, *, taps=(), pooling="none", embeddings=False)``: run ``batch``
-    against ``cache`` (writing its rows, committed at the end); logits ``[n_out, n_vocab]`` for
+    against ``cache`` (writing its rows inside one ``with cache.forward(batch):``); logits ``[n_out, n_vocab]`` for
     the rows with ``batch.output``, or pooled embeddings when ``pooling`` != "none"; the
     residual entering each layer in ``taps``.
     """
