@@ -71,7 +71,8 @@ def test_chat_page_streams_an_answer(tmp_path):
                     "document.querySelector('.msg.assistant:last-child') && "
                     "document.querySelector('.msg.assistant:last-child').dataset.done === '1'", timeout=60_000)
                 assert page.locator(".msg.user").last.inner_text() == QUESTION
-                assert answer.locator(".text").evaluate("e => e.textContent") == want
+                assert answer.locator(".text").evaluate("e => e.dataset.raw") == want
+                assert answer.locator(".text").evaluate("e => e.innerHTML === renderMarkdown(e.dataset.raw)")
                 stats = answer.locator(".stats").inner_text()
                 assert "tokens" in stats and "speculative:" in stats and "tau" in stats, stats
                 page.screenshot(path=str(artifacts / "chat_page.png"), full_page=True)
@@ -100,3 +101,53 @@ def test_chat_page_streams_an_answer(tmp_path):
 
             time.sleep(0.1)
         assert deadline_ok, "the stopped answer's rows were not freed"
+
+
+HOSTILE = ("Here: <img src=x onerror=\"window.__pwned=1\"><script>window.__pwned=1</script> "
+           "[click](javascript:window.__pwned=1) <a href=\"javascript:window.__pwned=1\">a</a>\n\n"
+           "**bold** and a [link](https://example.org/)\n\n```\n<b onmouseover=\"window.__pwned=1\">x</b>\n```")
+
+
+def test_a_hostile_reply_is_shown_as_text(tmp_path):
+    """The page renders a reply's Markdown, and the reply's own HTML never becomes elements: the answer
+    is a hostile server-sent stream (the route is fulfilled by the test), in the real browser."""
+    import json
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+    from plinth.testing.server import free_port, served
+    from plinth_llama.plugin import plugin
+
+    md = tiny_metadata("llama", n_vocab=257, n_ctx=512) | byte_vocab()
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "llama", md, make_registry(plugin), seed=4)
+    port = free_port()
+    chunks = [HOSTILE[i:i + 7] for i in range(0, len(HOSTILE), 7)]  # (split anywhere, as tokens are)
+    body = "".join("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": c}, "finish_reason": None}]})
+                   + "\n\n" for c in chunks)
+    body += "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n"
+    body += "data: [DONE]\n\n"
+    with served([sys.executable, "-m", "plinth", "serve", "-m", str(path), "--port", str(port)], port, timeout=60,
+                log=tmp_path / "server.log") as srv:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+            try:
+                page = browser.new_page()
+                page.route("**/v1/chat/completions", lambda route: route.fulfill(
+                    status=200, headers={"content-type": "text/event-stream"}, body=body))
+                page.goto(srv.url + "/", timeout=30_000)
+                page.wait_for_function("document.querySelectorAll('#model option').length > 0", timeout=30_000)
+                page.fill("#prompt", "hi")
+                page.click("#send")
+                page.wait_for_function("document.querySelector('.msg.assistant:last-child') && "
+                                       "document.querySelector('.msg.assistant:last-child').dataset.done === '1'",
+                                       timeout=30_000)
+                text = page.locator(".msg.assistant").last.locator(".text")
+                assert text.evaluate("e => e.dataset.raw") == HOSTILE
+                assert text.locator("img, script, b").count() == 0
+                assert text.locator("strong").inner_text() == "bold"
+                assert [a.get_attribute("href") for a in text.locator("a").all()] == ["https://example.org/"]
+                assert "<script>" in text.inner_text() and "<img" in text.inner_text()  # shown as text
+                text.locator("pre").hover()
+                assert page.evaluate("window.__pwned") is None
+            finally:
+                browser.close()
