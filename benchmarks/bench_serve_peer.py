@@ -10,15 +10,16 @@ Usage::
 Both servers run on 127.0.0.1 at once (an idle one takes no CPU): ``plinth serve --max-batch 16`` and
 ``llama-server --parallel 16`` (its per-slot context: ``--n-ctx`` each), both with ``--threads`` threads.
 For each client count N, N clients each send streaming chat completions (``--max-tokens``, temperature
-``--temperature``, questions from a fixed list) back to back for ``--duration`` seconds; tokens streamed
-inside the window count. ``--constrained`` levels send ``response_format: json_schema`` (a schema with free
-strings and a list, :data:`SCHEMA`) to both; plinth's constrained / plain ratio at the same client count is
+``--temperature``, questions from a fixed list, each asking for an answer in JSON) back to back for
+``--duration`` seconds; tokens streamed inside the window count. ``--constrained`` levels send the same
+messages with ``response_format: json_schema`` (a schema with free strings and a list, :data:`SCHEMA`) to
+both; plinth's constrained / plain ratio at the same client count is
 the grammar mask's cost (llama-server converts the schema to its own grammar). Every streamed reply of a
 constrained level that finished (not cut by max_tokens) is parsed as JSON: the count of invalid ones is printed.
 
-Before the servers, the mask's own cost is measured in process: per decode step of 1 and of 16 sequences of
-the model, the time of the forward against that of 1 or 16 masked samplings (grammar mask + masked argmax)
-along a real JSON reply.
+Before the servers, the grammar's cost is measured in process (:func:`mask_cost`): the server's scheduler
+decodes 1 and 16 requests of 64 tokens with and without a JSON schema, interleaved, every request running
+to its 64 tokens in both arms.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ SCHEMA = {
 
 
 def body(args, k: int, constrained: bool) -> dict:
-    b = {"model": "bench", "messages": [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}],
+    # the same messages with and without the schema: the constrained / plain ratio is the grammar's cost alone
+    q = QUESTIONS[k % len(QUESTIONS)] + " Answer in JSON with a topic, a summary, a list of facts and a confidence."
+    b = {"model": "bench", "messages": [{"role": "user", "content": q}],
          "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True}
     if constrained:
-        b["messages"][0]["content"] += " Answer in JSON with a topic, a summary, a list of facts and a confidence."
         b["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA,
                                                                        "strict": True}}
     return b
@@ -96,6 +98,13 @@ async def _client(http, url: str, idx: int, args, constrained: bool, out: dict) 
                         finish = ch[0]["finish_reason"]
         except asyncio.CancelledError:
             raise
+        except ConnectionError as exc:
+            if "before answering" in str(exc):  # a kept-alive connection the server had closed: ask again
+                out["reconnects"] += 1
+                continue
+            out["errors"] += 1
+            out["why"].append(f"{type(exc).__name__}: {exc}")
+            continue
         except Exception as exc:  # noqa: BLE001 - a broken stream
             out["errors"] += 1
             out["why"].append(f"{type(exc).__name__}: {exc}")
@@ -112,7 +121,8 @@ async def _client(http, url: str, idx: int, args, constrained: bool, out: dict) 
 
 
 async def _level(url: str, n: int, args, constrained: bool) -> dict:
-    out = {"tokens": 0, "completed": 0, "errors": 0, "why": [], "lengths": [], "json_ok": 0, "json_bad": 0}
+    out = {"tokens": 0, "completed": 0, "errors": 0, "why": [], "lengths": [], "json_ok": 0, "json_bad": 0,
+           "reconnects": 0}
     http = RawHTTP()
     tasks = [asyncio.create_task(_client(http, url, i, args, constrained, out)) for i in range(n)]
     await asyncio.sleep(args.duration)
@@ -144,49 +154,65 @@ def _start(engine: str, path: str, port: int, args, log: Path):
     return served(cmd, port, timeout=300, log=log, env=env)
 
 
-def mask_cost(path: str, steps: int = 40) -> None:
-    """The grammar mask's share of a decode step, in process (same model, same run)."""
+def mask_cost(path: str, reps: int = 3) -> None:
+    """The grammar's share of decode time, in process and the same run: the server's scheduler decodes N = 1
+    and 16 requests of 64 tokens with and without a JSON schema, interleaved ``reps`` times (tokens/s medians).
+    The schema holds a string of at least 1000 characters and the end token is biased away (-100) in both
+    arms, so every request decodes all 64 tokens in both and the arms differ by the grammar alone."""
+    import threading
+
     import plinth
     from plinth import grammar as G
-    from plinth.batch import Batch
-    from plinth.sampling import Sampler, SamplerConfig
+    from plinth.generate import render_chat
+    from plinth.sampling import SamplerConfig
+    from plinth.serve.request import Request
+    from plinth.serve.scheduler import Scheduler
 
     model = plinth.load_model(path)
     tok = model.tokenizer
-    reply = json.dumps({"topic": "the sea", "summary": "The sea covers most of the planet and moves with the tides "
-                                                       "and the winds, carrying heat around the world.",
-                        "facts": ["It is salty.", "It is deep.", "It has tides.", "Whales live in it."],
-                        "confidence": 0.92}, separators=(",", ":"))
-    ids = tok.encode(reply, add_special=False)
-    con = G.Constraint(G.json_schema(SCHEMA), tok, model.n_vocab)
-    greedy = Sampler(SamplerConfig(temperature=0.7, seed=1))
-    for n_seq in (1, 16):
-        ctx = model.new_context()
-        prompt = tok.encode("Tell me about the sea.", add_special=False)
-        for s in range(n_seq):
-            ctx.forward(Batch.from_tokens(prompt, start=0, seq=s, output="last"))
-        fwd, msk, plain = [], [], []
-        states = [con.start() for _ in range(n_seq)]
-        for i in range(min(steps, len(ids))):
-            parts = [Batch.from_tokens([ids[i]], start=len(prompt) + i, seq=s, output="last") for s in range(n_seq)]
-            b = parts[0] if n_seq == 1 else Batch.concat(parts)
+    long = {"type": "object", "properties": {"summary": {"type": "string", "minLength": 1000}},
+            "required": ["summary"], "additionalProperties": False}
+    con = G.Constraint(G.json_schema(long), tok, model.n_vocab)
+    sched = Scheduler(model, max_batch=16, prompt_cache=0, prepare=True)
+    sched.start()
+    bias = {t: -100.0 for t in tok.eog_ids}
+    try:
+        def run(n: int, constrained: bool) -> float:
+            done = threading.Semaphore(0)
+            count = [0]
+
+            def emit(ev) -> None:
+                count[0] += len(ev.tokens)
+                if ev.finish is not None:
+                    done.release()
+
+            reqs = []
+            for i in range(n):
+                q = QUESTIONS[i % len(QUESTIONS)] + " Answer in JSON with a summary."
+                ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": q}], tok),
+                                 add_special=False, parse_special=True)
+                reqs.append(Request(prompt_ids=ids, max_tokens=64, emit=emit,
+                                    sampling=SamplerConfig(temperature=0.7, seed=i, logit_bias=bias),
+                                    constraint=con.start() if constrained else None))
             t0 = time.perf_counter()
-            out = ctx.forward(b)
-            lg = np.asarray(model.backend.to_numpy(out.logits))
-            fwd.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for s in range(n_seq):
-                greedy.token(lg[s], None)
-            plain.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for s in range(n_seq):
-                greedy.token(lg[s], None, states[s])
-                states[s].advance(ids[i])  # (the reply's own token, so every state walks the same JSON)
-            msk.append(time.perf_counter() - t0)
-        f, m, p = statistics.median(fwd), statistics.median(msk), statistics.median(plain)
-        print(f"in process, {n_seq} sequence(s) a step, median of {len(fwd)} steps: forward {f * 1e3:.2f} ms, "
-              f"sampling {p * 1e3:.2f} ms plain / {m * 1e3:.2f} ms masked (temperature 0.7): the mask adds "
-              f"{(m - p) * 1e3:.2f} ms = {100 * (m - p) / (f + p):.1f}% of the step", flush=True)
+            for r in reqs:
+                sched.submit(r)
+            for _ in reqs:
+                done.acquire()
+            assert count[0] == 64 * n, count[0]
+            return count[0] / (time.perf_counter() - t0)
+
+        for n in (1, 16):
+            plain_tps, json_tps = [], []
+            for _ in range(reps):
+                plain_tps.append(run(n, False))
+                json_tps.append(run(n, True))
+            p, j = statistics.median(plain_tps), statistics.median(json_tps)
+            print(f"in process, {n} request(s) x 64 tokens (prefill included), median of {reps} interleaved runs: "
+                  f"{p:.1f} tok/s plain, {j:.1f} tok/s json_schema: {j / p:.3f} "
+                  f"(runs: {', '.join(f'{a:.1f}/{b:.1f}' for a, b in zip(plain_tps, json_tps))})", flush=True)
+    finally:
+        sched.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
