@@ -381,3 +381,25 @@ def test_threads_on_serve(server, model_path):
     with pytest.raises(SystemExit):
         parse_command(["serve", "-m", str(model_path), "--threads", "0"])
     assert health(server)["status"] == "ok"  # (the fixture's server runs with --threads 1)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(server, model):
+    """lm-eval-harness's loglikelihood request: echo, logprobs and max_tokens 0 return the prompt and its
+    tokens' log-probabilities and generate nothing."""
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="Hello sea", max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch = r.choices[0]
+    assert ch.text == "Hello sea" and ch.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert ch.logprobs.tokens == list("Hello sea") and ch.logprobs.token_logprobs[0] is None
+    full = c.completions.create(model="tiny", prompt="Hello sea", max_tokens=2, echo=True, logprobs=1, temperature=0)
+    assert full.choices[0].logprobs.token_logprobs[:9] == ch.logprobs.token_logprobs
+    streamed = c.completions.create(model="tiny", prompt=["ab", "cd"], max_tokens=0, echo=True, stream=True)
+    texts = {}
+    for chunk in streamed:
+        for x in chunk.choices:
+            texts[x.index] = texts.get(x.index, "") + x.text
+    assert texts == {0: "ab", 1: "cd"}
+    for bad in ({"prompt": "x", "max_tokens": 0}, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}):
+        path = "/v1/completions" if "prompt" in bad else "/v1/chat/completions"
+        r = httpx.post(server + path, json={"model": "tiny", **bad}, timeout=TIMEOUT)
+        assert r.status_code == 422 and r.json()["error"]["param"] == "max_tokens"

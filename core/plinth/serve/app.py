@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
+import attrs
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -306,6 +307,8 @@ class _Choices:
         self.echo = echo  # per choice: the prompt text to put before its completion (echo), or None
         self.queue = queue
         self.disconnected = False
+        #: max_tokens 0 with echo: the prompt scored, the one token run to get there not returned
+        self.score_only = False
         #: per choice, the reader of a reply that may hold tool calls (plinth.serve.structured), or None
         self.tools: list[Any] | None = None
 
@@ -586,7 +589,7 @@ class Handlers:
             echo: list[str | None] = []
             for i, ids in enumerate(prompts):
                 room = n_ctx - len(ids)
-                max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
+                max_tokens = room if p.max_tokens is None else min(max(p.max_tokens, 1), room)
                 text = None
                 if p.echo:
                     src = (p.prompts or ())[i]
@@ -628,6 +631,7 @@ class Handlers:
         usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
         server.count(endpoint, 200)
         choices = _Choices(reqs, echo, queue)
+        choices.score_only = p.max_tokens == 0
         if chat and p.structured is not None and p.structured.calls_tools:
             from .structured import ToolCallStream
 
@@ -658,6 +662,8 @@ class Handlers:
         try:
             while len(ends) < len(reqs):
                 index, ev = await choices.queue.get()
+                if choices.score_only:
+                    ev = attrs.evolve(ev, text="", tokens=(), finish="length" if ev.finish == "stop" else ev.finish)
                 events[index].append(ev)
                 usage["completion_tokens"] += len(ev.tokens)
                 if ev.finish is not None:
@@ -702,6 +708,8 @@ class Handlers:
                     yield _sse(fmt.chunk(index, [], "", None, first=True))
             while ended < len(reqs):
                 index, ev = await choices.queue.get()
+                if choices.score_only:
+                    ev = attrs.evolve(ev, text="", tokens=(), finish="length" if ev.finish == "stop" else ev.finish)
                 usage["completion_tokens"] += len(ev.tokens)
                 text, infos = ev.text, list(ev.tokens)
                 if not started[index]:

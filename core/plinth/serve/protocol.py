@@ -226,7 +226,7 @@ def _common(body: Any, chat: bool, lenient: bool) -> dict[str, Any]:
         raise _bad("seed", f"must be in [0, 2**64 - 1], got {seed}")
     return dict(
         model=model,
-        max_tokens=_integer(body, max_key, None, 1),
+        max_tokens=_integer(body, max_key, None, 0),  # (0: completions with echo only, checked below)
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         top_k=_integer(body, "top_k", 0, 0),
@@ -284,6 +284,8 @@ def completion_params(body: Any, lenient: bool = False) -> Params:
             raise unserved("suffix", "fill-in-the-middle (a suffix after the completion) is not served")
     if fields["max_tokens"] is None:
         fields["max_tokens"] = 16  # the OpenAI default for completions
+    if fields["max_tokens"] == 0 and not fields["echo"]:
+        raise _bad("max_tokens", "0 generates nothing: it is served with 'echo': true only (the prompt scored)")
     return Params(**fields)
 
 
@@ -332,4 +334,7 @@ def chat_params(body: Any, lenient: bool = False) -> Params:
     if top is not None and not want:
         raise _bad("top_logprobs", "needs 'logprobs': true")
     fields["logprobs"] = (top or 0) if want else None
+    if fields["max_tokens"] == 0:
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise _bad(name, "must be in [1, inf], got 0")
     return Params(**fields)
