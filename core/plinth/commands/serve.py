@@ -26,9 +26,9 @@ def _int_in(lo: int, hi: int | None = None) -> Any:
 
 def register(sub: Any) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, with a chat page",
-                       description="Serve MODEL at http://HOST:PORT/: /v1/completions, /v1/chat/completions, /v1/embeddings, "
-                       "/tokenize, /detokenize, /v1/models[/ID] "
-                       "(SSE streaming), /v1/models, /health, /metrics (Prometheus) and a chat page at /. "
+                       description="Serve MODEL at http://HOST:PORT/: /v1/completions and /v1/chat/completions (SSE "
+                       "streaming), /v1/embeddings, /tokenize, /detokenize, /v1/models[/ID], /health, /metrics "
+                       "(Prometheus) and a chat page at /. Every request field is honoured or refused by name. "
                        "Concurrent requests decode together in one batch. Needs `pip install 'plinth[serve]'`.")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
