@@ -43,7 +43,7 @@ from ..batch import Batch
 from ..errors import UserError
 from ..generate import TextStream
 from ..sampling import Sampler
-from ..speculative.base import Draft, TargetOutput, check_compatible
+from ..speculative.base import Draft, TargetOutput, check_compatible, target_kv_views
 from ..speculative.engine import SpecConfig, SpecStats, propose
 from ..speculative.step import decide, make_step_verifier, rollback, target_batch, verifier_name
 from .emission import Emitter, log_softmax, token_info
@@ -434,7 +434,8 @@ class Scheduler:
             feats = {t: out.features[t][rows] for t in r.taps if t in out.features}
             drafter.process(TargetOutput(seq=req.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
-                                         has_embeddings=False, logits=logits))
+                                         has_embeddings=False, logits=logits,
+                                         kv=target_kv_views(self.ctx.cache, r, req.seq)))
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
                 first: int, pos: int, who: int, draft: Draft, snap: Any) -> None:

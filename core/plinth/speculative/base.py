@@ -61,6 +61,9 @@ class DrafterRequirements:
         the engine clamps ``n_max`` to it.
     vocab: the drafter's vocabulary when it proposes ids of its own (a draft model);
         None when it proposes target ids by construction.
+    target_kv: target layers whose stored K/V the drafter reads (Gemma 4's assistant attends
+        to them instead of keeping a cache of its own); each ``process`` call then carries a
+        read-only :class:`TargetKV` per layer in ``TargetOutput.kv``.
     """
 
     taps: tuple[int, ...] = ()
@@ -69,6 +72,30 @@ class DrafterRequirements:
     n_embd: int | None = None
     max_draft: int | None = None
     vocab: VocabInfo | None = None
+    target_kv: tuple[int, ...] = ()
+
+
+class TargetKV:
+    """Read-only access to the K/V that one target layer keeps for one sequence.
+
+    :meth:`read` returns what the target's cache holds *when called* (a drafter reads it in
+    ``draft``, after the engine has dropped a verify batch's rejected rows): K [n, n_head_kv,
+    head_dim], V [n, n_head_kv, head_dim_v] (float32; a typed cache's rows decoded) and the
+    rows' positions [n], in cache order. The arrays may be views of the cache: never write into
+    them. A KV-shared layer reads its source layer's rows.
+    """
+
+    def __init__(self, cache: Any, layer: int, seq: int) -> None:
+        self._cache, self.layer, self.seq = cache, int(layer), int(seq)
+
+    def read(self) -> tuple[Any, Any, np.ndarray]:
+        try:
+            kind = self._cache.kv(self.layer)
+        except KeyError as exc:
+            raise UserError(f"target layer {self.layer} keeps no K/V rows a drafter could read ({exc.args[0]})") \
+                from None
+        k, v, pos = kind.get(self.seq)
+        return k, v, np.asarray(pos)
 
 
 @attrs.frozen
@@ -114,6 +141,7 @@ class TargetOutput:
     features: {tap: [n, n_embd]} on the target's backend, for the taps asked for.
     has_embeddings: some rows were embeddings, not tokens (block drafters skip such batches).
     logits: [n_out, n_vocab] of the rows that had outputs, or None.
+    kv: {layer: TargetKV} for the layers in ``DrafterRequirements.target_kv``.
     """
 
     seq: int
@@ -123,6 +151,12 @@ class TargetOutput:
     features: dict[int, Any] = attrs.field(factory=dict)
     has_embeddings: bool = False
     logits: Any = None
+    kv: dict[int, TargetKV] = attrs.field(factory=dict)
+
+
+def target_kv_views(cache: Any, req: DrafterRequirements, seq: int) -> dict[int, TargetKV]:
+    """``TargetOutput.kv`` for a drafter with requirements ``req`` (what the engine and the scheduler pass)."""
+    return {int(il): TargetKV(cache, il, seq) for il in req.target_kv}
 
 
 class BaseDrafter:
@@ -170,6 +204,10 @@ def check_compatible(target: Any, drafter: Any) -> DrafterRequirements:
     if bad:
         raise UserError(f"drafter {name!r} asks for target layer taps {bad}, but the target "
                         f"({target.arch}) has layers 0..{n_layer} (n_layer = {n_layer})")
+    bad = [il for il in req.target_kv if not 0 <= int(il) < n_layer]
+    if bad:
+        raise UserError(f"drafter {name!r} reads the stored K/V of target layers {bad}, but the target "
+                        f"({target.arch}) has layers 0..{n_layer - 1}")
     t_embd = int(target.hparams.n_embd)
     if req.n_embd is not None and t_embd and req.n_embd != t_embd:
         what = "shares the target's embedding/head and" if (req.shares_embedding or req.shares_head) else ""

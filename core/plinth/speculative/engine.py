@@ -35,7 +35,7 @@ from ..batch import Batch
 from ..errors import UserError
 from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
-from .base import Draft, TargetOutput, check_compatible
+from .base import Draft, TargetOutput, check_compatible, target_kv_views
 from .step import decide, make_step_verifier, rollback, target_batch
 
 
@@ -226,7 +226,8 @@ class SpeculativeGenerator(Generator):
             feats = {t: out.features[t] for t in req.taps if t in out.features}
             drafter.process(TargetOutput(seq=self.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
-                                         has_embeddings=has_embd, logits=out.logits))
+                                         has_embeddings=has_embd, logits=out.logits,
+                                         kv=target_kv_views(self.context.cache, req, self.seq)))
 
     def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
         """The first drafter's non-empty draft after the controls; (-1, empty) when none drafts."""
