@@ -212,6 +212,21 @@ class KeyReader:
                              for il, v in enumerate(value)], key)
         return PerLayer([self._cast(key, name, value, cast)] * n_layer, key)
 
+    def n_vocab(self) -> int:
+        """``vocab_size``, else the length of the file's token list, else -1 (a file without a vocabulary)."""
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        return self.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1)
+
+    def expert_counts(self) -> tuple[int, int]:
+        """(``expert_count``, ``expert_used_count``): (0, 0) for a dense model; with experts, the used count
+        must be 1..expert_count."""
+        n_expert = self.get("expert_count", required=False, default=0)
+        n_used = self.get("expert_used_count", required=False, default=0)
+        if n_expert and not 0 < n_used <= n_expert:
+            raise HParamsError(f"{self.source}: key '{self.key('expert_used_count')}' = {n_used}: must be 1.."
+                               f"{n_expert} (expert_count)")
+        return n_expert, n_used if n_expert else 0
+
     def get_array(self, name: str, cast: Callable[[Any], T] = int, *, required: bool = True,  # type: ignore[assignment]
                   default: Any = None) -> tuple[T, ...] | None:
         """An array-valued key as a tuple (a scalar becomes a one-element tuple)."""

@@ -255,15 +255,10 @@ class Gemma4(Architecture):
                 raise HParamsError(f"{r.source}: key '{r.key(name)}' = {v} differs from the key length {k}; "
                                    "Gemma 4 needs equal key and value head sizes")
         n_shared = r.get("attention.shared_kv_layers", required=False, default=0)
-        n_expert = r.get("expert_count", required=False, default=0)
-        n_expert_used = r.get("expert_used_count", required=False, default=0)
-        if n_expert and not 0 < n_expert_used <= n_expert:
-            raise HParamsError(f"{r.source}: key '{r.key('expert_used_count')}' = {n_expert_used}: must be 1.."
-                               f"{n_expert} (expert_count)")
-        tokens = r.metadata.get("tokenizer.ggml.tokens")
+        n_expert, n_expert_used = r.expert_counts()
         n_head = r.get_key_or_arr("attention.head_count", n_layer)
         return Gemma4HParams(
-            n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
+            n_vocab=r.n_vocab(),
             n_embd=n_embd,
             n_layer=n_layer,
             n_ctx_train=r.get("context_length", required=False, default=131072),
@@ -283,7 +278,7 @@ class Gemma4(Architecture):
             n_embd_per_layer=r.get("embedding_length_per_layer_input", required=False, default=0),
             final_softcap=r.get("final_logit_softcapping", float, required=False, default=0.0),
             n_expert=n_expert,
-            n_expert_used=n_expert_used if n_expert else 0,
+            n_expert_used=n_expert_used,
             n_ff_exp=r.get_key_or_arr("expert_feed_forward_length", n_layer, required=n_expert > 0, default=0),
         )
 

@@ -127,14 +127,9 @@ def read_hparams(r: KeyReader, **defaults: Any) -> dict[str, Any]:
     if value_dim != head_dim:
         raise HParamsError(f"{r.source}: key '{r.key('attention.value_length')}' = {value_dim} differs from the key "
                            f"length {head_dim}; '{r.arch}' needs equal key and value head sizes")
-    tokens = r.metadata.get("tokenizer.ggml.tokens")
-    n_expert = r.get("expert_count", required=False, default=0)
-    n_expert_used = r.get("expert_used_count", required=False, default=0)
-    if n_expert and not 0 < n_expert_used <= n_expert:
-        raise HParamsError(f"{r.source}: key '{r.key('expert_used_count')}' = {n_expert_used}: must be 1.."
-                           f"{n_expert} (expert_count)")
+    n_expert, n_expert_used = r.expert_counts()
     return dict(
-        n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
+        n_vocab=r.n_vocab(),
         n_embd=n_embd,
         n_layer=n_layer,
         n_ctx_train=r.get("context_length", required=False, default=2048),
@@ -147,7 +142,7 @@ def read_hparams(r: KeyReader, **defaults: Any) -> dict[str, Any]:
                        default=defaults.get("norm_eps", 1e-5)),
         rope_base=r.get("rope.freq_base", float, required=False, default=defaults.get("rope_base", 10000.0)),
         n_expert=n_expert,
-        n_expert_used=n_expert_used if n_expert else 0,
+        n_expert_used=n_expert_used,
         **read_rope_scaling(r),
     )
 

@@ -121,9 +121,8 @@ def read_hparams(r: KeyReader) -> MiMo2HParams:
                                f"(key '{r.key('attention.head_count_kv')}'); GQA needs a divisor")
     window = r.get("attention.sliding_window")
     swa = tuple(pattern)
-    tokens = r.metadata.get("tokenizer.ggml.tokens")
     return MiMo2HParams(
-        n_vocab=r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1),
+        n_vocab=r.n_vocab(),
         n_embd=r.get("embedding_length"),
         n_layer=n_layer,
         n_ctx_train=r.get("context_length", required=False, default=4096),

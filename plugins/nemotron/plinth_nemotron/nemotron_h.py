@@ -242,8 +242,7 @@ def load_hparams(metadata: Mapping[str, Any], source: str, arch: str) -> Nemotro
     default_hd = n_embd // attn_heads[0] if attn_heads else 0
     head_dim = r.get("attention.key_length", required=False, default=default_hd)
     scale = r.get("attention.scale", float, required=False, default=0.0)
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    n_vocab = r.get("vocab_size", required=False, default=len(tokens) if tokens is not None else -1)
+    n_vocab = r.n_vocab()
     if ssm["ssm_n_head"] and ssm["ssm_d_inner"] % ssm["ssm_n_head"]:
         raise HParamsError(f"{source}: '{r.key('ssm.inner_size')}' = {ssm['ssm_d_inner']} is not a multiple of "
                            f"'{r.key('ssm.time_step_rank')}' = {ssm['ssm_n_head']} (the SSM head count)")
