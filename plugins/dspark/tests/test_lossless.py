@@ -53,24 +53,18 @@ def test_pruning_never_changes_greedy_output(targets, dspark_file, p_min):
 def test_rejection_sampling_keeps_the_target_distribution(targets, dspark_file):
     """Second generated token: its exact marginal under plain sampling vs draws with --spec dspark (chi-square,
     Wilson-Hilferty threshold at p ~ 0.0005)."""
-    import math
-
     import numpy as np
 
     from plinth.sampling import Sampler, SamplerConfig
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+    from plinth.testing.sampling import assert_counts_fit, second_token_marginal
     from plinth_dspark.drafter import make_dspark
 
     model = targets["qwen3"]
     cfg = SamplerConfig(temperature=1.0, top_k=4)
     prompt = PROMPTS[0]
     s = Sampler(cfg)
-    p1 = s.probs(model.new_context().decode(prompt).logits[-1], prompt)
-    marginal = np.zeros(model.n_vocab)
-    for t1 in np.nonzero(p1)[0]:
-        c = model.new_context()
-        c.decode(prompt)
-        marginal += p1[t1] * s.probs(c.decode([int(t1)]).logits[-1], prompt + [int(t1)])
+    marginal = second_token_marginal(model, s, prompt)
     dr = make_dspark(model, {"draft": str(dspark_file(block_size=4))})
     gen = SpeculativeGenerator(model, [dr], config=SpecConfig(n_max=3, seed=11),
                                sampler=Sampler(SamplerConfig(temperature=1.0, top_k=4, seed=12)))
@@ -80,14 +74,7 @@ def test_rejection_sampling_keeps_the_target_distribution(targets, dspark_file):
         out = gen.generate(prompt, 3)
         counts[out[1]] += 1
         drafted += gen.stats.n_drafted
-    n = counts.sum()
-    keep = marginal * n >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(marginal[keep] * n, marginal[~keep].sum() * n)
-    ok = exp > 0
-    stat, df = float(((obs[ok] - exp[ok]) ** 2 / exp[ok]).sum()), int(ok.sum() - 1)
-    a = 2.0 / (9.0 * df)
-    assert stat < df * (1.0 - a + 3.29 * math.sqrt(a)) ** 3, stat
+    assert_counts_fit(counts, marginal)
     assert drafted > 0
 
 

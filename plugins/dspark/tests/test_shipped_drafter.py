@@ -5,7 +5,6 @@ with it gives plain decoding's output (greedy, byte for byte) and plain sampling
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -100,17 +99,13 @@ def test_rejection_sampling_at_temperature_08(smollm2):
     from plinth.plugins import default_registry
     from plinth.sampling import Sampler, SamplerConfig
     from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
+    from plinth.testing.sampling import assert_counts_fit, second_token_marginal
 
     model = smollm2
     prompt = chat_ids(model, "Tell me about the sea.")
     cfg = SamplerConfig(temperature=0.8, top_k=6)
     s = Sampler(cfg)
-    p1 = s.probs(model.new_context().decode(prompt).logits[-1], prompt)
-    marginal = np.zeros(model.n_vocab)
-    for t1 in np.nonzero(p1)[0]:
-        c = model.new_context()
-        c.decode(prompt)
-        marginal += p1[t1] * s.probs(c.decode([int(t1)]).logits[-1], prompt + [int(t1)])
+    marginal = second_token_marginal(model, s, prompt)
     gen = SpeculativeGenerator(model, [default_registry().make_drafter("dspark", model, {"temperature": 0.8})],
                                config=SpecConfig(n_max=8, seed=11),
                                sampler=Sampler(SamplerConfig(temperature=0.8, top_k=6, seed=12)))
@@ -120,12 +115,5 @@ def test_rejection_sampling_at_temperature_08(smollm2):
         out = gen.generate(prompt, 3)
         counts[out[1]] += 1
         accepted += gen.stats.n_accepted
-    n = counts.sum()
-    keep = marginal * n >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(marginal[keep] * n, marginal[~keep].sum() * n)
-    ok = exp > 0
-    stat, df = float(((obs[ok] - exp[ok]) ** 2 / exp[ok]).sum()), int(ok.sum() - 1)
-    a = 2.0 / (9.0 * df)
-    assert stat < df * (1.0 - a + 3.29 * math.sqrt(a)) ** 3, stat
+    assert_counts_fit(counts, marginal)
     assert accepted > 0

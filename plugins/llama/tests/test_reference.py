@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from plinth.graph import Batch
-from plinth.testing import greedy_through_cache, load_golden, load_module, new_cache
+from plinth.testing import load_golden, load_module, new_cache
+from plinth.testing.reference import assert_greedy_matches, assert_logits_close, assert_record_reproduces
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -56,9 +57,7 @@ def test_logits_match_reference(models, case):
     assert [p for p, _, _ in runs] == golden.prompts(case, hp.n_vocab)
     for prompt, ref, _ in runs:
         got = graph.forward(Batch.from_tokens(prompt, output="all"), new_cache(graph, hp.n_layer)).logits
-        assert got.shape == ref.shape
-        diff = float(np.max(np.abs(got - ref)))
-        assert diff <= LOGIT_ATOL, f"{case}, prompt of {len(prompt)}: max |plinth - reference| = {diff:.3g}"
+        assert_logits_close(got, ref, LOGIT_ATOL, f"{case}, prompt of {len(prompt)}", oracle="reference")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -66,9 +65,7 @@ def test_greedy_continuation_matches_reference(models, case):
     hp, _, graph = models[case]
     _, runs = load(case)
     for prompt, _, ref in runs:
-        got = greedy_through_cache(graph, hp.n_layer, prompt, len(ref))
-        first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
-        assert got == ref, f"{case}, prompt of {len(prompt)}: greedy tokens differ from step {first}"
+        assert_greedy_matches(graph, hp.n_layer, prompt, ref, f"{case}, prompt of {len(prompt)}")
 
 
 def test_llama_rope_row_order_mapping():
@@ -96,7 +93,5 @@ def test_golden_files_are_reproducible(case):
     pytest.importorskip("transformers")
     rec = golden.reference(case)
     info, runs = load(case)
-    for i, (prompt, logits, greedy_ref) in enumerate(runs):
-        assert rec[f"prompt_{i}"].tolist() == prompt
-        np.testing.assert_allclose(rec[f"logits_{i}"], logits, atol=1e-5, rtol=0)
-        assert rec[f"greedy_{i}"].tolist() == greedy_ref
+    assert_record_reproduces(rec, runs, atol=1e-5)
+    assert [rec[f"greedy_{i}"].tolist() for i in range(len(runs))] == [greedy for _, _, greedy in runs]
