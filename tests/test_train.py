@@ -148,15 +148,19 @@ def test_training_resumes_and_exports(tiny, tmp_path, objective, monkeypatch):
     assert st["step"] == 3 and st["d2t"].size == (64 if objective == "dspark" else model.n_vocab)
     from plinth.errors import UserError
 
-    with pytest.raises(UserError, match="other settings"):  # another schedule is another run
-        train(attrs.evolve(opt, steps=8), **quiet)
+    with pytest.raises(UserError, match="other settings"):  # other settings are another run
+        train(attrs.evolve(opt, anchors=5), **quiet)
+    with pytest.raises(UserError, match="other settings"):  # a shorter schedule too
+        train(attrs.evolve(opt, steps=2), **quiet)
     again = train(opt, **quiet)  # the same command continues where it stopped
     assert again["step"] == 6 and again["tokens"] > first["tokens"]
     assert [h["step"] for h in torch.load(str(out) + ".ckpt/state.pt", weights_only=False)["history"]] == [3, 6]
+    longer = train(attrs.evolve(opt, steps=8), **quiet)  # a longer schedule continues the run
+    assert longer["step"] == 8 and longer["tokens"] > again["tokens"]
     from plinth.gguf import GGUFFile
 
     md = GGUFFile(out).metadata
-    assert md["plinth.train.steps"] == 6 and "objective" in md["plinth.train.recipe"]
+    assert md["plinth.train.steps"] == 8 and "objective" in md["plinth.train.recipe"]
     kind = "dspark" if objective == "dspark" else "dflash"
     from plinth.plugins import default_registry
 

@@ -25,7 +25,8 @@ Train a block drafter for TARGET and write it as a dflash GGUF that `plinth gene
    reads no d2t), so it trains several times slower. --init target starts the draft layers from the
    target's last layers.
 3. Checkpoints every --save-every seconds in OUT.ckpt/ (weights, optimiser, data position): the same
-   command continues an interrupted run. OUT is rewritten at each checkpoint, and a copy per
+   command continues an interrupted run, and a larger --steps continues a finished one (the cosine
+   schedule stretched to the new length). OUT is rewritten at each checkpoint, and a copy per
    checkpoint (OUT.ckpt/draft-NNNk.gguf, named by answer tokens trained) is kept for curves of tau
    against training tokens (`python benchmarks/bench_drafter.py`).
 

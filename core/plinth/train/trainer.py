@@ -164,8 +164,12 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     state = None
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
+        diff = {k: (state["recipe"].get(k), v) for k, v in opt.recipe().items() if state["recipe"].get(k) != v}
+        if set(diff) == {"steps"} and opt.steps > state["recipe"]["steps"]:
+            log(f"train: extending the schedule of {ckdir} from {state['recipe']['steps']} to {opt.steps} steps "
+                "(the cosine decay is stretched: the learning rate rises again)")
+            state["recipe"] = opt.recipe()
         if state["recipe"] != opt.recipe():
-            diff = {k: (state["recipe"].get(k), v) for k, v in opt.recipe().items() if state["recipe"].get(k) != v}
             raise UserError(f"{ckdir}: the checkpoint was made with other settings {diff}; pass the same options "
                             f"to continue it, or another -o to start afresh")
         d2t = np.asarray(state["d2t"], dtype=np.int64)
