@@ -10,7 +10,9 @@ plugin = ManifestPlugin(
         converters={
             "Gemma4ForCausalLM": "plinth_gemma.convert:Gemma4Converter",
             "Gemma4ForConditionalGeneration": "plinth_gemma.convert:Gemma4MultimodalConverter",
+            "Gemma4AssistantForCausalLM": "plinth_gemma.assistant:Gemma4AssistantConverter",
         },
-        description="Gemma 4 text models: gemma4",
+        drafters={"gemma4-assistant": "plinth_gemma.assistant:make_gemma4_assistant"},
+        description="Gemma 4 text models: gemma4; the Gemma 4 assistant drafter (gemma4-assistant)",
     )
 )
