@@ -27,8 +27,8 @@ The GGUF layout is llama.cpp's (``src/models/gemma4-assistant.cpp``): architectu
 ``nextn_predict_layers`` (= ``block_count``), tensors ``token_embd``, ``output_norm``,
 ``nextn.pre_projection``, ``nextn.post_projection``, ``rope_freqs`` and per layer ``attn_norm``,
 ``attn_q``, ``attn_q_norm``, ``attn_output``, ``post_attention_norm``, ``ffn_norm``,
-``ffn_{gate,up,down}``, ``post_ffw_norm``, ``layer_output_scale``. plinth's converter also writes
-the centroid tensors (``gemma4-assistant.centroid_top_k``: plinth's key).
+``ffn_{gate,up,down}``, ``post_ffw_norm``, ``layer_output_scale``; with ``--option centroids=yes``
+plinth's converter also writes the centroid tensors (``gemma4-assistant.centroid_top_k``: plinth's key).
 """
 
 from __future__ import annotations
@@ -444,7 +444,11 @@ NAMES = {
 
 
 class Gemma4AssistantConverter:
-    """``Gemma4AssistantForCausalLM`` folder -> ``gemma4-assistant`` GGUF (llama.cpp's keys and names)."""
+    """``Gemma4AssistantForCausalLM`` folder -> ``gemma4-assistant`` GGUF (llama.cpp's keys and names).
+
+    ``--option centroids=yes`` also writes the centroid tensors of ``use_ordered_embeddings`` (plinth drafts
+    from the chosen clusters as transformers does; llama.cpp 0.3.36 cannot open such a file). By default
+    they are left out as llama.cpp's converter does, and the file opens in llama.cpp."""
 
     hf_arch = "Gemma4AssistantForCausalLM"
 
@@ -453,8 +457,12 @@ class Gemma4AssistantConverter:
 
         from .convert import gguf_metadata, tokenizer_metadata
 
-        if options:
-            raise UserError(f"the gemma4-assistant converter takes no options, got {sorted(options)}")
+        unknown = sorted(set(options) - {"centroids"})
+        if unknown:
+            raise UserError(f"the gemma4-assistant converter takes only --option centroids=yes|no, got {unknown}")
+        centroids = str(options.get("centroids", "no")).lower()
+        if centroids not in ("yes", "no"):
+            raise UserError(f"--option centroids={options['centroids']}: expected yes or no")
         cfg = read_config(model_dir)
         source = str(Path(model_dir) / "config.json")
         text = dict(cfg.get("text_config") or {})
@@ -486,7 +494,13 @@ class Gemma4AssistantConverter:
         for hf, gg in names.items():
             if gg:
                 tensors[gg] = st.get(hf)
-        if cfg.get("use_ordered_embeddings"):
+        if cfg.get("use_ordered_embeddings") and centroids == "no":
+            for name in (T_CENTROIDS, T_ORDERING):
+                tensors.pop(name, None)
+            notes.append("masked_embedding tensors left out, as llama.cpp's converter does (the draft logits cover the "
+                         "whole head; llama.cpp cannot open a file with them): --option centroids=yes keeps them, "
+                         "for transformers' centroid-masked logits in plinth")
+        elif cfg.get("use_ordered_embeddings"):
             if T_CENTROIDS not in tensors or T_ORDERING not in tensors:
                 raise UserError(f"{model_dir}: use_ordered_embeddings needs masked_embedding.centroids.weight and "
                                 "masked_embedding.token_ordering")

@@ -145,7 +145,8 @@ def write_assistant(folder: str | Path, case: str = "plain", seed: int = 1, targ
 
 
 def convert_pair(tmp: str | Path, target: str = "plain", assistant: str = "plain") -> tuple[Path, Path, Path, Path]:
-    """(target folder, target GGUF, assistant folder, assistant GGUF), converted by plinth's converters."""
+    """(target folder, target GGUF, assistant folder, assistant GGUF), converted by plinth's converters (the
+    assistant's centroid tensors kept: ``--option centroids=yes``)."""
     from .assistant import Gemma4AssistantConverter
     from .convert import Gemma4Converter
 
@@ -154,5 +155,5 @@ def convert_pair(tmp: str | Path, target: str = "plain", assistant: str = "plain
     af = write_assistant(tmp / f"assistant-{assistant}-{target}", assistant, target=target)
     tg, ag = tmp / f"target-{target}.gguf", tmp / f"assistant-{assistant}-{target}.gguf"
     Gemma4Converter().convert(str(tf), str(tg), {})
-    Gemma4AssistantConverter().convert(str(af), str(ag), {})
+    Gemma4AssistantConverter().convert(str(af), str(ag), {"centroids": "yes"})
     return tf, tg, af, ag

@@ -165,3 +165,45 @@ def test_a_file_key_it_does_not_read_is_refused(pairs, tmp_path):
     write_gguf(tmp_path / "odd.gguf", md, tensors)
     with pytest.raises(UserError, match="expert_count"):
         load_assistant(tmp_path / "odd.gguf")
+
+
+def test_centroid_tensors_only_on_request(tmp_path):
+    """By default the converter leaves the centroid tensors out as llama.cpp's does (llama.cpp cannot open a file
+    with them); ``--option centroids=yes`` keeps them."""
+    from plinth.gguf import GGUFFile
+    from plinth_gemma.assistant import Gemma4AssistantConverter
+    from plinth_gemma.testkit import write_assistant
+
+    folder = write_assistant(tmp_path / "hf", "ordered")
+    notes = Gemma4AssistantConverter().convert(str(folder), str(tmp_path / "a.gguf"), {})
+    assert any("masked_embedding tensors left out" in n for n in notes)
+    assert not {"masked_embd_centroids.weight", "masked_embd_ordering"} & set(GGUFFile(tmp_path / "a.gguf").tensors)
+    Gemma4AssistantConverter().convert(str(folder), str(tmp_path / "b.gguf"), {"centroids": "yes"})
+    assert {"masked_embd_centroids.weight", "masked_embd_ordering"} <= set(GGUFFile(tmp_path / "b.gguf").tensors)
+    with pytest.raises(UserError, match="centroids=yes|no"):
+        Gemma4AssistantConverter().convert(str(folder), str(tmp_path / "c.gguf"), {"centroids": "maybe"})
+
+
+@pytest.mark.interop
+def test_llama_cpp_opens_plinths_assistant_file(tmp_path):
+    """llama.cpp (llama-cpp-python 0.3.36) loads the file plinth's converter writes (default: no centroid
+    tensors), with a Gemma-style vocabulary."""
+    import json
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from plinth.testing import load_module, write_hf_folder
+    from plinth_gemma import testkit as tk
+    from plinth_gemma.assistant import Gemma4AssistantConverter
+
+    golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.py")
+    t = dict(tk.TARGETS["plain"], vocab_size=300, vocab_size_per_layer_input=300)
+    cfg = tk.assistant_config("ordered", t)
+    cfg["num_centroids"] = 10
+    folder = write_hf_folder(tmp_path / "hf", cfg, tk.assistant_state(cfg, 1), tokenizer=golden.gemma_tokenizer(300))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                              "pad_token": "<pad>", "unk_token": "<unk>"}))
+    Gemma4AssistantConverter().convert(str(folder), str(tmp_path / "a.gguf"), {})
+    m = llama_cpp.llama_model_load_from_file(str(tmp_path / "a.gguf").encode(), llama_cpp.llama_model_default_params())
+    assert m, "llama.cpp could not load plinth's gemma4-assistant file"
+    llama_cpp.llama_model_free(m)
