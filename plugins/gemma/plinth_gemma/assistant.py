@@ -479,7 +479,6 @@ class Gemma4AssistantConverter:
         if not cfg.get("tie_word_embeddings", True):
             raise UserError(f"{source}: tie_word_embeddings = false: the assistant's head is its embedding")
         text["num_kv_shared_layers"] = 0  # (gemma4's key check needs one layer keeping K/V; set below)
-        text.pop("final_logit_softcapping", None)  # the assistant applies none (transformers, llama.cpp)
         md0, layout = gguf_metadata(text, source)
         notes: list[str] = []
         md = {k.replace("gemma4.", ARCH + ".", 1): v for k, v in md0.items()}
@@ -487,7 +486,6 @@ class Gemma4AssistantConverter:
         md[f"{ARCH}.attention.shared_kv_layers"] = n_layer
         md[f"{ARCH}.embedding_length_out"] = int(cfg.get("backbone_hidden_size", 1536))
         md[f"{ARCH}.nextn_predict_layers"] = n_layer
-        md.pop(f"{ARCH}.embedding_length_per_layer_input", None)
         st = SafetensorsDir(model_dir)
         names = map_names(list(st.names()), NAMES, str(model_dir))
         tensors: dict[str, np.ndarray] = {}

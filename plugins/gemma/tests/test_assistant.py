@@ -40,7 +40,7 @@ def test_converter_writes_llama_cpps_layout(pairs):
     assert md["gemma4-assistant.attention.shared_kv_layers"] == 3
     assert [bool(x) for x in md["gemma4-assistant.attention.sliding_window_pattern"]] == [True, True, False]
     assert md["gemma4-assistant.centroid_top_k"] == 4
-    assert "gemma4-assistant.final_logit_softcapping" not in md
+    assert md["gemma4-assistant.final_logit_softcapping"] == 30.0  # written as llama.cpp does; not applied
     names = set(gf.tensors)
     assert {"token_embd.weight", "output_norm.weight", "nextn.pre_projection.weight", "nextn.post_projection.weight",
             "rope_freqs.weight", "masked_embd_centroids.weight", "masked_embd_ordering",
@@ -186,8 +186,9 @@ def test_centroid_tensors_only_on_request(tmp_path):
 
 @pytest.mark.interop
 def test_llama_cpp_opens_plinths_assistant_file(tmp_path):
-    """llama.cpp (llama-cpp-python 0.3.36) loads the file plinth's converter writes (default: no centroid
-    tensors), with a Gemma-style vocabulary."""
+    """llama.cpp's own converter (Gemma4AssistantModel, vendored in the llama-cpp-python 0.3.36 sdist) writes the
+    keys and tensors plinth's converter writes (default: no centroid tensors), plinth reads the same hyperparameters
+    and weights from both files (so drafts the same), and llama.cpp loads plinth's file."""
     import json
     from pathlib import Path
 
@@ -204,6 +205,29 @@ def test_llama_cpp_opens_plinths_assistant_file(tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
                                                               "pad_token": "<pad>", "unk_token": "<unk>"}))
     Gemma4AssistantConverter().convert(str(folder), str(tmp_path / "a.gguf"), {})
+    from plinth.gguf import GGUFFile
+    from plinth.testing.interop import convert_with_llama_cpp, llama_cpp_sources
+    from plinth_gemma.assistant import load_assistant
+
+    if llama_cpp_sources() is None:
+        pytest.skip("llama.cpp sources (the llama-cpp-python 0.3.36 sdist) not available")
+    theirs = convert_with_llama_cpp(folder, tmp_path / "llama_cpp.gguf")
+
+    def contents(path):
+        f = GGUFFile(path)
+        keys = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in f.metadata.items()
+                if k.startswith("gemma4-assistant.")}
+        return keys, {n: tuple(i.shape) for n, i in f.tensors.items()}
+
+    (k_ours, t_ours), (k_theirs, t_theirs) = contents(tmp_path / "a.gguf"), contents(theirs)
+    assert t_ours == t_theirs
+    assert sorted(k_ours) == sorted(k_theirs)
+    for key, v in k_theirs.items():
+        assert np.allclose(k_ours[key], v) if isinstance(v, float) else k_ours[key] == v, key
+    a, b = load_assistant(tmp_path / "a.gguf"), load_assistant(theirs)
+    assert a.hparams == b.hparams
+    for name, w in a.weights.items():
+        assert np.array_equal(w, b.weights[name]), name
     m = llama_cpp.llama_model_load_from_file(str(tmp_path / "a.gguf").encode(), llama_cpp.llama_model_default_params())
     assert m, "llama.cpp could not load plinth's gemma4-assistant file"
     llama_cpp.llama_model_free(m)
