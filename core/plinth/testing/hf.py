@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -21,22 +21,30 @@ _DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np
 
 def write_safetensors(path: str | Path, tensors: Mapping[str, np.ndarray], bf16: bool = False) -> Path:
     """Write ``tensors`` as one safetensors file (``bf16`` stores float32 tensors as BF16, rounded)."""
-    header: dict[str, Any] = {}
-    blobs = []
-    offset = 0
+    raw: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
     for name, array in tensors.items():
         a = np.ascontiguousarray(array)
         if bf16 and a.dtype == np.float32:
             bits = a.view(np.uint32)
-            raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()  # round to nearest even
-            dtype = "BF16"
+            data = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()  # round to nearest even
+            raw[name] = ("BF16", a.shape, data)
         else:
             if a.dtype not in _DTYPES:
                 raise ValueError(f"write_safetensors: tensor {name!r} has dtype {a.dtype}")
-            raw, dtype = a.tobytes(), _DTYPES[a.dtype]
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
+            raw[name] = (_DTYPES[a.dtype], a.shape, a.tobytes())
+    return write_raw_safetensors(path, raw)
+
+
+def write_raw_safetensors(path: str | Path, tensors: Mapping[str, tuple[str, Sequence[int], bytes]]) -> Path:
+    """Write a safetensors file from ``name -> (safetensors dtype, shape, raw bytes)``, for dtypes numpy
+    has no type for (F8_E4M3, F8_E8M0, packed FP4 ...): 8-byte header length, JSON header, the data."""
+    header: dict[str, Any] = {}
+    blobs = []
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     path = Path(path)

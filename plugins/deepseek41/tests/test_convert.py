@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -12,21 +10,10 @@ import pytest
 from plinth.convert import SafetensorsDir
 from plinth.errors import UserError
 from plinth.testing import load_module
+from plinth.testing.hf import write_raw_safetensors
 from plinth_deepseek41 import convert as conv
 
 golden = load_module(Path(__file__).resolve().parent / "golden" / "make_golden.py")
-
-
-def write_raw_safetensors(path, tensors):
-    """name -> (safetensors dtype, shape, raw bytes)."""
-    header, blobs, off = {}, [], 0
-    for name, (dt, shape, raw) in tensors.items():
-        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
-        off += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 def test_e4m3_and_e8m0_values():

@@ -17,6 +17,7 @@ import pytest
 
 from plinth.graph import Batch
 from plinth.errors import UserError
+from plinth.testing.golden import load_golden_rows
 from plinth.testing import check_prefill_then_decode, greedy_through_cache, load_module, new_cache
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -26,12 +27,7 @@ CASES = sorted(g41.CASES)
 
 
 def load(case):
-    with np.load(GOLDEN / f"{case}.npz") as z:
-        rec = {k: z[k] for k in z.files}
-    n = sum(k.startswith("prompt_") for k in rec)
-    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"rows_{i}"], rec[f"logits_{i}"],
-             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
-    return json.loads(str(rec["info"])), runs
+    return load_golden_rows(GOLDEN / f"{case}.npz")
 
 
 @pytest.fixture(scope="module")

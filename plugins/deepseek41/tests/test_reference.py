@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plinth.testing import greedy_through_cache, load_module
+from plinth.testing.golden import load_golden_rows
+from plinth.testing import load_module
+from plinth.testing.reference import assert_greedy_matches, assert_logits_close
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 LOGIT_ATOL = 1e-4
@@ -27,13 +29,7 @@ CASES = sorted(golden.CASES)
 
 
 def load(case):
-    with np.load(GOLDEN / f"{case}.npz") as z:
-        rec = {k: z[k] for k in z.files}
-    info = json.loads(str(rec["info"]))
-    n = sum(k.startswith("prompt_") for k in rec)
-    runs = [(rec[f"prompt_{i}"].astype(np.int64).tolist(), rec[f"rows_{i}"], rec[f"logits_{i}"],
-             rec[f"greedy_{i}"].astype(np.int64).tolist()) for i in range(n)]
-    return info, runs
+    return load_golden_rows(GOLDEN / f"{case}.npz")
 
 
 
@@ -60,9 +56,7 @@ def test_logits_match_reference(models, case):
     model.graph.topk_ties = 0
     _, runs = load(case)
     for prompt, rows, ref, _ in runs:
-        got = model.logits(prompt)[rows]
-        err = float(np.abs(got - ref).max())
-        assert err < LOGIT_ATOL, f"{case}, {len(prompt)} tokens: max |plinth - transformers| = {err:.3g}"
+        assert_logits_close(model.logits(prompt)[rows], ref, LOGIT_ATOL, f"{case}, {len(prompt)} tokens")
     # a tie at the indexer's top-k boundary would make the comparison depend on tie-breaking
     assert model.graph.topk_ties == 0
 
@@ -72,8 +66,7 @@ def test_greedy_continuations_match_reference(models, case):
     model = models[case]
     _, runs = load(case)
     for prompt, _, _, ref in runs:
-        got = greedy_through_cache(model.graph, model.hparams.n_layer, prompt, len(ref))
-        assert got == ref, f"{case}, {len(prompt)} tokens"
+        assert_greedy_matches(model.graph, model.hparams.n_layer, prompt, ref, f"{case}, {len(prompt)} tokens")
 
 
 def test_cases_cover_the_features(models):

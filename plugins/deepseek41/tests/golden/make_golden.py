@@ -25,12 +25,13 @@ stores those with the config and seeds; the weights are redrawn from the seed.
 from __future__ import annotations
 
 import json
-import struct
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from plinth.testing import write_safetensors
 
 HERE = Path(__file__).resolve().parent
 
@@ -133,22 +134,6 @@ def hf_random_state(config: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     return sd
 
 
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A minimal safetensors writer (F32 and I64): 8-byte header length, JSON header, raw data."""
-    header: dict[str, Any] = {}
-    offset, blobs = 0, []
-    for name, arr in tensors.items():
-        kind = "I64" if arr.dtype.kind in "iu" else "F32"
-        raw = np.ascontiguousarray(arr, dtype="<i8" if kind == "I64" else "<f4").tobytes()
-        header[name] = {"dtype": kind, "shape": list(arr.shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
-
-
 def write_hf_folder(case: str, folder: Path) -> Path:
     c = CASES[case]
     folder.mkdir(parents=True, exist_ok=True)
@@ -197,15 +182,12 @@ def plinth_model(case: str, tmp: Path, reg: Any = None, vocab: bool = False) -> 
 # --------------------------------------------------------------------------- reference (torch)
 
 def reference_model(folder: Path) -> Any:
-    import torch
+    """``DeepseekV4ForCausalLM.from_pretrained(folder)``: float32, eager attention, every tensor loaded."""
     from transformers import DeepseekV4ForCausalLM
 
-    model, info = DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                        output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise RuntimeError(f"{folder}: transformers did not load every tensor: {bad}")
-    return model.eval()
+    from plinth.testing.reference import load_reference
+
+    return load_reference(DeepseekV4ForCausalLM, folder)
 
 
 def stored_rows(n: int) -> np.ndarray:

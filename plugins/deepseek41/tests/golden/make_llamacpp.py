@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from plinth.testing.hf import write_raw_safetensors
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "llamacpp"
@@ -102,17 +103,6 @@ def to_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     codes = np.where(blocks < 0, codes + 8, codes).reshape(out, n_in).astype(np.uint8)
     values = FP4[codes] * np.repeat(scale[..., 0], 32, axis=1)
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8), (exp + 127).astype(np.uint8), values
-
-
-def write_raw_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
-    header, blobs, off = {}, [], 0
-    for name, (dt, shape, raw) in tensors.items():
-        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
-        off += len(raw)
-        blobs.append(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 def states(config: dict[str, Any] = CONFIG) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, tuple[int, ...], bytes]]]:
