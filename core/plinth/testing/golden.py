@@ -54,3 +54,22 @@ def convert_and_load(folder: str | Path, out: str | Path, registry: Any, backend
 
     convert(folder, out, registry=registry)
     return load_model(out, registry=registry, backend=backend)
+
+
+def plinth_models(golden: Any, tmp: str | Path) -> dict[str, Any]:
+    """Every case of a ``make_golden.py`` module (its ``CASES``) converted and loaded through its plugin,
+    ``golden.plinth_model(case, tmp, registry)`` with one ``golden.registry()``."""
+    reg = golden.registry()
+    return {case: golden.plinth_model(case, Path(tmp), reg) for case in sorted(golden.CASES)}
+
+
+def assert_record_is_case(info: dict[str, Any], runs: list[tuple[Any, ...]], golden: Any, case: str, *,
+                          keys: tuple[str, ...] = ("seed", "prompt_seed"), config: Any = None) -> None:
+    """A golden record (``info``, ``runs`` as the loaders give them) was made from ``golden.CASES[case]`` as it
+    stands: the same ``keys`` (seeds ...), the same ``config`` (default: the case's), prompts of
+    ``golden.PROMPT_LENGTHS`` tokens that are ``golden.prompts(case)``."""
+    c = golden.CASES[case]
+    assert tuple(info[k] for k in keys) == tuple(c[k] for k in keys)
+    assert info["config"] == json.loads(json.dumps(c["config"] if config is None else config))
+    assert [len(run[0]) for run in runs] == list(golden.PROMPT_LENGTHS)
+    assert [run[0] for run in runs] == golden.prompts(case)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from plinth.testing import load_module
-from plinth.testing.golden import load_golden_rows
+from plinth.testing.golden import assert_record_is_case, load_golden_rows, plinth_models
 from plinth.testing.reference import assert_greedy_matches, assert_logits_close, assert_record_reproduces
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -34,19 +34,13 @@ def load(case):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gemma4-golden")
-    reg = golden.registry()
-    return {case: golden.plinth_model(case, tmp, reg) for case in CASES}
+    return plinth_models(golden, tmp_path_factory.mktemp("gemma4-golden"))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_golden_file_matches_this_case(case):
     info, runs = load(case)
-    c = golden.CASES[case]
-    assert (info["seed"], info["prompt_seed"]) == (c["seed"], c["prompt_seed"])
-    assert info["config"] == json.loads(json.dumps(c["config"]))
-    assert [p for p, _, _, _ in runs] == golden.prompts(case)
-    assert [len(p) for p, _, _, _ in runs] == list(golden.PROMPT_LENGTHS)
+    assert_record_is_case(info, runs, golden, case)
 
 
 @pytest.mark.parametrize("case", CASES)

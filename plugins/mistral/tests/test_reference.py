@@ -12,7 +12,6 @@ own ``save_pretrained``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from plinth.graph import Batch
 from plinth.testing import load_golden, load_module, new_cache
+from plinth.testing.golden import assert_record_is_case
 from plinth.testing.reference import (assert_converted_matches, assert_greedy_matches, assert_logits_close,
                                       assert_record_reproduces, greedy_full)
 
@@ -40,11 +40,7 @@ def load(case):
 @pytest.mark.parametrize("case", CASES)
 def test_golden_file_matches_this_case(case):
     info, runs = load(case)
-    c = golden.CASES[case]
-    assert (info["seed"], info["prompt_seed"]) == (c["seed"], c["prompt_seed"])
-    assert info["config"] == json.loads(json.dumps(golden.config(case)))
-    assert [len(p) for p, _, _ in runs] == list(golden.PROMPT_LENGTHS)
-    assert [p for p, _, _ in runs] == golden.prompts(case)
+    assert_record_is_case(info, runs, golden, case, config=golden.config(case))
 
 
 def test_cases_cover_the_patterns(mistral_models):

@@ -11,13 +11,13 @@ by transformers' own ``save_pretrained``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from plinth.testing import load_golden, load_module
+from plinth.testing.golden import assert_record_is_case, plinth_models
 from plinth.testing.reference import (assert_converted_matches, assert_greedy_matches, assert_logits_close,
                                       assert_record_reproduces, greedy_full)
 
@@ -36,19 +36,13 @@ def load(case):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("nemotron-golden")
-    reg = golden.registry()
-    return {case: golden.plinth_model(case, tmp, reg) for case in CASES}
+    return plinth_models(golden, tmp_path_factory.mktemp("nemotron-golden"))
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_golden_file_matches_this_case(case):
     info, runs = load(case)
-    c = golden.CASES[case]
-    assert (info["seed"], info["prompt_seed"], info["arch"]) == (c["seed"], c["prompt_seed"], c["arch"])
-    assert info["config"] == json.loads(json.dumps(c["config"]))
-    assert [len(p) for p, _, _ in runs] == list(golden.PROMPT_LENGTHS)
-    assert [p for p, _, _ in runs] == golden.prompts(case)
+    assert_record_is_case(info, runs, golden, case, keys=("seed", "prompt_seed", "arch"))
 
 
 @pytest.mark.parametrize("case", CASES)
