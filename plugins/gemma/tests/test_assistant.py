@@ -231,3 +231,44 @@ def test_llama_cpp_opens_plinths_assistant_file(tmp_path):
     m = llama_cpp.llama_model_load_from_file(str(tmp_path / "a.gguf").encode(), llama_cpp.llama_model_default_params())
     assert m, "llama.cpp could not load plinth's gemma4-assistant file"
     llama_cpp.llama_model_free(m)
+
+
+def test_batched_serving_with_the_assistant_equals_solo_greedy(pairs):
+    """The server's scheduler hands the drafter the K/V of each request's own sequence (TargetOutput.kv): several
+    requests decoding together with the assistant give each one's plain greedy output."""
+    import threading
+
+    from plinth.generate import Generator
+    from plinth.sampling import SamplerConfig
+    from plinth.serve.scheduler import Request, Scheduler
+    from plinth.speculative.engine import SpecConfig
+    from plinth_gemma.assistant import make_gemma4_assistant
+
+    _, tg, _, ag = pairs[("shared", "ordered")]
+    m = target(tg)
+    drafter = make_gemma4_assistant(m, {"draft": str(ag)})
+    prompts = [PROMPTS[0], [7, 8, 9], PROMPTS[0][:5] + [1, 2]]
+    out: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(ev):
+            out[i].extend(t.token for t in ev.tokens)
+            if ev.finish is not None:
+                done.release()
+        return emit
+
+    sched = Scheduler(m, drafters=[drafter], spec=SpecConfig(n_max=3), max_batch=3, prefill_chunk=5)
+    sched.start()
+    try:
+        with sched._cond:  # every request joins the first step
+            for i, p in enumerate(prompts):
+                sched.submit(Request(prompt_ids=p, max_tokens=10, sampling=SamplerConfig(temperature=0.0),
+                                     emit=emitter(i)))
+        for _ in prompts:
+            assert done.acquire(timeout=120), "a request did not finish in time"
+    finally:
+        sched.stop()
+    for p, toks in zip(prompts, out):
+        assert toks == Generator(m).generate(p, 10), p
+    assert sched.metrics.spec[drafter.name][0] > 0
