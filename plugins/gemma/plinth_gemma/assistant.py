@@ -407,6 +407,27 @@ class Gemma4AssistantDrafter(BaseDrafter):
         return np.stack(rows)
 
 
+def describe(metadata: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str]],
+             source: str) -> list[str]:
+    """``plinth info`` lines for a gemma4-assistant GGUF (nothing loaded)."""
+    emb = tensors.get("token_embd.weight")
+    hp = load_hparams(metadata, source, int(emb[0][0]) if emb is not None else -1)
+    kinds = " ".join("S" if s else "F" for s in hp.swa)
+    lines = ["drafter          gemma4-assistant (Gemma 4's assistant; --spec gemma4-assistant)",
+             f"target           gemma4 of hidden size {hp.n_embd_target}, reading the K/V of its last sliding and "
+             "last full layer that keep K/V",
+             f"layers           {hp.n_layer} x (n_embd {hp.n_embd}, {kinds}, heads {hp.n_head[0]} over "
+             f"{hp.n_head_kv[0]} K/V heads, head_dim {hp.head_dim_swa} / {hp.head_dim}, n_ff {hp.n_ff[0]})",
+             f"sliding_window   {hp.sliding_window}",
+             f"n_vocab          {hp.n_vocab}"]
+    if T_CENTROIDS in tensors:
+        lines.append(f"head             centroid-masked: {tensors[T_CENTROIDS][0][0]} clusters, the best "
+                     f"{hp.centroid_top_k} scored")
+    else:
+        lines.append("head             the whole tied embedding")
+    return lines
+
+
 def make_gemma4_assistant(target: Any, options: Mapping[str, Any]) -> Gemma4AssistantDrafter:
     path = options.get("draft")
     if not path:

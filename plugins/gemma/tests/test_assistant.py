@@ -272,3 +272,16 @@ def test_batched_serving_with_the_assistant_equals_solo_greedy(pairs):
     for p, toks in zip(prompts, out):
         assert toks == Generator(m).generate(p, 10), p
     assert sched.metrics.spec[drafter.name][0] > 0
+
+
+def test_plinth_info_describes_the_file(pairs):
+    from plinth.gguf import GGUFFile
+    from plinth.testing import make_registry
+    from plinth_gemma.plugin import plugin
+
+    path = pairs[("shared", "ordered")][3]
+    gf = GGUFFile(path)
+    tensors = {n: (tuple(i.shape), i.type_name) for n, i in gf.tensors.items()}
+    owner, lines = make_registry(plugin).describe_draft("gemma4-assistant", dict(gf.metadata), tensors, str(path))
+    assert owner == "gemma" and lines[0].startswith("drafter          gemma4-assistant")
+    assert any("S S F" in line for line in lines) and any("16 clusters" in line for line in lines)
