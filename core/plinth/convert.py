@@ -172,6 +172,20 @@ def write_gguf(path: str | Path, metadata: Mapping[str, Any], tensors: Mapping[s
     return path
 
 
+def check_converted(specs: Any, tensors: Mapping[str, np.ndarray], model_dir: str | Path, arch: str,
+                    layout: str = "") -> None:
+    """Converted float32 ``tensors`` against the architecture's tensor specs before they are written: every
+    declared tensor present with its shape, and none the architecture does not read (refused by name;
+    ``layout`` says what the architecture reads, e.g. its layer pattern)."""
+    from .tensors import check_tensors, unused_tensors
+
+    check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
+    extra = unused_tensors(specs, tensors)
+    if extra:
+        what = f" ({layout})" if layout else ""
+        raise UserError(f"{model_dir}: tensor(s) the {arch} architecture does not read{what}: {', '.join(extra)}")
+
+
 def hf_architecture(config: Mapping[str, Any], model_dir: str | Path) -> str:
     archs = config.get("architectures") or []
     if not archs:

@@ -33,9 +33,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import SafetensorsDir, padded_tokenizer_metadata, read_config, write_gguf
+from plinth.convert import SafetensorsDir, check_converted, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.graph import check_tensors, unused_tensors
+from plinth.graph import check_tensors
 
 from .deepseek4 import ARCH, GATING_SQRT_SOFTPLUS, load_hparams, tensor_specs
 
@@ -375,11 +375,8 @@ class DeepseekV4Converter:
             md[f"{ARCH}.attention.compress_ratios"] = md[f"{ARCH}.attention.compress_ratios"] + [0] * n_mtp
         hp = load_hparams(md, source)
         specs = tensor_specs(hp)
-        check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
-        extra = unused_tensors(specs, tensors)
-        if extra:
-            raise UserError(f"{model_dir}: tensor(s) {extra} do not belong to this deepseek4 layer layout "
-                            f"(compress_ratios {list(hp.compress_ratios)}, hash layers {hp.n_hash_layers})")
+        check_converted(specs, tensors, model_dir, "deepseek4",
+                        f"compress_ratios {list(hp.compress_ratios)}, hash layers {hp.n_hash_layers}")
         write_gguf(out_path, md, tensors)
         if head:
             head_path = options.get("mtp_out") or str(Path(out_path).with_suffix("")) + ".mtp.gguf"

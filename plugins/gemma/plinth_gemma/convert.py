@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import SafetensorsDir, bpe_tokenizer_metadata, map_names, read_config, write_gguf
+from plinth.convert import (SafetensorsDir, bpe_tokenizer_metadata, check_converted, map_names, read_config,
+                            write_gguf)
 from plinth.errors import UserError
-from plinth.graph import check_tensors
 
 from .gemma4 import Gemma4
 
@@ -107,11 +107,7 @@ class Gemma4Converter:
         tensors["rope_freqs.weight"] = layout["rope_freqs"]
         arch = Gemma4()
         specs = arch.tensor_specs(arch.load_hparams(md, source))
-        check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
-        declared = {s.name for s in specs}
-        extra = sorted(set(tensors) - declared)
-        if extra:
-            raise UserError(f"{model_dir}: tensor(s) the gemma4 architecture does not read: {', '.join(extra)}")
+        check_converted(specs, tensors, model_dir, "gemma4")
         write_gguf(out_path, md, tensors)
         for note in notes:
             print(f"plinth-gemma: {note}", file=sys.stderr)

@@ -23,9 +23,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import SafetensorsDir, map_names, padded_tokenizer_metadata, read_config, write_gguf
+from plinth.convert import (SafetensorsDir, check_converted, map_names, padded_tokenizer_metadata, read_config,
+                            write_gguf)
 from plinth.errors import UserError
-from plinth.graph import check_tensors
 
 from .mimo2 import ARCH, GATING_SIGMOID, MiMo2
 
@@ -250,10 +250,7 @@ class MiMo2Converter:
                                 f"{'have' if has_router else 'lack'} a router (mlp.gate.weight)")
         arch = MiMo2()
         specs = arch.tensor_specs(arch.load_hparams(md, source))
-        check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
-        extra = sorted(set(tensors) - {s.name for s in specs})
-        if extra:
-            raise UserError(f"{model_dir}: tensor(s) the mimo2 architecture does not read: {', '.join(extra)}")
+        check_converted(specs, tensors, model_dir, "mimo2")
         write_gguf(out_path, md, tensors)
         for n in notes:
             print(f"plinth-mimo: {n}", file=sys.stderr)

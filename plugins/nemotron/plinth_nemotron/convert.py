@@ -35,9 +35,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import SafetensorsDir, padded_tokenizer_metadata, read_config, write_gguf
+from plinth.convert import SafetensorsDir, check_converted, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
-from plinth.graph import check_tensors, unused_tensors
 
 from .nemotron_h import ATTENTION, MAMBA, MLP, MOE, load_hparams, tensor_specs
 
@@ -415,11 +414,7 @@ class NemotronHConverter:
 
             hp = attrs.evolve(hp, n_vocab=tensors["token_embd.weight"].shape[0])
         specs = tensor_specs(hp)
-        check_tensors(specs, {k: (v.shape, "F32") for k, v in tensors.items()}, f"converted {model_dir}")
-        extra = unused_tensors(specs, tensors)
-        if extra:
-            raise UserError(f"{model_dir}: tensor(s) {extra} do not belong to the {arch} layer pattern "
-                            f"{hp.pattern!r}")
+        check_converted(specs, tensors, model_dir, arch, f"layer pattern {hp.pattern!r}")
         qtypes = None
         if outtype != "f32":
             import gguf
