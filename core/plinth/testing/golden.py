@@ -73,3 +73,10 @@ def assert_record_is_case(info: dict[str, Any], runs: list[tuple[Any, ...]], gol
     assert info["config"] == json.loads(json.dumps(c["config"] if config is None else config))
     assert [len(run[0]) for run in runs] == list(golden.PROMPT_LENGTHS)
     assert [run[0] for run in runs] == golden.prompts(case)
+
+
+def random_prompts(seed: int, n_vocab: int, lengths: Iterable[int]) -> list[list[int]]:
+    """One prompt of each length, tokens drawn uniformly from ``n_vocab`` by numpy's generator of ``seed``
+    (the prompts of a golden case)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, n_vocab, n).tolist() for n in lengths]

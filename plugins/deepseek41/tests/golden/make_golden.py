@@ -143,9 +143,9 @@ def write_hf_folder(case: str, folder: Path) -> Path:
 
 
 def prompts(case: str) -> list[list[int]]:
-    rng = np.random.default_rng(CASES[case]["prompt_seed"])
-    v = CASES[case]["config"]["vocab_size"]
-    return [rng.integers(0, v, n).tolist() for n in PROMPT_LENGTHS]
+    from plinth.testing.golden import random_prompts
+
+    return random_prompts(CASES[case]["prompt_seed"], CASES[case]["config"]["vocab_size"], PROMPT_LENGTHS)
 
 
 def registry() -> Any:

@@ -90,8 +90,9 @@ def readers(case: str) -> list[int]:
 
 
 def prompts(case: str) -> list[list[int]]:
-    rng = np.random.default_rng(v4_case(case)["prompt_seed"])
-    return [rng.integers(0, base_config(case)["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
+    from plinth.testing.golden import random_prompts
+
+    return random_prompts(v4_case(case)["prompt_seed"], base_config(case)["vocab_size"], PROMPT_LENGTHS)
 
 
 def write_hf_folder(case: str, folder: Path) -> Path:

@@ -221,8 +221,9 @@ def plinth_model(case: str, tmp: Path, reg: Any = None) -> Any:
 
 
 def prompts(case: str) -> list[list[int]]:
-    rng = np.random.default_rng(CASES[case]["prompt_seed"])
-    return [rng.integers(0, N_VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+    from plinth.testing.golden import random_prompts
+
+    return random_prompts(CASES[case]["prompt_seed"], N_VOCAB, PROMPT_LENGTHS)
 
 
 def kept_rows(n: int) -> np.ndarray:

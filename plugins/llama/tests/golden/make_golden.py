@@ -80,8 +80,9 @@ def plinth_model(case: str, reg: Any = None) -> tuple[Any, dict[str, np.ndarray]
 
 
 def prompts(case: str, n_vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(CASES[case]["prompt_seed"])
-    return [rng.integers(0, n_vocab, n).tolist() for n in PROMPT_LENGTHS]
+    from plinth.testing.golden import random_prompts
+
+    return random_prompts(CASES[case]["prompt_seed"], n_vocab, PROMPT_LENGTHS)
 
 
 # --------------------------------------------------------------------------- reference side (torch)
