@@ -17,8 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import (SafetensorsDir, bpe_tokenizer_metadata, check_converted, map_names, read_config,
-                            write_gguf)
+from plinth.convert import SafetensorsDir, bpe_tokenizer_metadata, map_names, read_config, write_gguf
 from plinth.errors import UserError
 
 from .gemma4 import Gemma4
@@ -105,9 +104,7 @@ class Gemma4Converter:
         if cfg.get("tie_word_embeddings", True) and tensors.pop("output.weight", None) is not None:
             notes.append("lm_head.weight left out: the config ties it to the embedding")
         tensors["rope_freqs.weight"] = layout["rope_freqs"]
-        arch = Gemma4()
-        specs = arch.tensor_specs(arch.load_hparams(md, source))
-        check_converted(specs, tensors, model_dir, "gemma4")
+        Gemma4().check(md, {k: (tuple(v.shape), "F32") for k, v in tensors.items()}, f"converted {model_dir}")
         write_gguf(out_path, md, tensors)
         for note in notes:
             print(f"plinth-gemma: {note}", file=sys.stderr)

@@ -23,8 +23,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from plinth.convert import (SafetensorsDir, check_converted, map_names, padded_tokenizer_metadata, read_config,
-                            write_gguf)
+from plinth.convert import SafetensorsDir, map_names, padded_tokenizer_metadata, read_config, write_gguf
 from plinth.errors import UserError
 
 from .mimo2 import ARCH, GATING_SIGMOID, MiMo2
@@ -248,9 +247,7 @@ class MiMo2Converter:
             if has_router != (kind == "sparse"):
                 raise UserError(f"{model_dir}: layer {il} is {kind!r} in mlp_layer_types but its tensors "
                                 f"{'have' if has_router else 'lack'} a router (mlp.gate.weight)")
-        arch = MiMo2()
-        specs = arch.tensor_specs(arch.load_hparams(md, source))
-        check_converted(specs, tensors, model_dir, "mimo2")
+        MiMo2().check(md, {k: (tuple(v.shape), "F32") for k, v in tensors.items()}, f"converted {model_dir}")
         write_gguf(out_path, md, tensors)
         for n in notes:
             print(f"plinth-mimo: {n}", file=sys.stderr)
