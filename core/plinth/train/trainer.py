@@ -280,7 +280,7 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     m = b - s0
     wpos = torch.exp(-torch.arange(m, dtype=torch.float32) / opt.gamma)
     bar = Progress(opt.steps, enabled=progress)
-    t_start = time.time()
+    t_start = time.time() - (history[-1]["time"] if history else 0.0)  # times count over every run
     t_save = time.time()
     ema: dict[str, float] = {}
     t_step = time.time()
@@ -296,10 +296,11 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         export_gguf(net, cfg, ckdir / f"draft-{tokens // 1000:07d}k.gguf", meta, quant=opt.quant)  # for curves
 
     step_first = step
+    t_run = time.time()
     while step < opt.steps:
         if opt.run_steps and step - step_first >= opt.run_steps:
             break
-        if opt.minutes and time.time() - t_start > opt.minutes * 60:
+        if opt.minutes and time.time() - t_run > opt.minutes * 60:
             log(f"\ntrain: --minutes {opt.minutes} reached at step {step}")
             break
         for g in optim.param_groups:
