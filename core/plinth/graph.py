@@ -172,6 +172,26 @@ class Step:
         value = self.memo[key] = make()  # None is a value too (no attention bias needed)
         return value
 
+    def require_in_order(self, source: str, what: str, start: Callable[[int], int | None] | None = None,
+                         hint: str = "") -> None:
+        """Refuse a batch whose sequences skip or reorder positions, for a model whose ``what``
+        (a recurrent state, a compressed stream) reads every token once in order.
+
+        Each sequence's rows must have consecutive increasing positions; ``start(seq)``, when given
+        and not None, is the position the sequence must continue at (``hint`` ends that message).
+        """
+        from .errors import UserError
+
+        for seq, sel in self.groups:
+            pos = self.batch.positions[sel]
+            if len(pos) > 1 and not np.all(np.diff(pos) == 1):
+                raise UserError(f"{source}: sequence {seq}'s rows must have consecutive increasing positions in a "
+                                f"batch (got {pos.tolist()}); {what} cannot skip or reorder tokens")
+            at = start(seq) if start is not None else None
+            if at is not None and int(pos[0]) != at:
+                raise UserError(f"{source}: sequence {seq} continues at position {int(pos[0])}, but its {what} "
+                                f"stands at position {at}{hint}")
+
 
 # ============================================================================ embedding and linears
 

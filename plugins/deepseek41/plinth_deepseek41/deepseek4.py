@@ -655,15 +655,7 @@ class DeepSeek4Graph(BaseGraph):
         """The shared per-forward state; each sequence's rows must sit at consecutive positions continuing
         its cache (compressed streams cannot skip)."""
         step = super().step(batch, cache)
-        for seq, sel in step.groups:
-            pos = batch.positions[sel]
-            if len(pos) > 1 and not np.all(np.diff(pos) == 1):
-                raise UserError(f"{ARCH}: sequence {seq}'s rows must have consecutive increasing positions in a "
-                                f"batch (got {pos.tolist()}); compressed KV streams cannot skip or reorder tokens")
-            start = cache.next_position(seq)
-            if int(pos[0]) != start:
-                raise UserError(f"{ARCH}: sequence {seq} continues at position {int(pos[0])}, but its cache stands "
-                                f"at position {start}")
+        step.require_in_order(ARCH, "compressed KV stream", cache.next_position)
         step.memo["tokens"] = self.xp.asarray(batch.tokens)
         return step
 

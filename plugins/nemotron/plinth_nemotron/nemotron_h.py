@@ -507,17 +507,12 @@ class NemotronHGraph(BaseGraph):
     def step(self, batch: Batch, cache: Cache) -> Step:
         """A recurrent state needs each sequence's rows in order, continuing where the state stands."""
         step = super().step(batch, cache)
-        for seq, sel in step.groups:
-            pos = batch.positions[sel]
-            if len(pos) > 1 and not np.all(np.diff(pos) == 1):
-                raise UserError(f"{self.hp.arch}: sequence {seq}'s rows must have consecutive increasing positions "
-                                f"in a batch (got {pos.tolist()}); a recurrent state cannot skip or reorder tokens")
-            if "M" in self.hp.pattern:
-                start = cache.next_position(seq) if cache.holds_state(seq) else 0
-                if int(pos[0]) != start:
-                    raise UserError(
-                        f"{self.hp.arch}: sequence {seq} continues at position {int(pos[0])}, but its recurrent "
-                        f"state stands at position {start}; drop rows with Cache.restore(snapshot), not seq_rm")
+        if "M" in self.hp.pattern:  # the state continues where it stands (a fresh sequence at 0)
+            step.require_in_order(self.hp.arch, "recurrent state",
+                                  lambda seq: cache.next_position(seq) if cache.holds_state(seq) else 0,
+                                  hint="; drop rows with Cache.restore(snapshot), not seq_rm")
+        else:
+            step.require_in_order(self.hp.arch, "recurrent state")
         return step
 
 
