@@ -140,7 +140,11 @@ def test_long_prompt_path_reads_the_same_rows(path, registry, monkeypatch):
 
     monkeypatch.setattr(g, "_rows_path", lambda kv, shared, step: False)
     b = np.asarray(model.new_context().decode(PROMPT, output="all").logits)
-    np.testing.assert_allclose(a, b, atol=2e-4 * np.abs(a).max())
+    # the two paths round differently (kernel vs BLAS), and this random model's sharp attention can
+    # magnify that in a row (0.013 of 12.9 at one position); reading other rows, or the rows unrotated,
+    # would move every row by the cache type's own error (~0.5 here, f32 cache against q8_0)
+    np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(a).max())
+    assert np.median(np.abs(a - b).max(axis=1)) < 1e-4 * np.abs(a).max()
 
 
 def test_dflash_random_draft_lossless_on_q8_0(path, registry, tmp_path):
