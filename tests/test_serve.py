@@ -25,10 +25,9 @@ pytest.importorskip("uvicorn")
 
 from plinth.cli import main as plinth_main  # noqa: E402
 from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf  # noqa: E402
-from plinth.testing.server import free_port, served  # noqa: E402
+from plinth.testing.server import ROLE_CHAT_TEMPLATE, free_port, served  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ROLE_CHAT_TEMPLATE
 N_CTX = 1024
 PROMPTS = ["Hello there", "The sea is", "abcabcabc", "1, 2, 3, 4,", "Once upon a time", "def f(x):",
            "Zebra crossing", "plinth serves"]

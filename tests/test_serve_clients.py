@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plinth.testing.server import ROLE_CHAT_TEMPLATE
+
 pytestmark = [pytest.mark.clients, pytest.mark.slow]
 
 PYTHON = os.environ.get("PLINTH_CLIENTS_PYTHON", "")
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ROLE_CHAT_TEMPLATE
 N_CTX = 512
 TIMEOUT = 120
 

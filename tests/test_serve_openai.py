@@ -27,10 +27,9 @@ import plinth  # noqa: E402
 from plinth.generate import Generator  # noqa: E402
 from plinth.sampling import Sampler, SamplerConfig  # noqa: E402
 from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf  # noqa: E402
-from plinth.testing.server import free_port, served  # noqa: E402
+from plinth.testing.server import ROLE_CHAT_TEMPLATE, free_port, served  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ROLE_CHAT_TEMPLATE
 N_CTX = 1024
 TIMEOUT = 60
 

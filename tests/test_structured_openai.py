@@ -24,10 +24,9 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf  # noqa: E402
-from plinth.testing.server import free_port, served  # noqa: E402
+from plinth.testing.server import ROLE_CHAT_TEMPLATE, free_port, served  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = ROLE_CHAT_TEMPLATE
 TIMEOUT = 120
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -22,6 +22,11 @@ from typing import Iterator, Sequence
 import attrs
 
 
+#: a role-tagged chat template for tiny test models (``<|role|>content`` a line, then ``<|assistant|>``)
+ROLE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
 @attrs.frozen
 class Served:
     url: str
