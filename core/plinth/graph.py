@@ -196,6 +196,16 @@ class Step:
 # ============================================================================ embedding and linears
 
 
+def expert_tensors(prefix: str, n_expert: int, n_ff: int, n_embd: int, *, required: bool = True) -> list[TensorSpec]:
+    """A mixture-of-experts FFN's tensors as llama.cpp names them: the router ``ffn_gate_inp`` [n_expert,
+    n_embd] and the stacked experts ``ffn_{gate,up}_exps`` [n_expert, n_ff, n_embd], ``ffn_down_exps``
+    [n_expert, n_embd, n_ff] (``prefix``: ``blk.N.``)."""
+    return [TensorSpec(prefix + "ffn_gate_inp.weight", (n_expert, n_embd), required=required),
+            TensorSpec(prefix + "ffn_gate_exps.weight", (n_expert, n_ff, n_embd), required=required),
+            TensorSpec(prefix + "ffn_up_exps.weight", (n_expert, n_ff, n_embd), required=required),
+            TensorSpec(prefix + "ffn_down_exps.weight", (n_expert, n_embd, n_ff), required=required)]
+
+
 def embed_rows(table: Any, batch: Batch, xp: Any, scale: float = 1.0) -> Any:
     """Input rows [n_rows, n_embd]: ``table[token]``, or the batch's own embedding where ``is_embd``.
 

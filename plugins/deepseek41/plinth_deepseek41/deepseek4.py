@@ -63,6 +63,7 @@ from plinth.graph import (
     PerLayer,
     Step,
     TensorSpec,
+    expert_tensors,
     embed_rows,
 )
 
@@ -336,12 +337,7 @@ def tensor_specs(hp: DeepSeek4HParams) -> list[TensorSpec]:
                 TensorSpec(b + "indexer_compressor_norm.weight", (di,)),
             ]
         n_exp, ff = hp.n_expert, hp.n_ff_exp
-        block += [
-            TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
-            TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
-            TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
-            TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
-        ]
+        block += expert_tensors(b, n_exp, ff, e)
         if hp.is_hash(il):
             # llama.cpp writes the token -> experts table as I32; plinth's converter wrote F32 (exact ids) before
             block.append(TensorSpec(b + "ffn_gate_tid2eid.weight", (v, hp.n_expert_used), dtypes=TID2EID_TYPES))

@@ -37,7 +37,7 @@ import attrs
 from plinth import ops
 from plinth.errors import UserError
 from plinth.graph import (DENSE_RANGES, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step,
-                          TensorSpec, attend)
+                          TensorSpec, attend, expert_tensors)
 
 
 @attrs.frozen
@@ -177,13 +177,7 @@ def block_tensors(hp: Any, il: int) -> list[TensorSpec]:
     out = ([TensorSpec(b + "attn_norm.weight", (e,))] + attention_tensors(hp, il)
            + [TensorSpec(b + "ffn_norm.weight", (e,))])
     if getattr(hp, "n_expert", 0):
-        n = hp.n_expert
-        return out + [
-            TensorSpec(b + "ffn_gate_inp.weight", (n, e)),
-            TensorSpec(b + "ffn_gate_exps.weight", (n, ff, e)),
-            TensorSpec(b + "ffn_up_exps.weight", (n, ff, e)),
-            TensorSpec(b + "ffn_down_exps.weight", (n, e, ff)),
-        ]
+        return out + expert_tensors(b, hp.n_expert, ff, e)
     return out + [
         TensorSpec(b + "ffn_gate.weight", (ff, e)),
         TensorSpec(b + "ffn_up.weight", (ff, e)),

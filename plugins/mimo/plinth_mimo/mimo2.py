@@ -44,7 +44,7 @@ import attrs
 from plinth import ops
 from plinth.errors import UserError
 from plinth.graph import (KV, Architecture, BaseGraph, Batch, Cache, HParamsError, KeyReader, Linear, PerLayer, Rope,
-                          Step, TensorSpec, attend, seq_groups)
+                          Step, TensorSpec, attend, expert_tensors, seq_groups)
 
 ARCH = "mimo2"
 GATING_SIGMOID = 2  # llama.cpp's expert_gating_func for sigmoid routing (the only one MiMo uses)
@@ -182,11 +182,7 @@ def ffn_tensors(hp: MiMo2HParams, il: int) -> list[TensorSpec]:
                   TensorSpec(b + "ffn_down.weight", (e, ff), required=False)]
     if hp.n_expert:
         n, fe = hp.n_expert, hp.n_ff_exp
-        specs += [TensorSpec(b + "ffn_gate_inp.weight", (n, e), required=False),
-                  TensorSpec(b + "ffn_gate_exps.weight", (n, fe, e), required=False),
-                  TensorSpec(b + "ffn_up_exps.weight", (n, fe, e), required=False),
-                  TensorSpec(b + "ffn_down_exps.weight", (n, e, fe), required=False),
-                  TensorSpec(b + "exp_probs_b.bias", (n,), required=False)]
+        specs += expert_tensors(b, n, fe, e, required=False) + [TensorSpec(b + "exp_probs_b.bias", (n,), required=False)]
     return specs
 
 

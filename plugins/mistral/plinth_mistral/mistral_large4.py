@@ -40,7 +40,7 @@ import numpy as np
 
 from plinth import ops
 from plinth.graph import (Architecture, BaseGraph, Batch, Cache, HParamsError, IndexerKeys, KeyReader, Latent, PerLayer,
-                          SharedKV, Step, TensorSpec)
+                          SharedKV, Step, TensorSpec, expert_tensors)
 
 ARCH = "mistral_large4"
 SHARING_MODES = ("own", "store", "reuse", "reuse_but_indexer")
@@ -316,12 +316,7 @@ def ffn_tensors(hp: MistralLarge4HParams, il: int) -> list[TensorSpec]:
                         TensorSpec(b + "ffn_up.weight", (hp.n_ff, e)),
                         TensorSpec(b + "ffn_down.weight", (e, hp.n_ff))]
     n_exp, ff = hp.n_expert, hp.n_ff_exp
-    specs += [
-        TensorSpec(b + "ffn_gate_inp.weight", (n_exp, e)),
-        TensorSpec(b + "ffn_gate_exps.weight", (n_exp, ff, e)),
-        TensorSpec(b + "ffn_up_exps.weight", (n_exp, ff, e)),
-        TensorSpec(b + "ffn_down_exps.weight", (n_exp, e, ff)),
-    ]
+    specs += expert_tensors(b, n_exp, ff, e)
     if hp.n_expert_shared:
         sh = ff * hp.n_expert_shared
         specs += [TensorSpec(b + "ffn_gate_shexp.weight", (sh, e)),
