@@ -227,6 +227,15 @@ class KeyReader:
                                f"{n_expert} (expert_count)")
         return n_expert, n_used if n_expert else 0
 
+    def rotary_dims(self, name: str, head_dim: int) -> int:
+        """The rotated dimensions of a head (``rope.dimension_count`` or a per-layer-type variant), ``head_dim``
+        when absent: an even count within 2..head_dim."""
+        n_rot = self.get(name, required=False, default=head_dim)
+        if n_rot % 2 or not 0 < n_rot <= head_dim:
+            raise HParamsError(f"{self.source}: key '{self.key(name)}' = {n_rot}: must be even and within the head "
+                               f"size (2..{head_dim})")
+        return n_rot
+
     def get_array(self, name: str, cast: Callable[[Any], T] = int, *, required: bool = True,  # type: ignore[assignment]
                   default: Any = None) -> tuple[T, ...] | None:
         """An array-valued key as a tuple (a scalar becomes a one-element tuple)."""

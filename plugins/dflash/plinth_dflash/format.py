@@ -190,10 +190,7 @@ def _sliding_geometry(r: KeyReader, source: str, head_dim: int, n_rot: int, rope
     if v != hd_swa:
         raise HParamsError(f"{source}: '{r.key('attention.value_length_swa')}' = {v} differs from the sliding key "
                            f"length {hd_swa}")
-    rot_swa = r.get("rope.dimension_count_swa", required=False, default=hd_swa)
-    if rot_swa % 2 or not 0 < rot_swa <= hd_swa:
-        raise HParamsError(f"{source}: '{r.key('rope.dimension_count_swa')}' = {rot_swa}: must be even and within "
-                           f"the sliding head size {hd_swa}")
+    rot_swa = r.rotary_dims("rope.dimension_count_swa", hd_swa)
     return dict(head_dim_swa=hd_swa, n_rot_swa=rot_swa, swa_rope=True,
                 rope_base_swa=r.get("rope.freq_base_swa", float, required=False, default=rope_base))
 

@@ -93,10 +93,7 @@ def read_hparams(r: KeyReader) -> MiMo2HParams:
     if len(pattern) != n_block:
         raise HParamsError(f"{r.source}: key '{r.key('attention.sliding_window_pattern')}' has {len(pattern)} "
                            f"entries, expected block_count = {n_block}")
-    n_rot = r.get("rope.dimension_count", required=False, default=head_k)
-    if n_rot % 2 or not 0 < n_rot <= head_k:
-        raise HParamsError(f"{r.source}: key '{r.key('rope.dimension_count')}' = {n_rot}: must be even, in 2.."
-                           f"{head_k} (attention.key_length)")
+    n_rot = r.rotary_dims("rope.dimension_count", head_k)
     scaling = r.get("rope.scaling.type", str, required=False, default="none")
     if scaling != "none":
         raise HParamsError(f"{r.source}: key '{r.key('rope.scaling.type')}' = {scaling!r}: MiMo-V2-Flash uses plain "
