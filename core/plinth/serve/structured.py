@@ -236,6 +236,11 @@ def _tool_grammar(tools: Sequence[Tool], choice: str, name: str | None, parallel
     return G.lark(f'start: text | "{TOOL_MARKER}" calls\ncalls: %json {calls}\n{text_rule}', what="tools")
 
 
+# the extension fields that carry a grammar, in the order they are read, and what builds each (None: a JSON schema)
+_GRAMMAR_FIELDS = (("grammar", G.gbnf), ("guided_grammar", G.gbnf), ("json_schema", None), ("guided_json", None),
+                   ("guided_regex", G.regex), ("guided_choice", G.choice))
+
+
 def parse(body: dict[str, Any], *, chat: bool) -> Structured:
     """The structured-output settings of a request body (``chat``: the chat endpoint, where tools are served)."""
     for k, why in REFUSED.items():
@@ -247,29 +252,16 @@ def parse(body: dict[str, Any], *, chat: bool) -> Structured:
         g, text_schema = _response_format(body["response_format"])
         if g is not None:
             asked.append(("response_format", g))
-    if body.get("grammar") is not None:
-        try:
-            asked.append(("grammar", G.gbnf(body["grammar"], what="grammar")))
-        except G.GrammarError as exc:
-            raise StructuredError("grammar", str(exc).removeprefix("grammar ")) from None
-    if body.get("guided_grammar") is not None:
-        try:
-            asked.append(("guided_grammar", G.gbnf(body["guided_grammar"], what="guided_grammar")))
-        except G.GrammarError as exc:
-            raise StructuredError("guided_grammar", str(exc).removeprefix("guided_grammar ")) from None
-    for k in ("json_schema", "guided_json"):
-        if body.get(k) is not None:
+    for k, build in _GRAMMAR_FIELDS:
+        if body.get(k) is None:
+            continue
+        if build is None:  # a JSON schema: _schema_grammar names the field in its own errors
             asked.append((k, _schema_grammar(body[k], k)))
-    if body.get("guided_regex") is not None:
+            continue
         try:
-            asked.append(("guided_regex", G.regex(body["guided_regex"], what="guided_regex")))
+            asked.append((k, build(body[k], what=k)))
         except G.GrammarError as exc:
-            raise StructuredError("guided_regex", str(exc).removeprefix("guided_regex ")) from None
-    if body.get("guided_choice") is not None:
-        try:
-            asked.append(("guided_choice", G.choice(body["guided_choice"], what="guided_choice")))
-        except G.GrammarError as exc:
-            raise StructuredError("guided_choice", str(exc).removeprefix("guided_choice ")) from None
+            raise StructuredError(k, str(exc).removeprefix(f"{k} ")) from None
     if len(asked) > 1:
         raise StructuredError(asked[1][0], f"only one grammar per request: '{asked[0][0]}' already asks for one")
     tools: tuple[Tool, ...] = ()
