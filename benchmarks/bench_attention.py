@@ -4,12 +4,14 @@ head) loop it replaced, on the same compiled entry point (``plinth.ops.compiled.
 Usage::
 
     python benchmarks/bench_attention.py [--keys 129,513] [--rows 1,4,8,16] [--shape 9,3,64] [--runs 300]
-                                         [--types f16,q8_0,q4_0]
+                                         [--types f16,q8_0,q4_0] [--plain-typed]
 
 ``--shape`` is n_head, n_head_kv, head size (SmolLM2-135M: 9,3,64; Gemma-3-270M: 4,1,256). One
 sequence, causal rows at the end of the keys; best of ``--runs`` calls each, interleaved; the
-kernel threads are plinth's default (``PLINTH_THREADS``). ``--types``: also the kernel that reads a
-typed cache's blocks (:mod:`plinth.ops.attend_q`, the rotation on), per type, on the same rows.
+kernel threads are plinth's default (``PLINTH_THREADS``). ``--types``: also the vector kernel that reads a
+typed cache's blocks (:mod:`plinth.ops.attend_qsimd`, the rotation on), per type, on the same rows (its
+time and its ratio to the float32 vector kernel's); ``--plain-typed`` adds the typed cache's plain
+loops (:mod:`plinth.ops.attend_q`, best of runs / 10).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("--shape", default="9,3,64")
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--types", default="", help="typed caches to time too, e.g. f16,q8_0,q4_0")
+    ap.add_argument("--plain-typed", action="store_true",
+                    help="also the typed cache's plain kernel (plinth.ops.attend_q's loops), best of runs / 10")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
 
@@ -42,8 +46,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"{n_head} heads over {n_head_kv} kv heads of {hd}; {threads} threads; load average "
           f"{os.getloadavg()[0]:.2f}; best of {args.runs}, microseconds a call")
-    print("| keys | rows | plain loop | vector kernel | ratio |" + "".join(f" {t} |" for t in types))
-    print("|---|---|---|---|---|" + "---|" * len(types))
+    cols = [c for t in types for c in ([t] + [f"{t} plain"] * args.plain_typed)]
+    print("| keys | rows | plain loop | vector kernel | ratio |" + "".join(f" {c} |" for c in cols))
+    print("|---|---|---|---|---|" + "---|" * len(cols))
     for n_kv in (int(x) for x in args.keys.split(",")):
         k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
         v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
@@ -71,12 +76,17 @@ def main() -> None:
                 kq, vq = kc.encode(k), vc.encode(v)
                 tq = t.copy()
                 tq[0, 3], tq[0, 4] = kq.ctypes.data, vq.ctypes.data
-                bt = float("inf")
-                for _ in range(max(3, args.runs // 10)):
-                    t0 = time.perf_counter()
-                    attention_rows_q(q, tq, n_head_kv, hd, kc, vc, hd ** -0.5)
-                    bt = min(bt, time.perf_counter() - t0)
-                typed += f" {bt * 1e6:.1f} ({bt / best[1]:.1f}x) |"
+                bt = [float("inf")] * 2  # the typed vector kernel, then (--plain-typed) the plain one
+                for r in range(args.runs):
+                    for j, plain in enumerate((False, True)[:1 + args.plain_typed]):
+                        if plain and r >= max(3, args.runs // 10):
+                            continue
+                        t0 = time.perf_counter()
+                        attention_rows_q(q, tq, n_head_kv, hd, kc, vc, hd ** -0.5, plain=plain)
+                        bt[j] = min(bt[j], time.perf_counter() - t0)
+                typed += f" {bt[0] * 1e6:.1f} ({bt[0] / best[1]:.2f}x) |"
+                if args.plain_typed:
+                    typed += f" {bt[1] * 1e6:.1f} ({bt[1] / best[1]:.1f}x) |"
             print(f"| {n_kv} | {rows} | {best[0] * 1e6:.1f} | {best[1] * 1e6:.1f} | {best[0] / best[1]:.2f}x |" + typed
                   + (f" (max relative difference {err:.1e})" if err > 1e-5 else ""))
 

@@ -1,6 +1,7 @@
-"""Attention over a typed K/V cache (:mod:`plinth.ops.attend_q`): against plain attention over the
-dequantized rows (gguf-py's dequantization is the oracle of :mod:`plinth.kvtypes`), with and without
-the rotation, and a row's bits alone against the same row in batches with random neighbours."""
+"""Attention over a typed K/V cache (:mod:`plinth.ops.attend_q`, its vector kernel and its plain loops):
+against plain attention over the dequantized rows (gguf-py's dequantization is the oracle of
+:mod:`plinth.kvtypes`), with and without the rotation, and a row's bits alone against the same row in
+batches with random neighbours (``tests/test_attend_qsimd.py``: the vector kernel bit for bit)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _table(groups):
 
 @pytest.mark.parametrize("kt,vt,rot", [(t, t, False) for t in TYPES] + [("q8_0", "q8_0", True), ("q4_0", "q4_0", True),
                                                                       ("q8_0", "f32", True), ("f32", "q4_1", True)])
-def test_against_dequantized(kt, vt, rot):
+@pytest.mark.parametrize("plain", [False, True], ids=["vector", "plain"])
+def test_against_dequantized(kt, vt, rot, plain):
     rng = np.random.default_rng(7)
     types = kvtypes.CacheTypes(k=kt, v=vt, rotate=rot)
     n_head, n_head_kv, hd = 6, 2, 64
@@ -43,11 +45,12 @@ def test_against_dequantized(kt, vt, rot):
     pos = np.arange(n - 3, n)
     bias = ops.attention_bias(pos, np.arange(n), causal=True)
     bias = np.ascontiguousarray(bias, dtype=np.float32)
-    got = attention_rows_q(q, _table([(0, 3, n, kb, vb, bias)]), n_head_kv, hd, kc, vc, 0.125)
+    got = attention_rows_q(q, _table([(0, 3, n, kb, vb, bias)]), n_head_kv, hd, kc, vc, 0.125, plain=plain)
     want = ops.attention(q, kd, vd, q_pos=pos, k_pos=np.arange(n), scale=0.125)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # the soft-cap and no bias
-    got = attention_rows_q(q, _table([(0, 3, n, kb, vb, None)]), n_head_kv, hd, kc, vc, 0.125, soft_cap=5.0)
+    got = attention_rows_q(q, _table([(0, 3, n, kb, vb, None)]), n_head_kv, hd, kc, vc, 0.125, soft_cap=5.0,
+                           plain=plain)
     want = ops.attention(q, kd, vd, scale=0.125, causal=False, soft_cap=5.0)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
@@ -65,7 +68,8 @@ def test_rotation_helps_outliers():
 
 
 @pytest.mark.parametrize("kt", ["q8_0", "q4_0", "f16"])
-def test_row_bits_do_not_depend_on_the_batch(kt):
+@pytest.mark.parametrize("plain", [False, True], ids=["vector", "plain"])
+def test_row_bits_do_not_depend_on_the_batch(kt, plain):
     rng = np.random.default_rng(11)
     n_head, n_head_kv, hd = 9, 3, 64
     types = kvtypes.CacheTypes(k=kt, v=kt)
@@ -73,7 +77,7 @@ def test_row_bits_do_not_depend_on_the_batch(kt):
     n, n0 = 120, 70  # the buffers' rows; keys before the row
     kb, vb, _, _ = _seq(rng, n, n_head_kv, hd, hd, kc, vc)
     q0 = rng.standard_normal((1, n_head, hd)).astype(np.float32)
-    alone = attention_rows_q(q0, _table([(0, 1, n0 + 1, kb, vb, None)]), n_head_kv, hd, kc, vc, 0.125)
+    alone = attention_rows_q(q0, _table([(0, 1, n0 + 1, kb, vb, None)]), n_head_kv, hd, kc, vc, 0.125, plain=plain)
     keep = [kb, vb]
     for m in (1, 2, 5, 16, 33):
         # row 0 of a verify batch of 1 + m rows (the later rows' keys masked for it) beside another sequence
@@ -89,5 +93,5 @@ def test_row_bits_do_not_depend_on_the_batch(kt):
         groups.append((0, 2, other, kb2, vb2, None))
         groups.append((2, 3 + m, n_kv, kb, vb, bias))
         q = np.concatenate([qn, np.stack(qs)])
-        got = attention_rows_q(q, _table(groups), n_head_kv, hd, kc, vc, 0.125)
+        got = attention_rows_q(q, _table(groups), n_head_kv, hd, kc, vc, 0.125, plain=plain)
         np.testing.assert_array_equal(got[2].view(np.uint32), alone[0].view(np.uint32))

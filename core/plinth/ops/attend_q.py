@@ -10,6 +10,13 @@ masked keys (a verify batch's later rows) are left out before anything is summed
 arithmetic is the same whether it runs alone or beside other rows and sequences: the same bits
 (``tests/test_attend_q.py``).
 
+Where the head sizes suit it (no soft-cap, head sizes multiples of the vector width: SmolLM2, Gemma-3,
+...) a task is one row and a run of query heads instead, and the vector kernel of
+:mod:`plinth.ops.attend_qsimd` runs it: a block of keys and of values unpacked at a time into
+L1-sized scratch blocks, then the float32 vector kernel's steps (its result is, bit for bit, the
+float32 kernel's over the dequantized rows; about the float32 kernel's speed a decode row, ~10x the
+plain loops').
+
 Queries and outputs are in the cache's rotated space when the cache turns its rows
 (:class:`plinth.kvtypes.Codec`): :func:`attention_rows_q` turns the queries in and the outputs back.
 """
@@ -17,12 +24,17 @@ Queries and outputs are in the cache's rotated space when the cache turns its ro
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import carray, njit, prange, types
 
 from ..kvtypes import decode_row
-from ..quant.jitcache import f32_at, u8_at
+from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i64_at, u8_at
+from .attend_qsimd import attend_rows_typed as _attend_rows_v
+from .attend_qsimd import scratch_floats
+from .attend_simd import lanes
+from .compiled import _selected
 
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: float16 bits -> float32 (the kernels' scales and f16 rows)
@@ -212,12 +224,86 @@ def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: i
         _task(t, q, out, table, chunks, n_head_kv, kcode, vcode, kbytes, vbytes, run, sc, cap, f16)
 
 
+#: float lanes of the vector kernel on this host (a compile-time constant of the cached code)
+_W = lanes()
+#: the vector task's arguments as a C function's: :func:`_vector_task`
+TASK_SIG = types.void(*[types.int64] * 15, types.float32)
+_call_task = address_call(TASK_SIG, "call_typed_task")
+
+
+def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int,
+                 hd_v: int, run: int, n_scratch: int, kcode: int, vcode: int, kbytes: int, vbytes: int,
+                 sc: float) -> None:
+    """Task t of :func:`attention_table_qv`: one selected row and a run of ``run`` query heads that share a
+    kv head (:mod:`plinth.ops.attend_qsimd`), as :func:`plinth.ops.compiled._vector_task` for float32 rows."""
+    table = carray(i64_at(table_at), (n_groups, 6))
+    per_kv = n_head // n_head_kv
+    runs = (per_kv + run - 1) // run
+    j = t // (n_head_kv * runs)
+    rest = t - j * n_head_kv * runs
+    hk = rest // runs
+    h0 = hk * per_kv + (rest - hk * runs) * run
+    n_q = min(run, (hk + 1) * per_kv - h0)
+    g, r = _selected(table, j)
+    n = table[g, 2]
+    b_at = table[g, 5] + (r - table[g, 0]) * n * 4 if table[g, 5] != 0 else 0
+    if b_at != 0:  # the row's trailing masked keys (a verify batch's later rows) are left out: the row sees
+        bias = carray(f32_at(b_at), (n,))  # the key count it sees alone
+        while n > 1 and bias[n - 1] == -np.inf:
+            n -= 1
+    scratch = np.empty(n_scratch, np.float32)
+    _attend_rows_v(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * kbytes, table[g, 4] + hk * vbytes,
+                   n, n_head_kv * kbytes, n_head_kv * vbytes, hd, hd_v, sc, b_at, scratch.ctypes.data,
+                   out_at + (r * n_head + h0) * hd_v * 4, hd_v, kcode, vcode)
+
+
+def task_address() -> int:
+    """The address of :func:`_vector_task` compiled as a C function (:data:`TASK_SIG`; once, then from numba's
+    on-disk cache: :func:`plinth.quant.jitcache.address_call` says why)."""
+    return cfunc_address("attention.typed_vector", TASK_SIG, lambda: _vector_task, fastmath=_FLAGS)
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def attention_table_qv(fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcode: int, vcode: int,
+                       kbytes: int, vbytes: int, scale: float, out: np.ndarray, n_threads: int) -> None:
+    """The parallel region of :func:`attention_rows_q`'s vector path: a task a selected row and a run of
+    the query heads of one kv head, the runs split until there are two tasks for each thread (as
+    :func:`plinth.ops.compiled.attention_table`)."""
+    n_groups = table.shape[0]
+    n_head, hd = q.shape[1], q.shape[2]
+    n_sel = 0
+    n_max = 0
+    for g in range(n_groups):
+        n_sel += table[g, 1] - table[g, 0]
+        n_max = max(n_max, table[g, 2])
+    per_kv = n_head // n_head_kv
+    run = per_kv
+    while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
+        run = (run + 1) // 2
+    n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
+    n_scratch = scratch_floats(n_max, run, hd, hd_v, _W)
+    sc = np.float32(scale)
+    for t in prange(n_tasks):
+        _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_head, n_head_kv, hd, hd_v,
+                   run, n_scratch, kcode, vcode, kbytes, vbytes, sc)
+
+
+def vector_suits(hd: int, hd_v: int, soft_cap: float | None) -> bool:
+    """Whether :func:`attention_rows_q` takes the vector kernel (:mod:`plinth.ops.attend_qsimd`) for these
+    head sizes: no soft-cap, hd a multiple of W, hd_v of 4W."""
+    return not soft_cap and hd % _W == 0 and hd_v % (4 * _W) == 0
+
+
 def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcodec, vcodec, scale: float,
-                     soft_cap: float | None = None) -> np.ndarray:
+                     soft_cap: float | None = None, plain: bool = False) -> np.ndarray:
     """:func:`plinth.ops.attention_rows` for a typed cache: ``kcodec`` / ``vcodec`` the
     :class:`plinth.kvtypes.Codec` of the K and V buffers (None: float32). The queries ``q`` [n_rows,
     n_head, hd] are in the model's space; they are turned into the keys' space here and the outputs
-    turned back from the values'. Returns [n_rows, n_head, hd_v]."""
+    turned back from the values'. Returns [n_rows, n_head, hd_v].
+
+    Where the head sizes suit it (:func:`vector_suits`) the vector kernel runs, a task a row; otherwise,
+    or with ``plain`` (benchmarks and tests compare the two), the plain loops of :func:`_task`, a task up
+    to ROWS rows of a sequence. Either way a row's bits do not depend on the other rows of the call."""
     from ..kvtypes import CACHE_TYPES, rotate
     from .attention import _threads
 
@@ -230,8 +316,12 @@ def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     out = np.empty((q.shape[0], q.shape[1], hd_v), dtype=np.float32)
     if not (isinstance(table, np.ndarray) and table.dtype == np.int64 and table.flags.c_contiguous):
         table = np.ascontiguousarray(table, dtype=np.int64)
-    attention_table_q(qr, table, n_head_kv, kt.code, vt.code, kt.row_bytes(hd), vt.row_bytes(hd_v), float(scale),
-                      float(soft_cap or 0.0), out, _threads(), _F16)
+    if not plain and vector_suits(hd, hd_v, soft_cap):
+        attention_table_qv(task_address(), qr, table, n_head_kv, hd_v, kt.code, vt.code, kt.row_bytes(hd),
+                           vt.row_bytes(hd_v), float(scale), out, _threads())
+    else:
+        attention_table_q(qr, table, n_head_kv, kt.code, vt.code, kt.row_bytes(hd), vt.row_bytes(hd_v), float(scale),
+                          float(soft_cap or 0.0), out, _threads(), _F16)
     return rotate(out, vcodec.rot) if vcodec is not None and vcodec.rot else out
 
 
@@ -257,3 +347,8 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
     if kv.widths[0] != q.shape[2]:
         raise ValueError(f"attention: the cached keys have head size {kv.widths[0]}, the queries {q.shape[2]}")
     return attention_rows_q(q, table, kb.shape[1], hd_v, kc, vc, scale, soft_cap)
+
+
+drop_stale(attention_table_qv, [Path(__file__).with_name(f) for f in ("attend_qsimd.py", "attend_simd.py",
+                                                                     "compiled.py")]
+           + [Path(__file__).parents[1] / f for f in ("kvtypes.py", "quant/jitcache.py")])
