@@ -197,3 +197,41 @@ def test_token_is_the_sampled_token_with_the_same_draws(cfg):
         t = a.token(logits, history)
         assert t == b.sample(logits, history).token
         history.append(t)
+
+
+@pytest.mark.parametrize("cfg", [dict(temperature=0.7), dict(temperature=0.3), dict(temperature=1.0, logit_bias={5: 3.0}),
+                                 dict(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.3),
+                                 dict(temperature=0.9, repetition_penalty=1.1), dict(temperature=1.3, top_p=0.9),
+                                 dict(temperature=0.7, top_k=40), dict(temperature=0.7, min_p=0.05)])
+def test_compiled_draw_passes_pick_numpys_tokens(cfg, monkeypatch):
+    """The compiled passes of a temperature draw (plinth.sampling_kernels: the float64 conversion, division,
+    subtraction and sequential sum outside numpy's exp and pairwise sum) pick the very tokens numpy's passes
+    pick from the same seeds, over a SmolLM2-sized vocabulary with tied logits, under bias, penalties and
+    grammar masks (wide and narrow), and from float64 logits."""
+    import plinth.sampling as sampling
+
+    pytest.importorskip("numba")
+    kernels = pytest.importorskip("plinth.sampling_kernels")
+    n = 49152
+
+    def run(jit: bool) -> list[int]:
+        monkeypatch.setitem(sampling._JIT, "mod", kernels if jit else False)
+        rng = np.random.default_rng(7)
+        s = Sampler(SamplerConfig(seed=11, **cfg), n_prompt=3)
+        history, out = [1, 2, 3], []
+        for step in range(24):
+            x = (rng.standard_normal(n) * (0.5, 3.0, 10.0)[step % 3]).astype(np.float32)
+            x[:200] = np.round(x[:200])  # ties
+            t = s.token(x, history)
+            history.append(t)
+            out += [t, s.sample(x, history).token, s.token(x.astype(np.float64), history)]
+            out += [s.token(x, history, rng.random(n) < p) for p in (0.5, 0.1)]
+        return out
+
+    assert run(True) == run(False)
+    p = np.random.default_rng(3).random(n)
+    got = np.empty_like(p)
+    kernels.cumsum(p / p.sum(), got)
+    np.testing.assert_array_equal(got, np.cumsum(p / p.sum()))
+    kernels.normalised_cumsum(p, p.sum(), got)
+    np.testing.assert_array_equal(got, np.cumsum(p / p.sum()))

@@ -210,8 +210,9 @@ class Sampler:
             x = apply_penalties(x, gen, cfg.frequency_penalty, cfg.presence_penalty)
         return x
 
-    def _candidates(self, logits: np.ndarray, history, constraint: Any = None) -> tuple[np.ndarray, np.ndarray] | int:
-        """Kept token ids and their (penalised, temperature-1) logits; an int for greedy."""
+    def _masked(self, logits: np.ndarray, history, constraint: Any = None) -> tuple[np.ndarray | None, np.ndarray] | int:
+        """The penalised logits under the grammar's mask: (the allowed ids where the logits are of a subset of
+        the vocabulary, else None; the logits), or the token id alone where greedy's choice is already certain."""
         cfg = self.config
         x = self._logits(logits, history)
         base = None  # the allowed ids, where the candidates are a subset of the vocabulary
@@ -226,6 +227,15 @@ class Sampler:
                 x = x[base]
             else:
                 x = np.where(m, x, -np.inf).astype(x.dtype, copy=False)
+        return base, x
+
+    def _candidates(self, logits: np.ndarray, history, constraint: Any = None) -> tuple[np.ndarray, np.ndarray] | int:
+        """Kept token ids and their (penalised, temperature-1) logits; an int for greedy."""
+        cfg = self.config
+        r = self._masked(logits, history, constraint)
+        if isinstance(r, int):
+            return r
+        base, x = r
         if cfg.greedy:
             j = int(np.argmax(x))  # (the first of equal maxima, over the subset as over the whole)
             return j if base is None else int(base[j])
@@ -305,6 +315,14 @@ class Sampler:
         """``sample(logits, history, constraint).token`` (the same draw from the generator) without building
         the distribution over the whole vocabulary: what a decode loop needs. The constraint's state is not
         advanced here: the caller advances it over the tokens it keeps."""
+        cfg = self.config
+        jit = _kernels()
+        if jit is not None and not cfg.greedy and cfg.top_k == 0 and cfg.top_p >= 1.0 and cfg.min_p == 0.0:
+            # the whole (allowed) vocabulary at a temperature: the same draw through compiled passes
+            base, x = self._masked(logits, history, constraint)  # (a pair: not greedy)
+            if x.dtype in (np.float32, np.float64) and x.shape[0] > 0:
+                j = self._draw_tempered(jit, x)
+                return j if base is None else int(base[j])
         k = self._kept(logits, history, constraint)
         if isinstance(k, int):
             return k
@@ -314,12 +332,50 @@ class Sampler:
 
     def draw(self, p: np.ndarray) -> int:
         """Draw an index from a normalised distribution with this sampler's generator."""
-        cum = np.cumsum(p)
+        jit = _kernels()
+        if jit is not None and p.dtype == np.float64 and p.ndim == 1 and p.shape[0] > 0:
+            cum = np.empty_like(p)
+            jit.cumsum(p, cum)  # (numpy's cumsum, bit for bit, ~3x faster)
+        else:
+            cum = np.cumsum(p)
+        return self._search(cum)
+
+    def _search(self, cum: np.ndarray) -> int:
         u = self.rng.random() * cum[-1]
-        return int(min(np.searchsorted(cum, u, side="right"), p.shape[0] - 1))
+        return int(min(np.searchsorted(cum, u, side="right"), cum.shape[0] - 1))
+
+    def _draw_tempered(self, jit: Any, x: np.ndarray) -> int:
+        """``draw(_softmax(x.astype(float64) / T))`` without the intermediate arrays: the same arithmetic in
+        the same order (:mod:`plinth.sampling_kernels`), so the same index."""
+        t = self.config.temperature
+        m = np.float64(x.max()) / t  # (division by t > 0 keeps the order: the largest of x / t)
+        z = np.empty(x.shape[0], dtype=np.float64)
+        jit.tempered(x, t, m, z)
+        np.exp(z, out=z)
+        jit.normalised_cumsum(z, z.sum(), z)
+        return self._search(z)
 
     def __call__(self, logits, history=None, constraint=None) -> int:
         return self.token(logits, history, constraint)
+
+
+_JIT: dict[str, Any] = {"mod": None}
+
+
+def _kernels() -> Any:
+    """:mod:`plinth.sampling_kernels`, or None (numba missing, or ``PLINTH_KERNELS=0``): numpy's passes."""
+    if _JIT["mod"] is None:
+        import os
+
+        _JIT["mod"] = False
+        if os.environ.get("PLINTH_KERNELS", "1") != "0":
+            try:
+                from . import sampling_kernels
+            except ImportError:
+                pass
+            else:
+                _JIT["mod"] = sampling_kernels
+    return _JIT["mod"] or None
 
 
 def _mask_of(x: np.ndarray, constraint: Any) -> np.ndarray:
