@@ -11,7 +11,7 @@ sequence, causal rows at the end of the keys; best of ``--runs`` calls each, int
 kernel threads are plinth's default (``PLINTH_THREADS``). ``--types``: also the vector kernel that reads a
 typed cache's blocks (:mod:`plinth.ops.attend_qsimd`, the rotation on), per type, on the same rows (its
 time and its ratio to the float32 vector kernel's); ``--plain-typed`` adds the typed cache's plain
-loops (:mod:`plinth.ops.attend_q`, best of runs / 10).
+loops (:mod:`plinth.ops.attend_q`, every tenth run). Every kernel's calls are interleaved in the same runs.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--types", default="", help="typed caches to time too, e.g. f16,q8_0,q4_0")
     ap.add_argument("--plain-typed", action="store_true",
-                    help="also the typed cache's plain kernel (plinth.ops.attend_q's loops), best of runs / 10")
+                    help="also the typed cache's plain kernel (plinth.ops.attend_q's loops), every tenth run")
     args = ap.parse_args()
     types = [t for t in args.types.split(",") if t]
 
     from plinth import quant
+    from plinth.kvtypes import CacheTypes
     from plinth.ops._xp import compiled_ops
+    from plinth.ops.attend_q import attention_rows_q
 
     c = compiled_ops()
     if c is None:
@@ -59,34 +61,32 @@ def main() -> None:
                 bias[i, n_kv - rows + i + 1:] = -np.inf
             t = np.array([[0, rows, n_kv, k.ctypes.data, v.ctypes.data, bias.ctypes.data]], dtype=np.int64)
             outs = [np.empty((rows, n_head, hd), np.float32) for _ in range(2)]
-            best = [float("inf")] * 2
-            for _ in range(args.runs):
-                for j, plain in enumerate((True, False)):
-                    t0 = time.perf_counter()
-                    c.attention_groups(q, t, n_head_kv, hd, hd ** -0.5, 0.0, outs[j], threads, plain)
-                    best[j] = min(best[j], time.perf_counter() - t0)
-            err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
-            typed = ""
+            # every kernel's calls interleaved in the same runs (a loaded machine's noise falls on all alike)
+            calls = [lambda o=outs[j], p=plain: c.attention_groups(q, t, n_head_kv, hd, hd ** -0.5, 0.0, o, threads, p)
+                     for j, plain in enumerate((True, False))]
+            every = [1, 1]  # a call is timed on runs r % every == 0
+            keep = []
             for name in types:
-                from plinth.kvtypes import CacheTypes
-                from plinth.ops.attend_q import attention_rows_q
-
                 ct = CacheTypes(k=name, v=name)
                 kc, vc = ct.codec("k", (n_head_kv, hd)), ct.codec("v", (n_head_kv, hd))
                 kq, vq = kc.encode(k), vc.encode(v)
                 tq = t.copy()
                 tq[0, 3], tq[0, 4] = kq.ctypes.data, vq.ctypes.data
-                bt = [float("inf")] * 2  # the typed vector kernel, then (--plain-typed) the plain one
-                for r in range(args.runs):
-                    for j, plain in enumerate((False, True)[:1 + args.plain_typed]):
-                        if plain and r >= max(3, args.runs // 10):
-                            continue
+                keep += [kq, vq, tq]
+                for plain in (False, True)[:1 + args.plain_typed]:
+                    calls.append(lambda tq=tq, kc=kc, vc=vc, p=plain:
+                                 attention_rows_q(q, tq, n_head_kv, hd, kc, vc, hd ** -0.5, plain=p))
+                    every.append(10 if plain else 1)
+            best = [float("inf")] * len(calls)
+            for r in range(args.runs):
+                for j, call in enumerate(calls):
+                    if r % every[j] == 0:
                         t0 = time.perf_counter()
-                        attention_rows_q(q, tq, n_head_kv, hd, kc, vc, hd ** -0.5, plain=plain)
-                        bt[j] = min(bt[j], time.perf_counter() - t0)
-                typed += f" {bt[0] * 1e6:.1f} ({bt[0] / best[1]:.2f}x) |"
-                if args.plain_typed:
-                    typed += f" {bt[1] * 1e6:.1f} ({bt[1] / best[1]:.1f}x) |"
+                        call()
+                        best[j] = min(best[j], time.perf_counter() - t0)
+            err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[0]).max()
+            typed = "".join(f" {b * 1e6:.1f} ({b / best[1]:.{1 if e > 1 else 2}f}x) |"
+                            for b, e in zip(best[2:], every[2:]))
             print(f"| {n_kv} | {rows} | {best[0] * 1e6:.1f} | {best[1] * 1e6:.1f} | {best[0] / best[1]:.2f}x |" + typed
                   + (f" (max relative difference {err:.1e})" if err > 1e-5 else ""))
 

@@ -46,7 +46,7 @@ _BLOCK_BYTES = {3: 34, 4: 18, 5: 20, 6: 22, 7: 24}
 @njit(cache=True)
 def scratch_floats(n_kv: int, n_q: int, hd: int, hd_v: int, W: int) -> int:
     """Floats of scratch the typed kernel needs (a numba function: the task sizes it)."""
-    return n_q * (-(-n_kv // W) * W + hd_v + W) + W * (hd + hd_v)
+    return n_q * (-(-n_kv // W) * W + hd_v + W) + W * max(hd, hd_v)
 
 
 def _ivec(bits, W):
@@ -190,9 +190,9 @@ def _rows_fn(module, W):
     nb = b.udiv(b.add(n_kv, _c64(W - 1)), Wc)
     srow = b.mul(nb, Wc)  # scratch: per query its scores (srow floats); per query its output sums (hd_v);
     o_at = b.gep(sp, [b.mul(n_q, srow)])  # per query its 1 / denominator (W floats, lane 0); the unpacked
-    inv_at = b.gep(o_at, [b.mul(n_q, hd_v)])  # key block (W x hd); the unpacked value block (W x hd_v)
-    kpad = b.gep(inv_at, [b.mul(n_q, Wc)])
-    vpad = b.gep(kpad, [b.mul(Wc, hd)])
+    inv_at = b.gep(o_at, [b.mul(n_q, hd_v)])  # block of keys (W x hd), later of values (W x hd_v): one
+    kpad = b.gep(inv_at, [b.mul(n_q, Wc)])  # block, so that it stays in the L1 cache with large heads
+    vpad = kpad
     accs = [cgutils.alloca_once_value(b, zero) for _ in range(W)]
     sv = cgutils.alloca_once(b, vt)
     btail = cgutils.alloca_once(b, vt)  # the last keys' bias, zero-padded
