@@ -144,8 +144,11 @@ def test_batched_speculative_greedy_equals_solo(model_name, drafter_name, reques
 
 
 def test_seeded_sampling_with_rejection_equals_solo_speculative(tiny, started):
+    """(Under the drafting policy ``always``: a seeded sampled request's tokens follow the steps that drafted,
+    and the solo loop drafts every step.)"""
     cfg = SpecConfig(n_max=4, seed=None)
-    sched = started(tiny, drafters=[NgramDrafter(n_draft=4, n_match_min=1)], spec=cfg, max_batch=6)
+    sched = started(tiny, drafters=[NgramDrafter(n_draft=4, n_match_min=1)], spec=cfg, max_batch=6,
+                    spec_policy="always")
     specs = [(ids(p), 30, SamplerConfig(temperature=0.8, top_p=0.95, seed=10 + i)) for i, p in enumerate(PROMPTS)]
     got = run(sched, specs)
     for (p, n, s), toks in zip(specs, got):

@@ -44,7 +44,7 @@ def build_server(args: Any, *, progress: bool = False) -> Any:
     spec = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min, verifier=args.spec_verify)
     sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=args.max_batch, max_queue=args.max_queue,
                       prefill_chunk=args.prefill_chunk, registry=args.registry, prompt_cache=args.prompt_cache,
-                      prompt_cache_tokens=args.prompt_cache_tokens,
+                      prompt_cache_tokens=args.prompt_cache_tokens, spec_policy=getattr(args, "spec_policy", "auto"),
                       prepare=True)  # (on the scheduler thread, before the first request: its time to first token)
     stem = Path(str(model.path)).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem

@@ -108,4 +108,9 @@ def render_metrics(server: Any) -> str:
            [(f'{{drafter="{d}"}}', r[2] / r[1] if r[1] else 0.0) for d, r in sorted(spec.items())])
     metric("plinth_spec_tau", "gauge", "Mean acceptance length (1 + accepted / drafts), per drafter",
            [(f'{{drafter="{d}"}}', 1.0 + r[2] / r[0] if r[0] else 1.0) for d, r in sorted(spec.items())])
+    policy = getattr(sched, "policy", None)
+    if server.spec_names and policy is not None:
+        metric("plinth_spec_policy_decisions_total", "counter", f"Decode steps of speculative sequences by the "
+               f"drafting policy's decision ({policy.mode}): drafted (expected to pay), probed (drafted to measure "
+               "again), skipped (a plain step)", [(f'{{decision="{d}"}}', n) for d, n in sorted(policy.counts.items())])
     return "\n".join(lines) + "\n"

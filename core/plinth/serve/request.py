@@ -86,6 +86,7 @@ class Request:
     sampler: Any = None
     rng: Any = None
     verifier: Any = None
+    draft_state: Any = None  # its drafting policy's state (plinth.serve.spec_policy.SeqDraftState), speculative
     text: Any = None  # the TextStream (plinth.generate) of the generated tokens
     stats: SpecStats = attrs.field(factory=SpecStats)
     t_submit: float = attrs.field(factory=time.perf_counter)

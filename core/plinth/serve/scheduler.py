@@ -50,6 +50,7 @@ from .emission import Emitter, log_softmax, token_info
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 from .request import Event, QueueFull, Request, ShuttingDown, TokenInfo
+from .spec_policy import DraftPolicy, SeqDraftState
 
 __all__ = ["Event", "Metrics", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TokenInfo", "log_softmax"]
 
@@ -67,6 +68,8 @@ class Scheduler:
     prompt_cache: whole prompts kept for reuse at most (0: none); their cache rows stay in the
         context under sequence ids past ``max_batch``, the least recently used one goes first.
     prompt_cache_tokens: prompt tokens kept over all of them at most.
+    spec_policy: when a speculative sequence drafts: "auto" (where a draft is expected to raise the
+        batch's throughput, :mod:`.spec_policy`) or "always".
     prepare: run :meth:`plinth.model.Model.prepare` (the weights' one-time repacking) on the
         scheduler thread when it starts; :meth:`start` returns once it is done. It belongs on this
         thread: the compiled kernels' OpenMP threads belong to the thread that starts them, and
@@ -77,13 +80,18 @@ class Scheduler:
 
     def __init__(self, model: Any, *, drafters: Sequence[Any] = (), spec: SpecConfig | None = None,
                  max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 256, registry: Any = None,
-                 prompt_cache: int = 32, prompt_cache_tokens: int = 16384, prepare: bool = False) -> None:
+                 prompt_cache: int = 32, prompt_cache_tokens: int = 16384, prepare: bool = False,
+                 spec_policy: str = "auto") -> None:
         self.model = model
         self.tokenizer = model.tokenizer
         self.drafters = list(drafters)
         self.requirements = [check_compatible(model, d) for d in self.drafters]
         self.drafter_names = [str(getattr(d, "name", type(d).__name__)) for d in self.drafters]
         self.spec = spec or SpecConfig()
+        self.policy = DraftPolicy(spec_policy)
+        caps = [r.max_draft for r in self.requirements]
+        #: the longest draft a step can carry (the drafters' own limits under n_max): the policy's cost of a draft
+        self._draft_cap = self.spec.n_max if not caps or None in caps else min(self.spec.n_max, max(caps))
         self.registry = registry
         taps = sorted({int(t) for r in self.requirements for t in r.taps})
         self.ctx = model.new_context(taps=taps)
@@ -314,6 +322,7 @@ class Scheduler:
             req.speculative = use_spec
             if use_spec:
                 req.verifier = make_step_verifier(self.spec.verifier, req.sampling.temperature, self.registry)
+                req.draft_state = SeqDraftState()
                 for d in self.drafters:
                     d.begin(req.seq, list(req.prompt_ids))
             self.metrics.tokens_in += len(req.prompt_ids)
@@ -329,6 +338,8 @@ class Scheduler:
         parts: list[Batch] = []
         plan: list[tuple[Request, str, int, Any]] = []  # (request, kind, first row, detail)
         row = 0
+        t_step = time.perf_counter()
+        self.policy.tick()
         budget = self._prefill_budget()
         for req in list(self._active):
             if req.prefilling and req.leader is not None:
@@ -361,14 +372,18 @@ class Scheduler:
             else:
                 pos = cache.next_position(req.seq)
                 n_max = min(self.spec.n_max, req.max_tokens - req.n_generated - 1, model.n_ctx - pos - 1)
-                who, draft = -1, Draft()
+                who, draft, decision = -1, Draft(), ""
                 if req.speculative and n_max > 0:
-                    t0 = time.perf_counter()
-                    who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history, pos,
-                                         n_max)
-                    req.stats.draft_s += time.perf_counter() - t0
+                    decision = self.policy.decide(req.draft_state, min(n_max, self._draft_cap))
+                    if decision != "skipped":
+                        t0 = time.perf_counter()
+                        who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history,
+                                             pos, n_max)
+                        dt = time.perf_counter() - t0
+                        req.stats.draft_s += dt
+                        self.policy.observe_draft(dt)
                 b, snap = target_batch(self.ctx, req.seq, req.history[-1], draft, pos)
-                plan.append((req, "decode", row, (pos, who, draft, snap)))
+                plan.append((req, "decode", row, (pos, who, draft, snap, decision)))
             parts.append(b)
             row += b.n_rows
         if not parts:
@@ -377,8 +392,12 @@ class Scheduler:
         t0 = time.perf_counter()
         out = self.ctx.forward(batch)
         logits = np.asarray(model.backend.to_numpy(out.logits)) if out.logits is not None else None
-        self.metrics.forward_s += time.perf_counter() - t0
+        forward_s = time.perf_counter() - t0
+        self.metrics.forward_s += forward_s
         self.metrics.steps += 1
+        decoding_only = all(kind == "decode" for _, kind, _, _ in plan)
+        if decoding_only:
+            self.policy.observe_forward(batch.n_rows, forward_s)
         where = {int(r): i for i, r in enumerate(np.asarray(out.rows))}
         n_out_before = self.metrics.tokens_out
         for req, kind, first, detail in plan:
@@ -396,6 +415,8 @@ class Scheduler:
                 self._verify(req, batch, out, logits, where, first, *detail)
         now = time.perf_counter()
         self.metrics.recent.append((now, self.metrics.tokens_out - n_out_before))
+        if decoding_only:
+            self.policy.observe_step(now - t_step, self.metrics.tokens_out - n_out_before)
         self._note_cache()
 
     def _prompt_infos(self, req: Request, logits: np.ndarray, where: dict[int, int], first: int, n: int) -> None:
@@ -438,22 +459,35 @@ class Scheduler:
                                          kv=target_kv_views(self.ctx.cache, r, req.seq)))
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
-                first: int, pos: int, who: int, draft: Draft, snap: Any) -> None:
+                first: int, pos: int, who: int, draft: Draft, snap: Any, decision: str = "") -> None:
         """Decide ``req``'s next tokens from its rows: a plain sample, or (speculative) a verified draft.
 
         A speculative request goes through its verifier even without a draft, as the solo
-        speculative loop does, so a seeded request draws the same random numbers in both.
+        speculative loop does, so a seeded request draws the same random numbers in both; except in a
+        step the drafting policy skipped, which is a plain step (its sampler's own draw, as a request
+        without a drafter makes), the drafters only shown the row.
         """
         k = len(draft)
-        if not req.speculative:
+        if not req.speculative or decision == "skipped":
             lg0 = logits[where[first]]  # (a view: the step's logits are not written again)
             req.stats.n_steps += 1
-            self.emitter.emit(req, [(self._choose(req, lg0), lg0)])
+            token = self._choose(req, lg0)
+            if req.speculative:
+                self._show(req, "verify", batch, out, first, 1, where)
+                for d in self.drafters:
+                    d.accept(req.seq, 0)
+            self.emitter.emit(req, [(token, lg0)])
             return
         lg = logits[[where[first + i] for i in range(k + 1)]]
         t0 = time.perf_counter()
         a, nxt = decide(req.verifier, req.sampler, draft, lg, req.history, req.rng, req.constraint)
-        req.stats.verify_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        req.stats.verify_s += dt
+        if k:
+            self.policy.observe_verify(dt, k + 1)
+            self.policy.record(req.draft_state, k, a)
+            if decision == "probed":
+                self.policy.probed(req.draft_state, min(k, self._draft_cap))
         self._show(req, "verify", batch, out, first, k + 1, where)
         t0 = time.perf_counter()
         if a < k:

@@ -1,0 +1,182 @@
+"""When a sequence in the server's batch drafts: only where a draft is expected to pay.
+
+A drafted step of a sequence costs its ``k`` verify rows in the shared forward, the drafter's own call and
+the verification; it gains the drafted tokens the target keeps. With one sequence the forward is mostly
+the weights' read and extra rows are cheap; with many, every row costs about as much as a sequence's own
+decode row, so the same draft that pays alone loses in a full batch. And a drafter whose tokens are
+rarely kept loses everywhere.
+
+:class:`DraftPolicy` (``--spec-policy auto``, the default) decides per sequence and step from what the
+server measures as it runs:
+
+* the **step's cost**: a straight-line fit of the forward's time against its rows (``a + b * rows``,
+  recent steps weighing more), so ``b`` is what one more row costs now; the drafter's time a call and the
+  verification's time a row, as moving averages;
+* each sequence's **acceptance**: a moving average of the drafted tokens kept a draft (a new sequence
+  starts from the average over all sequences);
+* the **step's rate**: tokens a second of recent steps.
+
+A sequence drafts ``k`` tokens when its expected kept tokens per second of the extra cost,
+``accepted / (k * (b + verify) + draft)``, is above the step's rate: the draft then raises the
+throughput of the batch. Otherwise it decodes plainly this step (exactly as a request without a drafter
+does: its sampler's own draw). So that the estimates do not freeze, a sequence that is not drafting is
+probed now and then: one probe a step at most over the batch, after 16 steps, then after twice as many
+each time a probe confirms the decision, back to 16 once a probe pays.
+
+The decision never changes what greedy decoding produces (a verified draft keeps exactly the target's own
+tokens; a plain step is the target's own token). A sampled request keeps its distribution either way;
+with a seed, its tokens depend on which steps drafted (as they already depend on the drafts kept), so
+``--spec-policy always`` gives the solo speculative loop's draws.
+
+``always``: every speculative sequence drafts every step (the solo loop's behaviour).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+POLICIES = ("auto", "always")
+
+
+@attrs.define
+class SeqDraftState:
+    """One sequence's acceptance estimate and probe schedule."""
+
+    accepted: float | None = None  # moving average of drafted tokens kept a draft (None: no draft yet)
+    drafts: int = 0
+
+
+@attrs.define
+class StepCost:
+    """The forward's time against its rows, ``a + b * rows``, fitted by least squares over recent steps
+    (each older step weighing ``decay`` times less)."""
+
+    decay: float = 0.97
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        x, y = float(rows), float(seconds)
+        self.n = d * self.n + 1.0
+        self.sx = d * self.sx + x
+        self.sy = d * self.sy + y
+        self.sxx = d * self.sxx + x * x
+        self.sxy = d * self.sxy + x * y
+
+    def per_row(self) -> float | None:
+        """``b``, the seconds one more row adds (None before any step). Where the recent steps had (nearly)
+        the same rows the fit is undetermined: then the step's time is split as if its fixed part were
+        worth 4 rows (a CPU decode step's weight read; an overestimate on accelerators, where rows are
+        cheaper, errs toward not drafting)."""
+        if self.n <= 0.0:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var > 0.25:
+            b = (self.sxy / self.n - mx * my) / var
+            return min(max(b, 0.0), my / max(mx, 1.0))
+        return my / (mx + 4.0)
+
+
+def _ema(old: float | None, new: float, w: float) -> float:
+    return new if old is None else (1.0 - w) * old + w * new
+
+
+@attrs.define
+class DraftPolicy:
+    """The per-sequence drafting decision of a server's batch (module docstring)."""
+
+    mode: str = attrs.field(default="auto")
+    weight: float = 0.25  # of the newest observation in every moving average
+    probe_min: int = 16
+    probe_max: int = 1024
+    cost: StepCost = attrs.field(factory=StepCost)
+    draft_s: float | None = None  # the drafter's seconds a call
+    verify_s: float | None = None  # verification's seconds a verified row (beyond a plain step's)
+    accepted: float | None = None  # drafted tokens kept a draft, over all sequences
+    step_s: float | None = None  # a decode step's seconds, the whole step
+    step_tokens: float | None = None  # tokens a decode step gives
+    probe_every: int = 16
+    next_probe: int = 0  # the step at which the next probe may run
+    step: int = 0
+    #: decisions so far: "drafted" (the estimate said it pays), "probed" (a probe), "skipped"
+    counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
+
+    @mode.validator
+    def _check_mode(self, _attr: Any, value: str) -> None:
+        if value not in POLICIES:
+            raise ValueError(f"spec policy {value!r}: one of {', '.join(POLICIES)}")
+
+    # ------------------------------------------------------------------ observations
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        self.cost.observe(rows, seconds)
+
+    def tick(self) -> None:
+        """A scheduler step begins."""
+        self.step += 1
+
+    def observe_step(self, seconds: float, tokens: int) -> None:
+        """A whole step (forward and host work) of decoding sequences gave ``tokens``."""
+        if tokens > 0:
+            self.step_s = _ema(self.step_s, seconds, self.weight)
+            self.step_tokens = _ema(self.step_tokens, float(tokens), self.weight)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_s = _ema(self.draft_s, seconds, self.weight)
+
+    def observe_verify(self, seconds: float, rows: int) -> None:
+        self.verify_s = _ema(self.verify_s, seconds / max(rows, 1), self.weight)
+
+    def record(self, state: SeqDraftState, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens of which ``accepted`` were kept."""
+        if drafted <= 0:
+            return
+        state.accepted = _ema(state.accepted, float(accepted), self.weight)
+        state.drafts += 1
+        self.accepted = _ema(self.accepted, float(accepted), self.weight)
+
+    # ------------------------------------------------------------------ decision
+
+    def pays(self, state: SeqDraftState, k: int) -> bool | None:
+        """Whether a draft of ``k`` tokens by this sequence is expected to raise the step's throughput (None:
+        nothing measured yet to tell)."""
+        acc = state.accepted if state.accepted is not None else self.accepted
+        b = self.cost.per_row()
+        if acc is None or b is None or self.step_s is None or not self.step_tokens:
+            return None
+        extra = k * (b + (self.verify_s or 0.0)) + (self.draft_s or 0.0)
+        rate = self.step_tokens / max(self.step_s, 1e-9)
+        return acc > rate * extra
+
+    def decide(self, state: SeqDraftState, k: int) -> str:
+        """This step's decision for a sequence that may draft ``k`` tokens: "drafted" (expected to pay, or
+        nothing measured yet), "probed" (not expected to pay, drafted to measure again) or "skipped" (a plain
+        step); counted in :attr:`counts`."""
+        if self.mode == "always":
+            decision = "drafted"
+        else:
+            verdict = self.pays(state, k)
+            if verdict is None or verdict:
+                decision = "drafted"
+            elif self.step >= self.next_probe:  # one probe now and then, over the whole batch
+                decision = "probed"
+                self.next_probe = self.step + self.probe_every
+            else:
+                decision = "skipped"
+        self.counts[decision] += 1
+        return decision
+
+    def probed(self, state: SeqDraftState, k: int) -> None:
+        """After a probe's draft was recorded: probe less often while drafting still does not pay."""
+        if self.pays(state, k):
+            self.probe_every = self.probe_min
+        else:
+            self.probe_every = min(2 * self.probe_every, self.probe_max)
+        self.next_probe = self.step + self.probe_every

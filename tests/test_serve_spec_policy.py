@@ -1,0 +1,194 @@
+"""The server's drafting policy (plinth.serve.spec_policy): a sequence drafts only where the draft is
+expected to raise the batch's throughput.
+
+Unit tests of the cost model and the decision on measured figures, then a real HTTP server (in process, on
+127.0.0.1) with 16 concurrent greedy requests and a drafter that is always wrong: drafting stops (the
+decisions in /metrics) and every reply equals a lone plain run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Sequence
+
+import plinth
+import pytest
+from plinth.generate import Generator, TextStream
+from plinth.serve.spec_policy import DraftPolicy, SeqDraftState, StepCost
+from plinth.speculative.base import Draft
+from plinth.speculative.engine import SpecConfig
+from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
+from plinth.testing.drafters import OracleDrafter
+
+# ---------------------------------------------------------------- the cost model and the decision
+
+
+def test_step_cost_fits_the_forward_against_its_rows():
+    c = StepCost()
+    assert c.per_row() is None
+    for rows in (1, 9, 16, 4, 24, 2):
+        c.observe(rows, 0.006 + 0.0015 * rows)
+    assert c.per_row() == pytest.approx(0.0015, rel=1e-6)
+    flat = StepCost()  # every step the same rows: the fixed part counted as 4 rows
+    for _ in range(5):
+        flat.observe(16, 0.030)
+    assert flat.per_row() == pytest.approx(0.030 / 20)
+    noisy = StepCost()  # never more than the step's time a row, never negative
+    for rows, s in ((1, 0.010), (16, 0.002), (1, 0.011), (16, 0.001)):
+        noisy.observe(rows, s)
+    assert noisy.per_row() == 0.0
+
+
+def measured(rows: int, *, step_s: float, draft_s: float = 0.002) -> DraftPolicy:
+    """A policy that has seen forwards of a + b * rows (a 6 ms, b 1.5 ms) and steps of ``rows`` tokens."""
+    p = DraftPolicy()
+    for r in (1, 8, 16, 2, 24):
+        p.observe_forward(r, 0.006 + 0.0015 * r)
+    for _ in range(20):
+        p.observe_step(step_s, rows)
+    p.observe_draft(draft_s)
+    p.observe_verify(0.0001, 8)
+    return p
+
+
+def test_a_good_drafter_drafts_alone_and_not_in_a_full_batch():
+    good = SeqDraftState(accepted=3.0, drafts=5)  # 3 of 7 drafted tokens kept a draft
+    alone = measured(1, step_s=0.0075)  # 133 tok/s: a draft of 7 costs 12.7 ms for 3 tokens (236 tok/s)
+    assert alone.pays(good, 7) is True
+    assert alone.decide(good, 7) == "drafted"
+    full = measured(16, step_s=0.030)  # 533 tok/s: the same draft loses
+    assert full.pays(good, 7) is False
+    decisions = [full.decide(good, 7) for _ in range(3) if not full.tick()]
+    assert decisions[0] == "probed" and decisions[1:] == ["skipped", "skipped"]
+    assert full.counts == {"drafted": 0, "probed": 1, "skipped": 2}
+
+
+def test_a_poor_drafter_does_not_draft_even_alone():
+    poor = SeqDraftState(accepted=0.05, drafts=5)
+    assert measured(1, step_s=0.0075).pays(poor, 7) is False
+    never = SeqDraftState(accepted=0.0, drafts=5)  # nothing kept never pays, even if a row were free
+    free = DraftPolicy()
+    free.observe_forward(1, 0.0)
+    free.observe_step(0.001, 1)
+    assert free.pays(never, 7) is False
+
+
+def test_nothing_measured_drafts_and_new_sequences_start_from_the_batchs_acceptance():
+    p = DraftPolicy()
+    s = SeqDraftState()
+    assert p.pays(s, 7) is None and p.decide(s, 7) == "drafted"
+    p = measured(16, step_s=0.030)
+    p.record(SeqDraftState(), 7, 0)  # another sequence's drafts were all rejected
+    assert p.pays(SeqDraftState(), 7) is False
+    p.record(s, 7, 7)
+    assert s.accepted == 7.0 and s.drafts == 1
+
+
+def test_probes_back_off_while_drafting_does_not_pay_and_reset_once_it_does():
+    p = measured(1, step_s=0.0075)
+    s = SeqDraftState(accepted=0.0, drafts=1)
+    probes = []
+    for step in range(400):
+        p.tick()
+        if p.decide(s, 7) == "probed":
+            probes.append(p.step)
+            p.record(s, 7, 0)
+            p.probed(s, 7)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [32, 64, 128, 256][:len(gaps)] and len(gaps) >= 3  # (each failed probe doubles the wait)
+    # a probe that pays: back to the shortest interval, and the sequence drafts again
+    while p.decide(s, 7) != "probed":
+        p.tick()
+    for _ in range(4):
+        p.record(s, 7, 7)
+    p.probed(s, 7)
+    assert p.probe_every == p.probe_min
+    assert p.decide(s, 7) == "drafted"
+
+
+def test_always_drafts_every_step_and_a_bad_mode_is_refused():
+    p = measured(16, step_s=0.030, draft_s=1.0)
+    s = SeqDraftState(accepted=0.0, drafts=3)
+    always = DraftPolicy("always")
+    always.cost, always.step_s, always.step_tokens = p.cost, p.step_s, p.step_tokens
+    assert [always.decide(s, 7) for _ in range(3)] == ["drafted"] * 3
+    with pytest.raises(ValueError, match="spec policy 'sometimes'"):
+        DraftPolicy("sometimes")
+
+
+# ---------------------------------------------------------------- a server, 16 clients, a drafter always wrong
+
+
+class WrongDrafter(OracleDrafter):
+    """Drafts the target's greedy continuation with every token changed: never accepted."""
+
+    name = "wrong"
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
+        right = super().draft(seq, n_max, history=history, pos=pos)
+        return Draft(tokens=tuple((t + 1) % self.model.n_vocab for t in right.tokens))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from plinth_llama.plugin import plugin
+
+    registry = make_registry(plugin)
+    md = tiny_metadata("llama", n_vocab=257, n_ctx=512) | byte_vocab()
+    path = write_synthetic_gguf(tmp_path_factory.mktemp("policy") / "tiny.gguf", "llama", md, registry, seed=4)
+    return plinth.load_model(path, registry=registry)
+
+
+def test_sixteen_clients_with_a_drafter_always_wrong_stop_drafting_and_equal_plain_runs(tiny):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("starlette")
+    uvicorn = pytest.importorskip("uvicorn")
+    from plinth.serve.app import Server, build_app
+    from plinth.serve.scheduler import Scheduler
+    from plinth.testing.server import free_port
+
+    drafter = WrongDrafter(tiny, horizon=64, n_draft=6)
+    sched = Scheduler(tiny, drafters=[drafter], spec=SpecConfig(n_max=6), max_batch=16)
+    assert sched.policy.mode == "auto"
+    app = build_app(Server(tiny, sched, "tiny", spec_names=("wrong",)))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + i % 5)] for i in range(16)]
+
+        def complete(p: list[int]) -> str:
+            r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": p, "max_tokens": 40, "temperature": 0})
+            r.raise_for_status()
+            return r.json()["choices"][0]["text"]
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(complete, prompts))
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    for p, text in zip(prompts, got):
+        stream = TextStream(tiny.tokenizer)
+        solo = "".join(stream.feed(t) for t in Generator(tiny).generate(p, 40)) + stream.finish()
+        assert text == solo
+    counts = {}
+    for line in metrics.splitlines():
+        if line.startswith("plinth_spec_policy_decisions_total{"):
+            counts[line.split('"')[1]] = float(line.split()[-1])
+    assert set(counts) == {"drafted", "probed", "skipped"}, metrics
+    total = sum(counts.values())
+    assert total >= 16 * 30
+    assert counts["skipped"] >= 0.85 * total, counts  # drafting stopped after the first measured steps
+    assert counts["drafted"] + counts["probed"] <= 0.15 * total
+    drafted_tokens = [float(x.split()[-1]) for x in metrics.splitlines()
+                      if x.startswith('plinth_spec_accepted_tokens_total{drafter="wrong"}')]
+    assert drafted_tokens == [0.0]  # (never accepted: the outputs are the target's own tokens)
