@@ -75,10 +75,11 @@ def test_a_poor_drafter_does_not_draft_even_alone():
     assert free.pays(never, 7) is False
 
 
-def test_nothing_measured_drafts_and_new_sequences_start_from_the_batchs_acceptance():
+def test_nothing_measured_probes_one_sequence_and_new_sequences_start_from_the_batchs_acceptance():
     p = DraftPolicy()
     s = SeqDraftState()
-    assert p.pays(s, 7) is None and p.decide(s, 7) == "drafted"
+    p.tick()
+    assert p.pays(s, 7) is None and [p.decide(SeqDraftState(), 7) for _ in range(16)] == ["probed"] + ["skipped"] * 15
     p = measured(16, step_s=0.030)
     p.record(SeqDraftState(), 7, 0)  # another sequence's drafts were all rejected
     assert p.pays(SeqDraftState(), 7) is False
@@ -192,3 +193,115 @@ def test_sixteen_clients_with_a_drafter_always_wrong_stop_drafting_and_equal_pla
     drafted_tokens = [float(x.split()[-1]) for x in metrics.splitlines()
                       if x.startswith('plinth_spec_accepted_tokens_total{drafter="wrong"}')]
     assert drafted_tokens == [0.0]  # (never accepted: the outputs are the target's own tokens)
+
+
+# ---------------------------------------------------------------- plain steps' rows reach the drafters before a draft
+
+
+class CoverageDrafter(OracleDrafter):
+    """An oracle that checks, at every draft, that it was shown every row before the draft's position (the
+    prompt's and each generated token's features), and records the phases and row counts it was shown."""
+
+    name = "coverage"
+
+    def __init__(self, model, taps) -> None:
+        super().__init__(model, horizon=200, n_draft=4, taps=taps)
+        self.seen: dict[int, set[int]] = {}
+        self.shown: list[tuple[str, int]] = []
+        self.gaps: list[tuple[int, int]] = []
+
+    def begin(self, seq, prompt_ids) -> None:
+        super().begin(seq, prompt_ids)
+        self.seen[seq] = set()
+
+    def process(self, target_output) -> None:
+        super().process(target_output)
+        self.seen[target_output.seq].update(int(p) for p in target_output.positions)
+        self.shown.append((target_output.phase, len(target_output.positions)))
+
+    def draft(self, seq, n_max, *, history, pos) -> Draft:
+        missing = set(range(pos)) - self.seen[seq]
+        if missing:
+            self.gaps.append((seq, min(missing)))
+        return super().draft(seq, n_max, history=history, pos=pos)
+
+
+class NeverPays(DraftPolicy):
+    """A policy for which no draft is expected to pay (it still probes)."""
+
+    def pays(self, state, k):
+        return False
+
+
+def run_greedy(sched, prompts, n):
+    from plinth.sampling import SamplerConfig
+    from plinth.serve.scheduler import Request
+
+    out = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def emit(i):
+        def f(ev):
+            out[i].extend(t.token for t in ev.tokens)
+            if ev.finish is not None:
+                assert ev.finish in ("stop", "length"), ev.error
+                done.release()
+        return f
+
+    with sched._cond:
+        for i, p in enumerate(prompts):
+            sched.submit(Request(prompt_ids=p, max_tokens=n, sampling=SamplerConfig(temperature=0.0), emit=emit(i)))
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    return out
+
+
+def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny):
+    """Steps the policy skips are plain; their rows go to the drafters together before the sequence's next
+    draft (a probe here) or every 64 rows, so a drafter never drafts without every earlier row's features.
+    Greedy output equals lone plain runs."""
+    from plinth.serve.scheduler import Scheduler
+
+    drafter = CoverageDrafter(tiny, taps=(0, 1))
+    sched = Scheduler(tiny, drafters=[drafter], spec=SpecConfig(n_max=4), max_batch=4)
+    sched.policy = NeverPays(probe_max=32)  # plain steps and probes only
+    sched.start()
+    try:
+        prompts = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
+        got = run_greedy(sched, prompts, 150)
+    finally:
+        sched.stop()
+    for p, toks in zip(prompts, got):
+        assert toks == Generator(tiny).generate(p, 150)
+    assert drafter.gaps == []
+    counts = sched.policy.counts
+    assert counts["drafted"] == 0 and 4 <= counts["probed"] and counts["skipped"] > 10 * counts["probed"]
+    deferred = [n for phase, n in drafter.shown if phase == "prefill" and n > 1 and n not in (3, 5, 2, 6)]
+    assert max(deferred) == 64  # (rows of plain steps shown in one call: up to 64 at a time)
+
+
+def test_a_block_drafter_behind_skipped_steps_stays_lossless(tmp_path):
+    """A real block drafter (a random DFlash draft on a tiny target) whose draft cache is filled by deferred
+    rows between probes: greedy output equals plain decoding."""
+    pytest.importorskip("plinth_dflash")
+    from plinth_dflash.drafter import make_dflash
+    from plinth_dflash.testkit import tiny_target, write_tiny_draft
+    from plinth.serve.scheduler import Scheduler
+
+    model = tiny_target(tmp_path / "t.gguf", "qwen3", seed=5)
+    hp = model.hparams
+    path = write_tiny_draft(tmp_path / "d.gguf", "dflash", n_embd=int(hp.n_embd), n_vocab=model.n_vocab, n_layer=1,
+                            n_head=4, n_head_kv=2, head_dim=16, n_ff=96, taps=sorted({0, int(hp.n_layer) - 1}),
+                            block_size=6, mask_token=0, scale=0.3, seed=2)
+    sched = Scheduler(model, drafters=[make_dflash(model, {"draft": str(path)})], spec=SpecConfig(n_max=5),
+                      max_batch=3)
+    sched.policy = NeverPays(probe_min=3, probe_max=6, probe_every=3)  # probe often: many flushes of deferred rows
+    sched.start()
+    try:
+        prompts = [list(b"Hello there"), list(b"abcabcabcabc"), list(b"1 2 3 1 2 3")]
+        got = run_greedy(sched, prompts, 60)
+    finally:
+        sched.stop()
+    for p, toks in zip(prompts, got):
+        assert toks == Generator(model).generate(p, 60)
+    assert sched.policy.counts["probed"] >= 10 and sched.metrics.spec["dflash"][0] >= 10

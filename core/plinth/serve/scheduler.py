@@ -42,6 +42,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import UserError
 from ..generate import TextStream
+from ..ops import array_module
 from ..sampling import Sampler
 from ..speculative.base import Draft, TargetOutput, check_compatible, target_kv_views
 from ..speculative.engine import SpecConfig, SpecStats, propose
@@ -94,6 +95,7 @@ class Scheduler:
         self._draft_cap = self.spec.n_max if not caps or None in caps else min(self.spec.n_max, max(caps))
         self.registry = registry
         taps = sorted({int(t) for r in self.requirements for t in r.taps})
+        self._taps = taps
         self.ctx = model.new_context(taps=taps)
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
@@ -376,12 +378,16 @@ class Scheduler:
                 if req.speculative and n_max > 0:
                     decision = self.policy.decide(req.draft_state, min(n_max, self._draft_cap))
                     if decision != "skipped":
+                        self._show_deferred(req)
                         t0 = time.perf_counter()
                         who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history,
                                              pos, n_max)
                         dt = time.perf_counter() - t0
                         req.stats.draft_s += dt
-                        self.policy.observe_draft(dt)
+                        if len(draft):
+                            self.policy.observe_draft(dt)
+                        else:
+                            self.policy.undrafted(decision)
                 b, snap = target_batch(self.ctx, req.seq, req.history[-1], draft, pos)
                 plan.append((req, "decode", row, (pos, who, draft, snap, decision)))
             parts.append(b)
@@ -458,6 +464,33 @@ class Scheduler:
                                          has_embeddings=False, logits=logits,
                                          kv=target_kv_views(self.ctx.cache, r, req.seq)))
 
+    def _defer(self, req: Request, batch: Batch, out: Any, first: int) -> None:
+        """Keep the row of a plain step of a speculative request (its token, position and taps' features) for
+        the drafters, who see the rows of plain steps together before the request's next draft (one
+        ``process`` call instead of one a step: a drafter's own layers over one row cost a plain step a
+        good part of its time), or every 64 rows."""
+        feats = {t: out.features[t][first:first + 1].copy() for t in self._taps if t in out.features}
+        req.deferred.append((int(batch.tokens[first]), int(batch.positions[first]), feats))
+        if len(req.deferred) >= 64:
+            self._show_deferred(req)
+
+    def _show_deferred(self, req: Request) -> None:
+        """Hand ``req``'s deferred rows (:meth:`_defer`) to every drafter, as kept rows (phase "prefill")."""
+        if not req.deferred:
+            return
+        rows, req.deferred = req.deferred, []
+        tokens = np.array([r[0] for r in rows], dtype=np.int64)
+        positions = np.array([r[1] for r in rows], dtype=np.int64)
+        for drafter, r in zip(self.drafters, self.requirements):
+            feats = {}
+            for t in r.taps:
+                parts = [row[2][t] for row in rows if t in row[2]]
+                if parts:
+                    feats[t] = array_module(parts[0]).concatenate(parts)
+            drafter.process(TargetOutput(seq=req.seq, phase="prefill", tokens=tokens, positions=positions,
+                                         features=feats, has_embeddings=False, logits=None,
+                                         kv=target_kv_views(self.ctx.cache, r, req.seq)))
+
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
                 first: int, pos: int, who: int, draft: Draft, snap: Any, decision: str = "") -> None:
         """Decide ``req``'s next tokens from its rows: a plain sample, or (speculative) a verified draft.
@@ -473,9 +506,7 @@ class Scheduler:
             req.stats.n_steps += 1
             token = self._choose(req, lg0)
             if req.speculative:
-                self._show(req, "verify", batch, out, first, 1, where)
-                for d in self.drafters:
-                    d.accept(req.seq, 0)
+                self._defer(req, batch, out, first)
             self.emitter.emit(req, [(token, lg0)])
             return
         lg = logits[[where[first + i] for i in range(k + 1)]]

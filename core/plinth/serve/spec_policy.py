@@ -21,7 +21,8 @@ A sequence drafts ``k`` tokens when its expected kept tokens per second of the e
 throughput of the batch. Otherwise it decodes plainly this step (exactly as a request without a drafter
 does: its sampler's own draw). So that the estimates do not freeze, a sequence that is not drafting is
 probed now and then: one probe a step at most over the batch, after 16 steps, then after twice as many
-each time a probe confirms the decision, back to 16 once a probe pays.
+each time a probe confirms the decision, back to 16 once a probe pays. Before anything is measured (a new
+server), the first drafts are such probes too: one sequence at a time, not the whole batch at once.
 
 The decision never changes what greedy decoding produces (a verified draft keeps exactly the target's own
 tokens; a plain step is the target's own token). A sampled request keeps its distribution either way;
@@ -156,22 +157,28 @@ class DraftPolicy:
         return acc > rate * extra
 
     def decide(self, state: SeqDraftState, k: int) -> str:
-        """This step's decision for a sequence that may draft ``k`` tokens: "drafted" (expected to pay, or
-        nothing measured yet), "probed" (not expected to pay, drafted to measure again) or "skipped" (a plain
-        step); counted in :attr:`counts`."""
+        """This step's decision for a sequence that may draft ``k`` tokens: "drafted" (expected to pay),
+        "probed" (not expected to pay, or nothing measured yet: drafted to measure) or "skipped" (a plain step);
+        counted in :attr:`counts`."""
         if self.mode == "always":
             decision = "drafted"
         else:
-            verdict = self.pays(state, k)
-            if verdict is None or verdict:
+            if self.pays(state, k):
                 decision = "drafted"
-            elif self.step >= self.next_probe:  # one probe now and then, over the whole batch
+            elif self.step >= self.next_probe:  # one probe now and then over the whole batch (also the first
+                # drafts, before anything is measured: one sequence at a time, not the whole batch at once)
                 decision = "probed"
                 self.next_probe = self.step + self.probe_every
             else:
                 decision = "skipped"
         self.counts[decision] += 1
         return decision
+
+    def undrafted(self, decision: str) -> None:
+        """The drafter proposed nothing at a step decided ``decision``: a probe that measured nothing leaves
+        the next step free to probe again."""
+        if decision == "probed":
+            self.next_probe = self.step + 1
 
     def probed(self, state: SeqDraftState, k: int) -> None:
         """After a probe's draft was recorded: probe less often while drafting still does not pay."""
