@@ -92,6 +92,8 @@ def test_torch_draft_equals_plugin_forward(tiny, tmp_path):
         net.markov_w1.mul_(30)
         net.conf_w.mul_(30)
         net.d2t.copy_(torch.from_numpy(d2t))
+        # per-channel feature scales over three decades (export folds them into fc)
+        net.feat_scale.copy_(torch.exp(torch.empty_like(net.feat_scale).uniform_(-3.5, 3.5)))
     path = export_gguf(net, c, tmp_path / "d.gguf", quant="f32")
     toks = np.random.default_rng(1).integers(10, 200, size=40)
     feats, _ = TargetFeatures(tgt, c.taps, d2t)(toks)
@@ -251,3 +253,78 @@ def test_training_learns_the_targets_answers(tiny, tmp_path):
 
     hist = torch.load(str(tmp_path / "d.gguf.ckpt/state.pt"), weights_only=False)["history"]
     assert last["est_tau"] > 1.3, hist  # untrained: ~1.0 (1 in 128 draft ids right by chance)
+
+
+def _write_shard(path, seqs, n_prompt):
+    toks = np.concatenate(seqs).astype(np.int32)
+    off = np.concatenate([[0], np.cumsum([len(s) for s in seqs])]).astype(np.int64)
+    np.savez(path, tokens=toks, offsets=off, n_prompt=np.asarray(n_prompt, np.int32),
+             prompt_index=np.arange(len(seqs), dtype=np.int64))
+
+
+def test_bigram_markov_start_predicts_the_corpus_bigrams(tmp_path):
+    """The Markov head's start (rank r factorisation of the answers' log bigrams) ranks each previous token's most
+    frequent follower first, as a count table says (answers only: the prompt tokens' bigrams are not counted).
+    A permutation's bigrams are full rank, so the rank here is the vocabulary's (the randomised SVD must then be
+    exact); at rank 16 it keeps far less."""
+    from plinth.train.trainer import bigram_markov
+
+    rng = np.random.default_rng(3)
+    v = 300
+    follow = rng.permutation(v)  # token a is followed by follow[a] 3 times in 4, by a random token otherwise
+    seqs, npr = [], []
+    for _ in range(40):
+        p = rng.integers(0, v, size=5)
+        s = [int(rng.integers(0, v))]
+        for _ in range(120):
+            s.append(int(follow[s[-1]]) if rng.random() < 0.75 else int(rng.integers(0, v)))
+        seqs.append(np.concatenate([p, s]))
+        npr.append(5)
+    _write_shard(tmp_path / "shard-00000.npz", seqs, npr)
+    d2t = np.arange(v)
+    w1, w2 = bigram_markov(str(tmp_path), d2t, v, rank=v, max_prev=v)
+    counts = np.zeros((v, v))
+    for s, n in zip(seqs, npr):
+        np.add.at(counts, (s[n - 1:-1], s[n:]), 1)
+    seen = np.flatnonzero(counts.sum(1) >= 8)
+    assert seen.size > 100
+    pred = (w1[seen] @ w2.T).argmax(1)
+    agree = np.mean(pred == counts[seen].argmax(1))
+    assert agree > 0.95, agree
+    w1s, w2s = bigram_markov(str(tmp_path), d2t, v, rank=16, max_prev=v)
+    assert w1s.shape == (v, 16) and np.mean((w1s[seen] @ w2s.T).argmax(1) == counts[seen].argmax(1)) < 0.5
+    assert np.abs(w1[np.flatnonzero(counts.sum(1) == 0)]).max(initial=0.0) == 0.0  # unseen rows start at 0
+
+
+def test_feature_scale_is_the_inverse_channel_rms():
+    from plinth.train.trainer import feature_scale
+
+    rng = np.random.default_rng(0)
+    rms = np.exp(rng.uniform(-1, 5, size=12))  # channels from 0.4 to ~150, as a residual stream's are
+    rms[5] = 0.0  # a dead channel gets the largest scale allowed (1000 / the largest RMS), not infinity
+    seqs = {("s", j): (rng.standard_normal((50, 12)) * rms).astype(np.float16) for j in range(4)}
+    load = lambda name, j: (np.zeros(50, np.int64), 0, (seqs[(name, j)],))
+    got = feature_scale([("s", j) for j in range(4)], load, feats_of=None, rows=10_000)
+    allf = np.concatenate([seqs[("s", j)] for j in range(4)]).astype(np.float64)
+    want = 1.0 / np.sqrt((allf ** 2).mean(0))
+    live = rms > 0
+    np.testing.assert_allclose(got[live], want[live], rtol=1e-5)
+    np.testing.assert_allclose(got[live] * rms[live], 1.0, rtol=0.3)  # and that is about 1 / the channel's scale
+    assert got[5] == pytest.approx(1e3 * got[live].min(), rel=1e-5)
+
+
+def test_a_recording_with_holes_is_refused():
+    from plinth.train.data import check_recorded
+
+    n, npr = 12, 5
+    rec = [np.ones((n, 8), np.float16), np.zeros((n, 4), np.int32), np.zeros((n, 4), np.float16), np.ones(n, bool)]
+    rec[0][-1] = 0  # the last token never ran: fine
+    check_recorded(rec, npr, n, 0)
+    hole = [a.copy() for a in rec]
+    hole[3][7] = False  # an answer row without its logits
+    with pytest.raises(RuntimeError, match="prompt 3: the recorder missed 0 of 11 feature rows and 1 of 7"):
+        check_recorded(hole, npr, n, 3)
+    hole = [a.copy() for a in rec]
+    hole[0][2] = 0  # a prompt row without features
+    with pytest.raises(RuntimeError, match="missed 1 of 11 feature rows"):
+        check_recorded(hole, npr, n, 3)

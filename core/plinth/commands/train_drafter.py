@@ -63,6 +63,13 @@ def register(sub: Any) -> None:
     t.add_argument("--seqs", type=int, default=4, help="sequences per step (default 4)")
     t.add_argument("--anchors", type=int, default=32, help="blocks per sequence (default 32)")
     t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--ce-weight", type=float, default=0.1,
+                   help="dspark: the loss is W * cross-entropy + (1 - W) * total variation against the target's "
+                        "next-token distribution (default 0.1, DSpark's mix)")
+    t.add_argument("--no-feat-norm", dest="feat_norm", action="store_false",
+                   help="feed the target's features to fc as they are (default: each channel scaled by 1 / its "
+                        "RMS over the data, folded into fc at export; the residual stream's few huge channels "
+                        "would otherwise own the context rows)")
     t.add_argument("--warmup", type=int, default=50)
     t.add_argument("--save-every", type=float, default=300.0, help="seconds between checkpoints (default 300)")
     t.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -104,7 +111,7 @@ def run_train(args: argparse.Namespace) -> int:
                        taps=taps, block_size=args.block_size, draft_vocab=args.draft_vocab, markov_rank=args.rank,
                        init=args.init, anchors=args.anchors, seqs=args.seqs, lr=args.lr, warmup=args.warmup,
                        steps=args.steps, minutes=args.minutes, save_every=args.save_every, threads=args.threads,
-                       seed=args.seed, quant=args.quant)
+                       seed=args.seed, quant=args.quant, ce_weight=args.ce_weight, feat_norm=args.feat_norm)
     last = train(opt)
     print(f"wrote {args.outfile}: step {last['step']}, {last['tokens']} answer tokens trained, "
           f"estimated tau {last['est_tau'] or 0:.2f}")

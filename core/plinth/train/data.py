@@ -188,8 +188,10 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     if rec is not None:
         from ..speculative.engine import SpecConfig
 
+        # "always": the recorder must see every row as its step makes it, with the step's logits (the "auto"
+        # policy hands a sequence's undrafted rows over later, together, without them)
         sched = Scheduler(model, drafters=[rec], spec=SpecConfig(n_max=1), max_batch=max_batch,
-                          max_queue=4 * max_batch, prompt_cache=0, prepare=True)
+                          max_queue=4 * max_batch, prompt_cache=0, prepare=True, spec_policy="always")
     else:
         sched = Scheduler(model, max_batch=max_batch, max_queue=4 * max_batch, prompt_cache=0, prepare=True)
     width = len(taps) * int(model.hparams.n_embd)
@@ -258,6 +260,7 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
                 seqs.append(np.asarray(list(ids) + list(out), dtype=np.int32))
                 if rec_arrays is not None:
                     recs.append([a[:len(seqs[-1])] for a in rec_arrays])
+                    check_recorded(recs[-1], len(ids), len(seqs[-1]), i)
                 npr.append(len(ids))
                 pidx.append(i)
                 a_have += len(out)
@@ -280,6 +283,18 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     finally:
         sched.stop()
     return n_have, a_have
+
+
+def check_recorded(rec: list[np.ndarray], n_prompt: int, n: int, prompt_index: int) -> None:
+    """Refuse a sequence whose recording has holes: every position the target ran (all but the last) needs its
+    features, and every one whose next token is an answer token (n_prompt - 1 .. n - 2) its logits."""
+    feats, has = rec[0], rec[3]
+    ran = np.abs(feats[: n - 1]).max(axis=1) > 0 if n > 1 else np.zeros(0, bool)
+    need = has[max(0, n_prompt - 1): n - 1]
+    if not ran.all() or not need.all():
+        raise RuntimeError(f"training data, prompt {prompt_index}: the recorder missed {int((~ran).sum())} of {n - 1} "
+                           f"feature rows and {int((~need).sum())} of {need.size} answer logits (the scheduler did not "
+                           "show it every row with its logits); nothing written for this shard")
 
 
 def iter_sequences(data_dir: str | os.PathLike[str]) -> Iterator[tuple[np.ndarray, int, int]]:

@@ -3,7 +3,8 @@
 Tensor names and layouts are those of :mod:`plinth_dflash.format` (llama.cpp's dflash names) plus
 :mod:`plinth_dspark.format`'s heads; the draft has no embedding of its own (the block rows look up the
 target's), its own reduced head ``output.weight`` [V_d, E] with ``d2t`` [V_d] (absolute target ids).
-Matrices are written Q8_0 (or F16 / F32), norms and the small heads F32. The training recipe goes
+Matrices are written Q8_0 (or F16 / F32; ``fc`` F16 when per-channel feature scales are folded into
+it), norms and the small heads F32. The training recipe goes
 into ``plinth.train.*`` keys.
 """
 
@@ -26,7 +27,7 @@ def draft_tensors(net: Any) -> dict[str, np.ndarray]:
     def a(t: Any) -> np.ndarray:
         return t.detach().cpu().numpy().astype(np.float32)
 
-    out = {"fc.weight": a(net.fc), "enc.output_norm.weight": a(net.enc_norm), "output_norm.weight": a(net.output_norm),
+    out = {"fc.weight": a(net.fc * net.feat_scale[None, :]), "enc.output_norm.weight": a(net.enc_norm), "output_norm.weight": a(net.output_norm),
            "output.weight": a(net.output), "d2t": net.d2t.detach().cpu().numpy().astype(np.int64)}
     for i, layer in enumerate(net.layers):
         for name in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
@@ -86,6 +87,10 @@ def export_gguf(net: Any, c: Any, path: str | Path, extra: Mapping[str, Any] | N
         for name, t in tensors.items():
             if t.ndim == 2 and (name in QUANTISED or name.startswith("blk.")) and t.shape[1] % 32 == 0:
                 qtypes[name] = qt[quant]
+        if "fc.weight" in qtypes and not bool((net.feat_scale == 1).all()):
+            # the folded feature scales span ~3 decades within a 32-column block: Q8_0's shared block scale
+            # would round the small columns away, F16 keeps every column's relative precision
+            qtypes["fc.weight"] = gguf.GGMLQuantizationType.F16
     md = draft_metadata(c)
     md.update(extra or {})
     path = Path(path)

@@ -3,7 +3,8 @@
 The layer arithmetic follows :class:`plinth_dflash.graph.DraftGraph` (the inference graph), for many
 blocks at once:
 
-* context rows: ``g = RMSNorm_enc(fc . f)`` from the target's features ``f`` (taps concatenated);
+* context rows: ``g = RMSNorm_enc(fc . (s * f))`` from the target's features ``f`` (taps concatenated;
+  ``s``: fixed per-channel scales, folded into ``fc`` at export);
   each layer's context K = RoPE(k_norm(Wk g)) at the target positions, V = Wv g;
 * block rows ``[anchor, MASK x (B-1)]`` at positions ``a .. a+B-1``: target embedding, then per layer
   pre-RMSNorm attention (q_norm / k_norm, NeoX RoPE) over the context rows before the anchor and
@@ -139,6 +140,10 @@ class DraftNet(nn.Module):
         self.output = nn.Parameter(torch.empty(c.draft_vocab, e))
         nn.init.normal_(self.output, std=1.0 / math.sqrt(e))
         self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))
+        # per-channel multipliers of the target features before ``fc`` (1 / the channel's RMS over the data):
+        # the residual stream carries a few channels hundreds of times larger than the rest, which would
+        # otherwise own the context rows; export folds them into ``fc`` (exactly: fc . diag(s) . f)
+        self.register_buffer("feat_scale", torch.ones(nt * e))
         if c.dspark:
             self.markov_w1 = nn.Parameter(torch.randn(c.n_vocab, c.markov_rank) * 0.01)
             self.markov_w2 = nn.Parameter(torch.randn(c.draft_vocab, c.markov_rank) / math.sqrt(c.markov_rank) * 0.1)
@@ -152,7 +157,7 @@ class DraftNet(nn.Module):
 
     def context(self, feats: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's context K/V of the target features [T, nt*E] at positions 0..T-1."""
-        g = rms_norm(feats @ self.fc.T, self.enc_norm, self.c.norm_eps)
+        g = rms_norm((feats * self.feat_scale) @ self.fc.T, self.enc_norm, self.c.norm_eps)
         pos = torch.arange(feats.shape[0])
         return [layer.kv(g, pos) for layer in self.layers]
 

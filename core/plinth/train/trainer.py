@@ -56,17 +56,20 @@ class TrainOptions:
     minutes: float = 0.0  # stop after this long in this run (0: no limit)
     run_steps: int = 0  # stop after this many steps in this run (0: no limit); the schedule is unchanged
     gamma: float = 4.0
+    feat_norm: bool = True  # scale each feature channel by 1 / its RMS over the data (folded into fc at export)
+    ce_weight: float = 0.1  # dspark: the loss is ce_weight * CE + (1 - ce_weight) * TV
     save_every: float = 300.0  # seconds between checkpoints
     threads: int = 2
     seed: int = 0
     quant: str = "q8_0"  # "q8_0" or "f16" or "f32" for the exported matrices
     max_len: int = 1024
+    cache_mb: float = 6144.0  # shards kept in memory (the epoch order visits them at random)
     eval_tau_seqs: int = 0
 
     def recipe(self) -> dict[str, Any]:
         """What defines the run (a resumed run must match it)."""
         keys = ("objective", "n_layer", "taps", "block_size", "draft_vocab", "markov_rank", "init", "anchors",
-                "seqs", "lr", "warmup", "steps", "gamma", "seed")
+                "seqs", "lr", "warmup", "steps", "gamma", "seed", "ce_weight", "feat_norm")
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.asdict(self).items() if k in keys}
 
 
@@ -148,6 +151,8 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     torch.set_num_threads(max(1, int(opt.threads)))
+    if not 0.0 <= opt.ce_weight <= 1.0:
+        raise UserError(f"--ce-weight must be within [0, 1], not {opt.ce_weight}")
     if opt.objective not in ("dspark", "dflash"):
         raise UserError(f"--objective must be dspark or dflash, not {opt.objective!r}")
     out = Path(opt.out)
@@ -164,6 +169,9 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     state = None
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
+        # runs made before these settings existed used these values
+        state["recipe"] = {"ce_weight": 0.1, "feat_norm": False, **state["recipe"]}
+        state["model"].setdefault("feat_scale", None)
         diff = {k: (state["recipe"].get(k), v) for k, v in opt.recipe().items() if state["recipe"].get(k) != v}
         if set(diff) == {"steps"} and opt.steps > state["recipe"]["steps"]:
             log(f"train: extending the schedule of {ckdir} from {state['recipe']['steps']} to {opt.steps} steps "
@@ -200,6 +208,13 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
             net.output.copy_(torch.from_numpy(FT.head_table(model)[d2t]))
             if opt.init == "target":
                 init_from_target(net, model, n_layer_t)
+                if "output_norm.weight" in model.weights:  # the draft's head reads what the target's reads
+                    net.output_norm.copy_(torch.from_numpy(np.array(
+                        model.backend.to_numpy(model.weights["output_norm.weight"]), dtype=np.float32)))
+                if dspark:
+                    w1, w2 = bigram_markov(opt.data, d2t, n_vocab, opt.markov_rank)
+                    net.markov_w1.copy_(torch.from_numpy(w1))
+                    net.markov_w2.copy_(torch.from_numpy(w2))
             elif opt.init != "random":
                 raise UserError(f"--init must be target or random, not {opt.init!r}")
     params = [p for p in net.parameters() if p.requires_grad]
@@ -208,6 +223,8 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     history: list[dict[str, Any]] = []
     data_pos = {"epoch": 0, "index": 0, "order": None}
     if state is not None:
+        if state["model"]["feat_scale"] is None:
+            state["model"]["feat_scale"] = torch.ones_like(net.feat_scale)
         net.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
         step, tokens, positions = state["step"], state["tokens"], state["positions"]
@@ -237,17 +254,21 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         data_pos["order"] = epoch_order(0)
     if not data_pos["order"]:
         raise UserError(f"{opt.data}: no data shards; generate data first")
-    cache: dict[str, Any] = {}
+    cache: dict[str, Any] = {}  # shard name -> arrays, least recently used first, at most cache_bytes in all
 
     def load_seq(name: str, j: int) -> tuple[np.ndarray, int, Any]:
         """Tokens, prompt length and the recorded (features, top ids, top logits, has) or None."""
-        if name not in cache:
-            cache.clear()
+        if name in cache:
+            cache[name] = cache.pop(name)
+        else:
             with np.load(Path(opt.data) / name) as z:
                 rec = None
                 if "feats" in z.files and recorded_taps == tuple(taps):
                     rec = (z["feats"], z["top_ids"], z["top_logits"], z["has_logits"])
                 cache[name] = (z["tokens"], z["offsets"], z["n_prompt"], rec)
+            size = lambda v: sum(a.nbytes for a in v[:3]) + (sum(a.nbytes for a in v[3]) if v[3] else 0)
+            while len(cache) > 1 and sum(size(v) for v in cache.values()) > opt.cache_mb * 2**20:
+                cache.pop(next(iter(cache)))
         toks, off, npr, rec = cache[name]
         sl = slice(int(off[j]), int(off[j + 1]))
         return (np.array(toks[sl], dtype=np.int64), int(npr[j]),
@@ -268,6 +289,9 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
                 rec = tuple(a[: opt.max_len] for a in rec)
             if toks.size - npr >= 3:
                 return toks, npr, rec
+
+    if state is None and opt.feat_norm:
+        net.feat_scale.copy_(torch.from_numpy(feature_scale(data_pos["order"], load_seq, feats_of)))
 
     def lr_at(s: int) -> float:
         if s < opt.warmup:
@@ -342,7 +366,7 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
             wsum = w.sum().clamp_min(1e-6)
             if dspark:
                 tv = 1.0 - torch.minimum(p, logq.exp()).sum(-1)
-                loss = (w * (0.1 * ce + 0.9 * tv)).sum() / wsum
+                loss = (w * (opt.ce_weight * ce + (1.0 - opt.ce_weight) * tv)).sum() / wsum
                 if conf is not None:
                     bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, (1.0 - tv).detach(),
                                                                                reduction="none")
@@ -391,6 +415,77 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     if progress:
         sys.stderr.write("\n")
     return history[-1]
+
+
+def bigram_markov(data_dir: str, d2t: np.ndarray, n_vocab: int, rank: int, alpha: float = 1.0,
+                  max_prev: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """The Markov head's start: a rank-``rank`` factorisation ``w1 [n_vocab, r]``, ``w2 [V_d, r]`` of the corpus's
+    answer bigrams, ``w1[a] . w2[b] ~ log P(b | a)`` (less the row's mean) over the ``max_prev`` most frequent
+    previous tokens (add-``alpha`` smoothing towards the unigram; other rows 0). The head then starts where a bigram model is
+    (about a fifth of next tokens on this corpus) instead of at zero, where both factors' gradients vanish."""
+    from .data import list_shards
+
+    t2d = np.full(n_vocab, -1, dtype=np.int64)
+    t2d[d2t] = np.arange(d2t.size)
+    prev_l, next_l = [], []
+    for path in list_shards(data_dir):
+        with np.load(path) as z:
+            toks, off, npr = z["tokens"].astype(np.int64), z["offsets"], z["n_prompt"]
+        for j in range(len(npr)):
+            s, e = int(off[j] + npr[j]), int(off[j + 1])
+            if e - s >= 1 and s >= 1:
+                prev_l.append(toks[s - 1:e - 1])
+                next_l.append(toks[s:e])
+    w1 = np.zeros((n_vocab, rank), np.float32)
+    w2 = np.zeros((d2t.size, rank), np.float32)
+    if not prev_l:
+        return w1, w2
+    prev, nxt = np.concatenate(prev_l), t2d[np.concatenate(next_l)]
+    keep = nxt >= 0
+    prev, nxt = prev[keep], nxt[keep]
+    rows = np.argsort(-np.bincount(prev, minlength=n_vocab), kind="stable")[:max_prev]
+    rows = rows[np.bincount(prev, minlength=n_vocab)[rows] > 0]
+    r_of = np.full(n_vocab, -1, dtype=np.int64)
+    r_of[rows] = np.arange(rows.size)
+    sel = r_of[prev] >= 0
+    counts = np.zeros((rows.size, d2t.size), np.float32)
+    np.add.at(counts, (r_of[prev[sel]], nxt[sel]), 1.0)
+    uni = (np.bincount(nxt, minlength=d2t.size) + 1.0) / (nxt.size + d2t.size)
+    cond = (counts + alpha * uni[None, :]) / (counts.sum(1, keepdims=True) + alpha)
+    lg = np.log(cond)
+    lg -= lg.mean(1, keepdims=True)  # a row's constant is nothing to a softmax
+    # a randomised truncated SVD (two power iterations): the rank-r part of an up to 8192 x V_d matrix
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(lg @ rng.standard_normal((lg.shape[1], min(rank + 16, min(lg.shape))), dtype=np.float32))
+    for _ in range(2):
+        q, _ = np.linalg.qr(lg @ (lg.T @ q))
+    u_s, sv, vt = np.linalg.svd(q.T @ lg, full_matrices=False)
+    u = q @ u_s
+    k = min(rank, sv.size)
+    root = np.sqrt(sv[:k])
+    w1[rows, :k] = u[:, :k] * root[None, :]
+    w2[:, :k] = vt[:k].T * root[None, :]
+    return w1, w2
+
+
+def feature_scale(order: list[tuple[str, int]], load_seq: Callable[[str, int], tuple[np.ndarray, int, Any]],
+                  feats_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], rows: int = 16384) -> np.ndarray:
+    """1 / each feature channel's RMS over up to ``rows`` positions of the first sequences of ``order``
+    (recorded features where the shards have them, else a target forward)."""
+    acc: np.ndarray | None = None
+    n = 0
+    for name, j in order:
+        toks, _, rec = load_seq(name, j)
+        f = np.asarray(rec[0] if rec is not None else feats_of(toks)[0], dtype=np.float64)
+        sq = (f * f).sum(0)
+        acc = sq if acc is None else acc + sq
+        n += f.shape[0]
+        if n >= rows:
+            break
+    if acc is None or n == 0:
+        raise UserError("no sequences to measure the feature scales on; generate data first")
+    rms = np.sqrt(acc / n)
+    return (1.0 / np.maximum(rms, 1e-3 * max(float(rms.max()), 1e-12))).astype(np.float32)
 
 
 def mask_token(tok: Any, n_vocab: int) -> int:
