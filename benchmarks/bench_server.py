@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_server.py [-m smollm2-135m-instruct] [--clients 1,4,16,64] [--duration 30]
         [--engines plinth,llama-cpp] [--max-tokens 128] [--threads 2] [--max-batch 16] [--max-queue 32]
-        [--prompt-cache N] [--repeat N] [--client raw|httpx]
+        [--prompt-cache N] [--repeat N] [--client raw|httpx] [--spec NAME [--spec-policy auto|always]]
     python benchmarks/bench_server.py --soak 600 --clients 8 --engines plinth     # the 10-minute soak
 
 Each engine is started as its own server process on 127.0.0.1 (a free port), on the
@@ -311,7 +311,7 @@ def _start(engine: str, path: str, port: int, args: argparse.Namespace, log: Pat
         cmd = [sys.executable, "-m", "plinth", "serve", "-m", path, "--port", str(port), "--model-alias", "bench",
                "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), "--n-ctx", str(args.n_ctx)]
         if args.spec:
-            cmd += ["--spec", args.spec]
+            cmd += ["--spec", args.spec, "--spec-policy", args.spec_policy]
         if args.prompt_cache is not None:
             cmd += ["--prompt-cache", str(args.prompt_cache)]
     else:
@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=32, help="plinth's --max-queue (default 32)")
     ap.add_argument("--n-ctx", type=int, default=2048)
     ap.add_argument("--spec", default=None, help="plinth's --spec (default: none)")
+    ap.add_argument("--spec-policy", default="auto", choices=("auto", "always"),
+                    help="plinth's --spec-policy with --spec (default auto)")
     ap.add_argument("--prompt-cache", type=int, default=None, metavar="N",
                     help="plinth's --prompt-cache (default: the server's; 0: off)")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_server_"))
     print(f"model {Path(path).name}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; "
           f"max_tokens {args.max_tokens}, greedy chat, {args.duration:.0f} s per level; plinth --max-batch "
-          f"{args.max_batch} --max-queue {args.max_queue}{' --spec ' + args.spec if args.spec else ''}"
+          f"{args.max_batch} --max-queue {args.max_queue}{' --spec ' + args.spec + ' --spec-policy ' + args.spec_policy if args.spec else ''}"
           f"{'' if args.prompt_cache is None else f' --prompt-cache {args.prompt_cache}'}; {args.client} client")
     if args.soak:
         n = levels[0]

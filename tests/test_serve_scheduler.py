@@ -269,8 +269,9 @@ def test_prompt_cache_reuses_whole_prompts_exactly(model_name, request, started)
 
 
 def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
-    """The token bound evicts the oldest prompts; speculative requests neither use nor fill the cache
-    (their drafters read the prompt's features); 0 turns it off."""
+    """The token bound evicts the oldest prompts; speculative requests under the drafting policy ``always``
+    neither use nor fill the cache (their drafters read the prompt's features as it is prefilled), under
+    ``auto`` they keep and reuse prompts with the rows their drafters are to be shown; 0 turns it off."""
     sched = started(tiny, max_batch=2, prompt_cache=8, prompt_cache_tokens=15)
     a, b = ids(b"Hello there"), ids(b"plinth serves")  # 11 and 13 tokens: one at a time fits
     run(sched, [(a, 4, GREEDY)])
@@ -278,10 +279,13 @@ def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
     assert sched.prompt_cache_usage() == (1, len(b))
     assert run(sched, [(b, 6, GREEDY)]) == [Generator(tiny).generate(b, 6)]
     assert sched.metrics.prompt_cache_hits == 1
-    spec = started(tiny, max_batch=2, drafters=[NgramDrafter()], spec=SpecConfig(n_max=3))
+    spec = started(tiny, max_batch=2, drafters=[NgramDrafter()], spec=SpecConfig(n_max=3), spec_policy="always")
     run(spec, [(a, 6, GREEDY)])
     run(spec, [(a, 6, GREEDY)])
     assert spec.prompt_cache_usage() == (0, 0) and spec.metrics.prompt_cache_hits == 0
+    auto = started(tiny, max_batch=2, drafters=[NgramDrafter()], spec=SpecConfig(n_max=3))
+    assert run(auto, [(a, 6, GREEDY)]) == run(auto, [(a, 6, GREEDY)]) == [Generator(tiny).generate(a, 6)]
+    assert auto.prompt_cache_usage() == (1, len(a)) and auto.metrics.prompt_cache_hits == 1
     off = started(tiny, max_batch=2, prompt_cache=0)
     run(off, [(a, 4, GREEDY)])
     run(off, [(a, 4, GREEDY)])

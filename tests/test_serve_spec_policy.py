@@ -265,6 +265,7 @@ def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny)
     drafter = CoverageDrafter(tiny, taps=(0, 1))
     sched = Scheduler(tiny, drafters=[drafter], spec=SpecConfig(n_max=4), max_batch=4)
     sched.policy = NeverPays(probe_max=32)  # plain steps and probes only
+    sched.defer_bytes = 64 * (2 * 4 * int(tiny.hparams.n_embd) + 16)  # 64 rows of two taps
     sched.start()
     try:
         prompts = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
@@ -276,8 +277,31 @@ def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny)
     assert drafter.gaps == []
     counts = sched.policy.counts
     assert counts["drafted"] == 0 and 4 <= counts["probed"] and counts["skipped"] > 10 * counts["probed"]
-    deferred = [n for phase, n in drafter.shown if phase == "prefill" and n > 1 and n not in (3, 5, 2, 6)]
-    assert max(deferred) == 64  # (rows of plain steps shown in one call: up to 64 at a time)
+    assert {phase for phase, _ in drafter.shown} == {"prefill", "verify"}  # (deferred rows come as kept rows)
+    assert max(n for phase, n in drafter.shown if phase == "prefill") == 64  # (shown once they fill defer_bytes)
+
+
+def test_a_speculative_request_reuses_a_prompt_kept_with_its_drafters_rows(tiny):
+    """Under ``auto`` a speculative request's prompt is kept in the prompt cache with the rows its drafters are
+    to be shown; a later speculative request with the same prompt skips its prefill, its drafters still see
+    every row before they draft, and the output equals a lone plain run."""
+    from plinth.serve.scheduler import Scheduler
+
+    drafter = CoverageDrafter(tiny, taps=(0, 1))
+    sched = Scheduler(tiny, drafters=[drafter], spec=SpecConfig(n_max=4), max_batch=4)
+    sched.policy = NeverPays(probe_min=4, probe_max=4, probe_every=4)
+    sched.start()
+    try:
+        prompts = [[5, 6, 7, 8, 9, 10], [60, 61, 62, 63]]
+        first = run_greedy(sched, prompts, 30)
+        hits = sched.metrics.prompt_cache_hits
+        again = run_greedy(sched, prompts, 30)
+    finally:
+        sched.stop()
+    assert hits == 0 and sched.metrics.prompt_cache_hits == 2
+    for p, a, b in zip(prompts, first, again):
+        assert a == b == Generator(tiny).generate(p, 30)
+    assert drafter.gaps == [] and sched.policy.counts["probed"] >= 4
 
 
 def test_a_block_drafter_behind_skipped_steps_stays_lossless(tmp_path):

@@ -21,8 +21,8 @@ class Metrics:
     tokens_out: int = 0
     steps: int = 0
     forward_s: float = 0.0
-    ttft: list[float] = attrs.field(factory=list)  # recent times to first token (bounded)
-    itl: list[float] = attrs.field(factory=list)  # recent inter-token latencies (bounded)
+    ttft: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=1024))  # recent times to first token
+    itl: collections.deque = attrs.field(factory=lambda: collections.deque(maxlen=4096))  # recent inter-token latencies
     ttft_sum: float = 0.0
     ttft_count: int = 0
     prompt_cache_hits: int = 0
@@ -34,11 +34,9 @@ class Metrics:
         self.ttft_sum += s
         self.ttft_count += 1
         self.ttft.append(s)
-        del self.ttft[:-1024]
 
     def observe_itl(self, s: float) -> None:
-        self.itl.append(s)
-        del self.itl[:-4096]
+        self.itl.append(s)  # (a bounded deque: the oldest goes, no list shifted a token)
 
     def decode_tps(self, window: float = 10.0) -> float:
         now = time.perf_counter()

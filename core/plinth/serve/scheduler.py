@@ -96,6 +96,8 @@ class Scheduler:
         self.registry = registry
         taps = sorted({int(t) for r in self.requirements for t in r.taps})
         self._taps = taps
+        #: the most bytes of rows a request keeps for its drafters before showing them (:meth:`_defer`)
+        self.defer_bytes = 8 << 20
         self.ctx = model.new_context(taps=taps)
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
@@ -206,15 +208,19 @@ class Scheduler:
     def _reuse_prompt(self, req: Request) -> bool:
         """A request whose whole prompt is cached: its rows copied in and its first token sampled from the
         kept logits (no forward). False: not cached (or not eligible)."""
-        if (not self.prompt_cache.size or req.speculative or req.n_prefilled or req.prompt_looked_up
-                or req.prompt_logprobs is not None):
+        if (not self.prompt_cache.size or (req.speculative and self.policy.mode != "auto") or req.n_prefilled
+                or req.prompt_looked_up or req.prompt_logprobs is not None):
             return False
         req.prompt_looked_up = True
-        lg = self.prompt_cache.restore(req.prompt_ids, req.seq)
-        if lg is None:
+        hit = self.prompt_cache.restore(req.prompt_ids, req.seq, drafted=req.speculative)
+        if hit is None:
             self.metrics.prompt_cache_misses += 1
             return False
         self.metrics.prompt_cache_hits += 1
+        lg, rows = hit
+        if req.speculative:  # (its drafters see the prompt's rows before its first draft, as after a prefill)
+            req.deferred = list(rows)
+            req.deferred_bytes = sum(sum(int(f.nbytes) for f in c[2].values()) + 16 * len(c[0]) for c in rows)
         req.n_prefilled = len(req.prompt_ids)
         self._first_token(req, lg)
         return True
@@ -256,8 +262,12 @@ class Scheduler:
             for f in list(self._active):
                 if f.leader is req and f.prefilling and not f.done:
                     self._follow(f)
-        if not req.speculative and req.prompt_logprobs is None:
-            self.prompt_cache.keep(req.prompt_ids, req.seq, lg)
+        if req.prompt_logprobs is None:
+            if not req.speculative:
+                self.prompt_cache.keep(req.prompt_ids, req.seq, lg)
+            elif self.policy.mode == "auto" and sum(len(c[0]) for c in req.deferred) == len(req.prompt_ids):
+                # (every prompt row still deferred: what a later request's drafters are to be shown)
+                self.prompt_cache.keep(req.prompt_ids, req.seq, lg, drafter_rows=tuple(req.deferred))
         self._first_token(req, lg)
 
     # ------------------------------------------------------------------ loop
@@ -411,7 +421,10 @@ class Scheduler:
                 continue
             if kind == "prefill":
                 n = detail
-                self._show(req, "prefill", batch, out, first, n, where)
+                if req.speculative and self.policy.mode == "auto":
+                    self._defer(req, batch, out, first, n)
+                else:
+                    self._show(req, "prefill", batch, out, first, n, where)
                 if req.prompt_logprobs is not None:
                     self._prompt_infos(req, logits, where, first, n)
                 req.n_prefilled += n
@@ -464,29 +477,31 @@ class Scheduler:
                                          has_embeddings=False, logits=logits,
                                          kv=target_kv_views(self.ctx.cache, r, req.seq)))
 
-    def _defer(self, req: Request, batch: Batch, out: Any, first: int) -> None:
-        """Keep the row of a plain step of a speculative request (its token, position and taps' features) for
-        the drafters, who see the rows of plain steps together before the request's next draft (one
-        ``process`` call instead of one a step: a drafter's own layers over one row cost a plain step a
-        good part of its time), or every 64 rows."""
-        feats = {t: out.features[t][first:first + 1].copy() for t in self._taps if t in out.features}
-        req.deferred.append((int(batch.tokens[first]), int(batch.positions[first]), feats))
-        if len(req.deferred) >= 64:
+    def _defer(self, req: Request, batch: Batch, out: Any, first: int, n: int = 1) -> None:
+        """Keep ``n`` rows of ``req`` from this step (tokens, positions and the taps' features) for its drafters
+        instead of showing them now (``--spec-policy auto``): its prompt's rows and those of its plain steps.
+        The drafters see them together before the request's next draft (one ``process`` call instead of one a
+        step: a DSpark drafter's layers over one row cost a plain step a good part of its time, and a request
+        that never drafts never pays for its prompt's either), or once they hold :attr:`defer_bytes`."""
+        feats = {t: out.features[t][first:first + n].copy() for t in self._taps if t in out.features}
+        req.deferred.append((batch.tokens[first:first + n].copy(), batch.positions[first:first + n].copy(), feats))
+        req.deferred_bytes += sum(int(f.nbytes) for f in feats.values()) + 16 * n
+        if req.deferred_bytes >= self.defer_bytes:
             self._show_deferred(req)
 
     def _show_deferred(self, req: Request) -> None:
         """Hand ``req``'s deferred rows (:meth:`_defer`) to every drafter, as kept rows (phase "prefill")."""
         if not req.deferred:
             return
-        rows, req.deferred = req.deferred, []
-        tokens = np.array([r[0] for r in rows], dtype=np.int64)
-        positions = np.array([r[1] for r in rows], dtype=np.int64)
+        chunks, req.deferred, req.deferred_bytes = req.deferred, [], 0
+        tokens = np.concatenate([c[0] for c in chunks])
+        positions = np.concatenate([c[1] for c in chunks])
         for drafter, r in zip(self.drafters, self.requirements):
             feats = {}
             for t in r.taps:
-                parts = [row[2][t] for row in rows if t in row[2]]
+                parts = [c[2][t] for c in chunks if t in c[2]]
                 if parts:
-                    feats[t] = array_module(parts[0]).concatenate(parts)
+                    feats[t] = array_module(parts[0]).concatenate(parts)  # (a copy: chunks may be kept)
             drafter.process(TargetOutput(seq=req.seq, phase="prefill", tokens=tokens, positions=positions,
                                          features=feats, has_embeddings=False, logits=None,
                                          kv=target_kv_views(self.ctx.cache, r, req.seq)))
