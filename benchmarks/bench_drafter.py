@@ -5,7 +5,8 @@ byte-identical output, in one run.
     PLINTH_THREADS=1 python benchmarks/bench_drafter.py --clock cpu          # on a loaded machine
     python benchmarks/bench_drafter.py --curve DRAFT.gguf.ckpt --n 8         # tau against training tokens
 
-Prompts: :func:`plinth.train.prompts.eval_prompts` for ``chat``, ``code`` (write / complete a function) and
+``plinth bench --spec NAME`` runs the same evaluation (:mod:`plinth.train.evaluate`); this script adds
+``--ngram`` and ``--curve``. Prompts: :func:`plinth.train.prompts.eval_prompts` for ``chat``, ``code`` (write / complete a function) and
 ``summarise`` (summarise / rewrite a given passage), ``--n`` each, from subjects the training set never holds.
 Each prompt is rendered with the chat template and decoded greedily, batch 1, twice in a row: plain
 (:class:`plinth.generate.Generator`) and speculative (``--spec``, default dspark, with the shipped drafter
@@ -28,49 +29,14 @@ from pathlib import Path
 
 
 def run_kind(model, prompts, make_spec, max_tokens, clock, tok, label="dspark", plain=True):
-    from plinth.generate import Generator, render_chat
+    from plinth.train.evaluate import run_prompts
 
-    plain_t = spec_t = 0.0
-    n_plain = n_spec = 0
-    drafts = accepted = 0
-    per_pos: list[int] = []
-    same = 0
-    spec = make_spec()
-    for p in prompts:
-        text = render_chat(tok.chat_template, [{"role": "user", "content": p.text}], tok)
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        a = None
-        if plain:
-            g = Generator(model)
-            t0 = clock()
-            a = g.generate(ids, max_tokens)
-            plain_t += clock() - t0
-        t0 = clock()
-        b = spec.generate(ids, max_tokens)
-        spec_t += clock() - t0
-        a = b if a is None else a
-        st = spec.stats
-        n_plain += len(a)
-        n_spec += len(b)
-        same += int(a == b and tok.decode(a) == tok.decode(b))
-        drafts += st.n_drafts
-        accepted += st.n_accepted
-        for k, v in enumerate(st.accepted_per_pos):
-            if k >= len(per_pos):
-                per_pos.append(0)
-            per_pos[k] += v
-    tau = 1.0 + accepted / drafts if drafts else 1.0
-    return {"tau": tau, "per_pos": [v / drafts if drafts else 0.0 for v in per_pos],
-            "plain_tps": n_plain / plain_t if plain else 0.0, "spec_tps": n_spec / spec_t,
-            "speedup": plain_t / spec_t if plain else 0.0, "same": same, "n": len(prompts),
-            "tokens": n_plain, "label": label}
+    return run_prompts(model, [p.text for p in prompts], make_spec, max_tokens, label=label, plain=plain, clock=clock)
 
 
 def show(kind, r):
-    pos = " ".join(f"{x:.2f}" for x in r["per_pos"])
-    print(f"{kind:10s} {r['label']:7s} tau {r['tau']:.2f} | per position {pos} | plain {r['plain_tps']:.1f} tok/s, "
-          f"spec {r['spec_tps']:.1f} tok/s, speed-up {r['speedup']:.2f}x | identical {r['same']}/{r['n']} "
-          f"({r['tokens']} tokens)", flush=True)
+    r.kind = kind
+    print(r.line(), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,19 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         for f in files:
             r = run_kind(model, prompts, spec_factory(args.spec, str(f)), args.max_tokens, clock, tok, plain=False)
             k = int(f.stem.split("-")[1].rstrip("k"))
-            print(f"{k:>8d}k tokens  tau {r['tau']:.3f}  per position "
-                  f"{' '.join(f'{x:.2f}' for x in r['per_pos'])}", flush=True)
+            print(f"{k:>8d}k tokens  tau {r.tau:.3f}  per position "
+                  f"{' '.join(f'{x:.2f}' for x in r.per_pos)}", flush=True)
         return 0
     bad = 0
     for kind in args.kinds.split(","):
         prompts = eval_prompts(kind, args.n)
         r = run_kind(model, prompts, spec_factory(args.spec, args.draft), args.max_tokens, clock, tok, args.spec)
         show(kind, r)
-        bad += r["n"] - r["same"]
+        bad += r.n - r.same
         if args.ngram:
             r = run_kind(model, prompts, spec_factory("ngram", None), args.max_tokens, clock, tok, "ngram")
             show(kind, r)
-            bad += r["n"] - r["same"]
+            bad += r.n - r.same
     print(f"# load after: {os.getloadavg()[0]:.1f}")
     return 1 if bad else 0
 

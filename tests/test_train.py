@@ -328,3 +328,22 @@ def test_a_recording_with_holes_is_refused():
     hole[0][2] = 0  # a prompt row without features
     with pytest.raises(RuntimeError, match="missed 1 of 11 feature rows"):
         check_recorded(hole, npr, n, 3)
+
+
+def test_bench_spec_reports_acceptance_on_held_out_prompts(tiny, capsys):
+    """plinth bench --spec: per kind tau, per-position acceptance, both speeds, identical outputs, in one run."""
+    from plinth.cli import main
+
+    _, model = tiny
+    rc = main(["bench", "-m", str(model.path), "--spec", "ngram", "--prompts", "chat,code", "--n-prompts", "2",
+               "--decode-tokens", "12", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = [ln for ln in out.splitlines() if " tau " in ln]
+    assert [ln.split()[0] for ln in lines] == ["chat", "code"]
+    for ln in lines:
+        assert "identical 2/2" in ln and "speed-up" in ln and "per position" in ln
+    with pytest.raises(SystemExit):
+        main(["bench", "-m", str(model.path), "--spec", "nosuchdrafter"])
+    assert main(["bench", "-m", str(model.path), "--spec", "ngram", "--prompts", "poems"]) != 0
+    assert "prompt kind 'poems'" in capsys.readouterr().err

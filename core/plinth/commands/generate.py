@@ -73,6 +73,38 @@ def make_generator(args: argparse.Namespace, model: Any) -> Any:
     return SpeculativeGenerator(model, drafters, config=config, sampler=sampler, registry=args.registry)
 
 
+def run_bench_spec(args: argparse.Namespace) -> int:
+    """``plinth bench --spec``: a drafter on held-out prompts against plain decoding."""
+    from ..errors import UserError
+    from ..train.evaluate import held_out, run_prompts
+
+    if getattr(args, "ray_stages", None):
+        raise UserError("--spec with --ray-stages: the drafter evaluation runs in one process")
+    if args.spec_synthetic is not None:
+        raise UserError("--spec-synthetic with --spec: plinth bench --spec measures the drafter's real acceptance "
+                        "(use plinth generate --spec-synthetic for a synthetic rate)")
+    kinds = [k.strip() for k in args.prompts.split(",") if k.strip()]
+    texts = {k: held_out(k, args.n_prompts) for k in kinds}  # unknown kinds are refused before the model loads
+    for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repeat_penalty", 1.0),
+                        ("seed", 0)):
+        setattr(args, name, value)  # greedy: the speculative output must equal the plain one token for token
+    model = _load(args)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"model:  {model.path.name}; --spec {args.spec}{' --draft ' + args.draft if args.draft else ''}, "
+          f"n_max {args.spec_n_max}, p_min {args.spec_p_min}; {args.n_prompts} held-out prompts a kind, at most "
+          f"{args.decode_tokens} tokens, greedy, batch 1, {args.clock} clock", flush=True)
+    bad = 0
+    for kind in kinds:
+        r = run_prompts(model, texts[kind], lambda: make_generator(args, model), args.decode_tokens, kind=kind,
+                        label=args.spec, clock=clock)
+        print(r.line(), flush=True)
+        bad += r.n - r.same
+    if bad:
+        print(f"error: {bad} speculative output(s) differ from plain decoding (a losslessness bug: please report it)",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text from a prompt (streamed)",
                        description="Generate a continuation of PROMPT and stream it to stdout. With --chat the "
@@ -124,17 +156,30 @@ def register(sub: Any) -> None:
     p.add_argument("--parse-special", action="store_true", help="turn special token texts into their ids")
     p.set_defaults(func=run_tokenize)
 
-    p = sub.add_parser("bench", help="measure prompt and decode tokens/s",
+    p = sub.add_parser("bench", help="measure prompt and decode tokens/s, or a drafter's acceptance and speed-up",
                        description="Time a prefill of --prompt-tokens tokens and --decode-tokens greedy decode "
-                       "steps; print tokens/s for both.")
+                       "steps; print tokens/s for both. With --spec: decode held-out prompts (chat, code, "
+                       "summarise; subjects plinth's drafter training never uses) plainly and speculatively, "
+                       "greedy, batch 1, alternating, and print per kind tau (tokens a verify step keeps), the "
+                       "acceptance of each draft position, both speeds and the speed-up, and how many outputs are "
+                       "byte-identical (all must be: the exit status is 1 otherwise).")
     p.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     p.add_argument("--prompt-tokens", type=int_range(1), default=128)
-    p.add_argument("--decode-tokens", type=int_range(1), default=64)
+    p.add_argument("--decode-tokens", type=int_range(1), default=64,
+                   help="greedy decode steps (with --spec: most tokens an answer; default 64)")
     p.add_argument("--runs", type=int_range(1), default=3, help="repetitions; the best is reported")
     p.add_argument("--backend", default="numpy")
     threads_arg(p)
     cache_type_args(p)
     pipeline_args(p)
+    spec_args(p)
+    e = p.add_argument_group("drafter evaluation (with --spec)")
+    e.add_argument("--prompts", default="chat,code,summarise", metavar="KIND[,KIND...]",
+                   help="held-out prompt kinds: chat, code (write / complete a function), summarise (summarise / "
+                   "rewrite a passage); default all three")
+    e.add_argument("--n-prompts", type=int_range(1), default=20, help="prompts per kind (default 20)")
+    e.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time by the wall clock or by this process's CPU time (steadier on a shared machine)")
     p.set_defaults(func=run_bench, check_args=check_args)
 
 
@@ -261,6 +306,8 @@ def run_tokenize(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from ..generate import time_prefill_decode
 
+    if args.spec:
+        return run_bench_spec(args)
     model = _load(args, tokenizer=False)
     pp, tg = time_prefill_decode(model, args.prompt_tokens, args.decode_tokens, runs=args.runs)
     if getattr(args, "ray_stages", None):
