@@ -18,17 +18,23 @@ Train a block drafter for TARGET and write it as a dflash GGUF that `plinth gene
    training runs no second target forward. Shards already there are kept, so a later run extends them;
    --no-generate trains on what is there.
 2. Training (torch, the `train` extra): features from plinth's own taps of TARGET (the int8 path
-   the drafter sees at inference; recorded with the data, or computed when the shards lack them), --anchors blocks per sequence, block --block-size, the DSpark
-   objective (0.1 CE + 0.9 TV with position weights exp(-i/4), plus the confidence head's BCE against
+   the drafter sees at inference; recorded with the data, or computed when the shards lack them), each
+   channel scaled by 1 / its RMS over the data (folded into fc at export; --no-feat-norm: off),
+   --anchors blocks per sequence, block --block-size, the DSpark objective (--ce-weight W: W CE +
+   (1 - W) TV, default 0.1, with position weights exp(-i/4), plus the confidence head's BCE against
    1 - TV; the low-rank Markov head) or --objective dflash (weighted CE). The DSpark head covers the
    --draft-vocab most frequent answer tokens (d2t); a DFlash draft has the full vocabulary (plinth-dflash
-   reads no d2t), so it trains several times slower. --init target starts the draft layers from the
-   target's last layers.
+   reads no d2t), so it trains several times slower. --init target (the default) starts the draft
+   layers from the target's first layers, the draft's final norm from the target's, and the Markov
+   head from the corpus's answer bigrams (a rank --rank factorisation of their log probabilities), so
+   the first step already predicts about as well as a bigram model.
 3. Checkpoints every --save-every seconds in OUT.ckpt/ (weights, optimiser, data position): the same
-   command continues an interrupted run, and a larger --steps continues a finished one (the cosine
-   schedule stretched to the new length). OUT is rewritten at each checkpoint, and a copy per
-   checkpoint (OUT.ckpt/draft-NNNk.gguf, named by answer tokens trained) is kept for curves of tau
-   against training tokens (`python benchmarks/bench_drafter.py`).
+   command continues an interrupted run, and another --steps (beyond the step reached) reschedules it
+   (the cosine schedule stretched or compressed to the new length). OUT is rewritten at each
+   checkpoint, and a copy per checkpoint (OUT.ckpt/draft-NNNk.gguf, named by answer tokens trained) is
+   kept for curves of tau against training tokens (`python benchmarks/bench_drafter.py --curve`).
+4. Evaluate: `plinth bench -m TARGET --spec dspark --draft OUT` decodes held-out prompts plainly and
+   speculatively and prints tau, the acceptance per draft position and the speed-up.
 
 The progress line shows steps, answer tokens trained, the loss, acc@1 and the estimated tau (greedy
 acceptance of the first rows of training blocks against the target's argmax, plus one)."""
@@ -55,7 +61,8 @@ def register(sub: Any) -> None:
     m.add_argument("--draft-vocab", type=int, default=8192, help="draft head rows (d2t; default 8192)")
     m.add_argument("--rank", type=int, default=64, help="Markov head rank (dspark; default 64)")
     m.add_argument("--init", choices=("target", "random"), default="target",
-                   help="draft layers from the target's last layers (default) or random")
+                   help="target: draft layers from the target's first layers, final norm from the target's, Markov head "
+                        "from the corpus's bigrams (default); random: all random")
     m.add_argument("--quant", choices=("q8_0", "f16", "f32"), default="q8_0", help="exported matrices' type")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=4000, help="optimiser steps (the schedule's length)")

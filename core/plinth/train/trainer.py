@@ -47,7 +47,7 @@ class TrainOptions:
     block_size: int = 8
     draft_vocab: int = 8192
     markov_rank: int = 64
-    init: str = "target"  # "target": the draft layers start from the target's last layers; "random"
+    init: str = "target"  # "target": layers from the target's first ones, its final norm, bigram Markov head; "random"
     anchors: int = 32  # blocks per sequence
     seqs: int = 4  # sequences per optimiser step
     lr: float = 6e-4
@@ -173,9 +173,9 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         state["recipe"] = {"ce_weight": 0.1, "feat_norm": False, **state["recipe"]}
         state["model"].setdefault("feat_scale", None)
         diff = {k: (state["recipe"].get(k), v) for k, v in opt.recipe().items() if state["recipe"].get(k) != v}
-        if set(diff) == {"steps"} and opt.steps > state["recipe"]["steps"]:
-            log(f"train: extending the schedule of {ckdir} from {state['recipe']['steps']} to {opt.steps} steps "
-                "(the cosine decay is stretched: the learning rate rises again)")
+        if set(diff) == {"steps"} and opt.steps > state["step"]:
+            log(f"train: the schedule of {ckdir} goes from {state['recipe']['steps']} to {opt.steps} steps (the cosine "
+                f"decay is {'stretched: the learning rate rises again' if opt.steps > state['recipe']['steps'] else 'compressed: the learning rate drops'})")
             state["recipe"] = opt.recipe()
         if state["recipe"] != opt.recipe():
             raise UserError(f"{ckdir}: the checkpoint was made with other settings {diff}; pass the same options "
@@ -274,6 +274,8 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
         return (np.array(toks[sl], dtype=np.int64), int(npr[j]),
                 None if rec is None else tuple(a[sl] for a in rec))
 
+    missing: set[str] = set()
+
     def next_seq() -> tuple[np.ndarray, int, Any]:
         while True:
             if data_pos["index"] >= len(data_pos["order"]):
@@ -283,6 +285,11 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
                 log(f"\ntrain: epoch {data_pos['epoch']} over {len(data_pos['order'])} sequences")
             name, j = data_pos["order"][data_pos["index"]]
             data_pos["index"] += 1
+            if not (Path(opt.data) / name).is_file():  # a shard removed since the epoch began
+                if name not in missing:
+                    missing.add(name)
+                    log(f"\ntrain: {name} is gone from {opt.data}; its sequences are skipped this epoch")
+                continue
             toks, npr, rec = load_seq(name, j)
             toks = toks[: opt.max_len]
             if rec is not None:
