@@ -248,6 +248,12 @@ class Linear:
 
     def __call__(self, x: Any) -> Any:
         """x: [n, n_in] -> [n, n_out]."""
+        if type(x) is np.ndarray and isinstance(self.w, quant.WEIGHT_TYPES):
+            y = quant.rows_product(self.w, x)  # (a decode row's product with the least Python: the same bits)
+            if y is not None:
+                if self.bias is not None:
+                    y += self.bias
+                return y
         return ops.linear_t(x, self.w, self.bias) if self.transposed else ops.linear(x, self.w, self.bias)
 
     @property
@@ -399,8 +405,6 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
     buffers, one compiled call writes every sequence's rows there, and the attention kernel reads them
     in place (one table row a sequence, no views, no per-group checks: a server step's 16 sequences
     cost about a third of the Python of the general path)."""
-    from .ops._xp import compiled_ops
-
     if kv.roles and not kv.cache.types.plain:  # a typed cache (plinth.kvtypes): a kernel that reads its blocks
         from .ops.attend_q import attend_rows_typed
 
@@ -409,7 +413,7 @@ def _attend_rows(q: Any, k: Any, v: Any, kv: Any, shared: bool, step: Step, scal
     if not shared:
         table = kv.reserve_rows(groups, (k.shape[1:], v.shape[1:]))
         pos = step.once("positions_i64", lambda: np.asarray(step.batch.positions, dtype=np.int64))
-        compiled_ops().scatter_rows(k, v, pos, table)
+        ops._xp.compiled_ops().scatter_rows(k, v, pos, table)
         table[:, 2] += table[:, 1] - table[:, 0]  # (the key counts, this forward's rows included)
     else:
         table = kv.rows_table(groups)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy
 
+from .. import runtime
 from ._xp import F32, array_module, as_f32, compiled_ops
 
 #: up to this many query rows of a sequence, attention on the host runs the compiled row kernel
@@ -82,9 +83,7 @@ def attention_bias(
 
 def _threads() -> int:
     """The kernel threads (``--threads`` / PLINTH_THREADS; only the split of the work depends on it)."""
-    from .. import quant
-
-    return quant.threads()
+    return runtime.threads()
 
 
 def host_bias(bias: Any, n_rows: int, n_kv: int) -> Any:

@@ -184,6 +184,15 @@ def apply_rope(
     inverse: rotate by the negative angle (undo a rope, e.g. on an attention output).
     Returns [n_tokens, n_head, head_dim] float32.
     """
+    if cos_sin is not None and type(x) is numpy.ndarray and x.dtype == F32 and x.ndim == 3:
+        cos, sin = cos_sin  # (a decode step's host rotation: the compiled call below with the least Python)
+        if (type(cos) is numpy.ndarray and cos.dtype == F32 and sin.dtype == F32 and cos.shape[0] == x.shape[0]
+                and mode in ("normal", "neox") and 0 <= offset and offset + 2 * cos.shape[-1] <= x.shape[-1]):
+            k = compiled_ops()
+            if k is not None:
+                out = numpy.empty(x.shape, dtype=F32)
+                k.rope_rows(x, cos, sin, offset, mode == "neox", inverse, out)
+                return out
     xp = array_module(x)
     x = as_f32(x, xp)
     if cos_sin is None:

@@ -129,6 +129,11 @@ class QuantWeight:
     # ------------------------------------------------------------------ array-like
 
     @property
+    def scaled(self) -> bool:
+        """Whether products are multiplied by :attr:`scale` after the kernel."""
+        return self.scale is not None
+
+    @property
     def nbytes(self) -> int:
         return int(self.raw.nbytes)
 
@@ -267,6 +272,10 @@ class StackedWeight:
         self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
         self._starts = np.cumsum([0] + [p.shape[0] for p in parts])
         self._i8: Any = None
+        #: never a precise head (:meth:`QuantWeight._refine` is one weight's)
+        self.precise = False
+        #: whether some part's products are multiplied by its scale after the kernel
+        self.scaled = any(p.scale is not None for p in self.parts)
 
     @property
     def nbytes(self) -> int:
@@ -322,6 +331,31 @@ def _int8_args(w: Any, parts: list[QuantWeight]) -> Any:
     if w._i8 is None:
         w._i8 = _i8_args(parts) or False
     return w._i8
+
+
+def rows_product(w: Any, x: np.ndarray) -> Any:
+    """``w.matmul(x)`` for a decode-sized batch with the least Python on the way (the layers of a dense
+    decoder call it a few times a layer, every token): the same int8 kernel call on the same arguments,
+    hence the same bits, as :meth:`QuantWeight.matmul` / :meth:`StackedWeight.matmul`. None where that
+    shortcut does not apply (the weight's first product not taken yet, the int8 kernels off, a scale, a
+    precise head, more rows than KERNEL_MAX_ROWS, x not a C-order float32 host matrix): the caller takes
+    :func:`plinth.ops.linear`. x: float32 ``[m, n_in]``."""
+    args = w._i8
+    if not args or not (_state["kernels"] and _state["i8"]) or w.scaled or w.precise:
+        return None
+    m = x.shape[0]
+    if not (0 < m <= KERNEL_MAX_ROWS and x.dtype == np.float32 and x.flags.c_contiguous and x.ndim == 2):
+        return None
+    if blas._state["current"] != 1:
+        blas.use(1)
+    n = w.shape[0]
+    if type(w) is QuantWeight:
+        out = _out_rows(m, n)
+        _state["i8"].linear(*args, x, out)
+        return out if out.shape[1] == n else out[:, :n]
+    out = np.empty((m, n), dtype=np.float32)
+    _state["i8"].linear(*args, x, out)
+    return out
 
 
 def _int8_product(args: tuple[Any, ...], x: np.ndarray, out: np.ndarray) -> np.ndarray:

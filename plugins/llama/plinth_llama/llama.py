@@ -226,6 +226,10 @@ class LlamaGraph(BaseGraph):
         w, xp = self.w, self.xp
         self.rope = self.make_rope()
         self.attn_scale = 1.0 / float(hp.head_dim) ** 0.5
+        #: per layer (query heads, kv heads, head size), read once (a decode step asks 3 times a layer)
+        self.heads = [(hp.n_head[il], hp.n_head_kv[il], hp.head_dim) for il in range(hp.n_layer)]
+        #: per layer its attention and FFN norm weights
+        self.norms = [(w[f"blk.{il}.attn_norm.weight"], w[f"blk.{il}.ffn_norm.weight"]) for il in range(hp.n_layer)]
         self.qkv, self.attn_out, self.gate_up, self.down = [], [], [], []
         for il in range(hp.n_layer):
             b = f"blk.{il}."
@@ -279,17 +283,18 @@ class LlamaGraph(BaseGraph):
         return qk
 
     def layer(self, il: int, x: Any, step: Step) -> Any:
-        w, eps, b = self.w, self.hp.norm_eps, f"blk.{il}."
-        x = x + self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], eps), step)
-        h = ops.rms_norm(x, w[b + "ffn_norm.weight"], eps)
+        attn_norm, ffn_norm = self.norms[il]
+        eps = self.hp.norm_eps
+        x = x + self.attention(il, ops.rms_norm(x, attn_norm, eps), step)
+        h = ops.rms_norm(x, ffn_norm, eps)
         h = self.moe(il, h) if self.hp.n_expert else self.ffn(il, h)
         h += x
         return h
 
     def attention(self, il: int, x: Any, step: Step, window: int = 0, soft_cap: float | None = None) -> Any:
         """Self-attention of layer ``il``. x: [n_rows, n_embd] (normed) -> [n_rows, n_embd]."""
-        hp, n = self.hp, x.shape[0]
-        n_head, n_head_kv, hd = hp.n_head[il], hp.n_head_kv[il], hp.head_dim
+        n = x.shape[0]
+        n_head, n_head_kv, hd = self.heads[il]
         qkv = self.qkv[il](x)  # [n, (n_head + 2 n_head_kv) * hd]
         v = qkv[:, (n_head + n_head_kv) * hd:].reshape(n, n_head_kv, hd)
         # Q and K heads side by side: one normalisation and one rotation for both
