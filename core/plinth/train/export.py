@@ -3,7 +3,7 @@
 Tensor names and layouts are those of :mod:`plinth_dflash.format` (llama.cpp's dflash names) plus
 :mod:`plinth_dspark.format`'s heads; the draft has no embedding of its own (the block rows look up the
 target's), its own reduced head ``output.weight`` [V_d, E] with ``d2t`` [V_d] (absolute target ids).
-Matrices are written Q8_0 (or F16 / F32; ``fc`` F16 when per-channel feature scales are folded into
+Matrices are written Q8_0 (or F16 / F32; ``fc`` F32 when per-channel feature scales are folded into
 it), norms and the small heads F32. The training recipe goes
 into ``plinth.train.*`` keys.
 """
@@ -89,8 +89,9 @@ def export_gguf(net: Any, c: Any, path: str | Path, extra: Mapping[str, Any] | N
                 qtypes[name] = qt[quant]
         if "fc.weight" in qtypes and not bool((net.feat_scale == 1).all()):
             # the folded feature scales span ~3 decades within a 32-column block: Q8_0's shared block scale
-            # would round the small columns away, F16 keeps every column's relative precision
-            qtypes["fc.weight"] = gguf.GGMLQuantizationType.F16
+            # would round the small columns away; F32 keeps them (and runs as a plain float matrix: an F16
+            # one would be dequantized at every call)
+            del qtypes["fc.weight"]
     md = draft_metadata(c)
     md.update(extra or {})
     path = Path(path)

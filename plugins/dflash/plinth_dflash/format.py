@@ -519,7 +519,7 @@ def load_draft(path: str | Path, backend: Any, *, extension: DraftExtension | No
 
 
 #: the draft's projections (multiplied through ``plinth.ops.linear`` only): kept in their GGUF blocks
-_LINEAR = re.compile(r"(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|fc)\.weight")
+_LINEAR = re.compile(r"(blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)|fc|output)\.weight")
 
 
 def _keeps_blocks(backend: Any) -> bool:
