@@ -7,7 +7,8 @@ Each step builds one :class:`~plinth.batch.Batch` holding, for every active requ
   passes the kernels' row bound ``plinth.quant.KERNEL_MAX_ROWS``; a prompt that fits the budget
   is never split, it waits a step instead), or
 * one row — its last decided token — while it decodes, or ``[last, d_1..d_k]`` when a
-  drafter proposed ``d_1..d_k`` for it (speculative decoding, verified in the same forward),
+  drafter proposed ``d_1..d_k`` for it (speculative decoding, verified in the same forward; which
+  steps of a request draft is the drafting policy's choice, :mod:`.spec_policy`),
 
 runs one :meth:`Context.forward` over it, then samples / verifies each request's rows with
 that request's own sampler and random state. A request leaves the batch on an
@@ -15,8 +16,9 @@ end-of-generation token, its token budget, the context limit, a stop string or a
 cancel (client gone), and its cache rows are freed at once. New requests wait in a bounded
 queue and join the running batch at the next step.
 
-A prompt seen recently is not prefilled again (:mod:`.prompt_cache`, ``prompt_cache`` entries);
-speculative requests always prefill (their drafters read the prompt's features). The choices of
+A prompt seen recently is not prefilled again (:mod:`.prompt_cache`, ``prompt_cache`` entries); a
+speculative request's drafters read its prompt's features, so under the ``auto`` drafting policy its prompt
+is kept with them (and reused only from such an entry), under ``always`` it always prefills. The choices of
 one request (``n`` > 1) share one prefill: the followers copy the leader's rows and last logits.
 
 The parts: :mod:`.request` (what a request is), :mod:`.prompt_cache`, the speculative step
