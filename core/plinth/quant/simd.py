@@ -368,6 +368,9 @@ class _Ptrs:
 #: batch's product is compute-bound from the cache but was not hiding the weights' memory latency behind
 #: that compute (a 16-row SmolLM2 step -5 to -20%, k = 8 verify forwards -5%, one row unchanged)
 PREFETCH_BYTES = 2048
+#: types whose one-row products prefetch too: Q6_K's one-row loop streamed a weight larger than the
+#: L3 cache at a quarter of Q4_K's bytes a second (16384 x 5632, one thread: 13.1 -> 10.0 ms)
+PREFETCH_ONE_ROW = ("q6_k",)
 
 
 def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
@@ -429,7 +432,8 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
     prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _i32, _i32, _i32])
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
-        for line in range(-(-gbs // 64) if R >= 4 else 0):  # (read, keep, data; past the group: the next one's)
+        # (read, keep, data; past the group: the next one's)
+        for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
             builder.call(prefetch, [_at(builder, gb, ahead + 64 * line)] + [_const(_i32, a) for a in (0, 3, 1)])
         if per == 1:
             unit(_decode(builder, kind, gb, vnni), loop.index)

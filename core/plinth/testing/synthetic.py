@@ -129,17 +129,17 @@ def quantized_rows(type_name: str, n_out: int, n_in: int, seed: int = 0) -> np.n
 def random_blocks(type_name: str, n_out: int, n_in: int, seed: int = 0, d: float = 4e-4) -> np.ndarray:
     """A ``[n_out, row_bytes]`` uint8 tensor of GGUF type ``type_name`` made of random blocks, without the float
     values :func:`quantized_rows` starts from (a billion-parameter benchmark file in seconds): random quants
-    and sub-block scales, each block's f16 ``d`` (and ``dmin``) uniform in ``[d / 2, d]`` (Q6_K: a quarter of
-    that, its signed sub-block scales reaching 127 where Q4_K's reach 63: the default gives values of mean
-    magnitude ~0.07 in both, a trained model's order). Any block type whose ``d`` leads the block or ends it
-    as Q6_K's does."""
+    and sub-block scales, each block's f16 ``d`` (and ``dmin``) uniform in ``[d / 2, d]`` (Q6_K: in ``[d / 40,
+    d / 20]``, f16 subnormals as nearly all of a real Q6_K file's d are, its signed sub-block scales reaching
+    127 where Q4_K's reach 63: the default gives values of mean magnitude ~0.07 for Q4_K and ~0.02 for Q6_K,
+    a trained model's order). Any block type whose ``d`` leads the block or ends it as Q6_K's does."""
     from ..gguf.constants import BLOCK_SIZES, GGMLType
 
     qk, size = BLOCK_SIZES[GGMLType[type_name]]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n_out, n_in // qk * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
-    d = d / 4 if type_name == "Q6_K" else d
+    d = d / 20 if type_name == "Q6_K" else d
     scales = rng.uniform(d / 2, d, (blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
     if type_name == "Q6_K":
         blocks[:, 208:210] = scales[:, 0:2]
