@@ -3,6 +3,7 @@
 Usage::
 
     python benchmarks/bench_peer.py [-m MODEL ...] [--threads 2] [--positions 512] [--runs 5] [--transformers]
+    python benchmarks/bench_peer.py --synthetic-1b [--prompt-tokens 64] [--runs 3]
 
 Needs llama-cpp-python (``pip install 'plinth[peer]'``); ``--transformers`` also
 needs torch==2.13.0 and transformers (``pip install 'plinth[ref]'``). Models
@@ -25,6 +26,10 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   k-token verify forward (k = 4, 8; the mean of 4 in a row) after a 128-token context and one decoded token
   (the steady state of speculative decoding) relative to k = 1,
   for both engines.
+* ``--synthetic-1b``: the speed part only, on a random ~1.1B-parameter llama in llama.cpp's Q4_K_M
+  mix written by the test kit (:func:`plinth.testing.synthetic.write_quantized_llama`: TinyLlama-1.1B's
+  shape, hidden 2048, 22 layers, FFN 5632, 32 / 4 heads; ~640 MiB, kept at ``--synthetic-path`` and
+  written there first when missing): where the weights, not the Python of a step, set the pace.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "golden" / "real" / "peer_corpus.txt"
 MAKER = ROOT / "tests" / "golden" / "make_real_golden.py"
 DEFAULT_MODELS = ["smollm2-135m-instruct", "gemma3-270m"]
+SYNTHETIC_1B = Path.home() / ".cache" / "plinth" / "synthetic-llama-1b-q4_k_m.gguf"
 
 
 def _golden():
@@ -107,9 +113,11 @@ def _rss_mb():
 #: verify forwards timed one after the other per measurement (their mean: one forward of ~10 ms alone
 #: swings with a shared machine's noise, and the ratios with it)
 VERIFY_REPS = 4
+#: the context a verify forward follows (tokens)
+VERIFY_CTX = 128
 
 
-def _plinth_verify(model, k, n_ctx=128):
+def _plinth_verify(model, k, n_ctx=VERIFY_CTX):
     """Seconds of one forward of k tokens after an n_ctx-token context and one decoded token (the mean
     of VERIFY_REPS such forwards in a row): the steady state of speculative decoding, where verify
     follows verify, not a prompt (right after a prompt batch, BLAS threads still spin while the first
@@ -126,7 +134,7 @@ def _plinth_verify(model, k, n_ctx=128):
     return (time.perf_counter() - t) / VERIFY_REPS
 
 
-def _peer_verify(llm, n_vocab, k, n_ctx=128):
+def _peer_verify(llm, n_vocab, k, n_ctx=VERIFY_CTX):
     import numpy as np
 
     prompt = np.random.default_rng(1).integers(0, n_vocab, n_ctx).tolist()
@@ -139,21 +147,38 @@ def _peer_verify(llm, n_vocab, k, n_ctx=128):
     return (time.perf_counter() - t) / VERIFY_REPS
 
 
-def _peer_prefill_decode(llm, n_vocab, n, n_decode):
+def _peer_prefill_decode(llm, n_vocab, n, n_decode, clock=time.perf_counter):
     """llama.cpp's (prompt tok/s, decode tok/s) for one run, as plinth's time_prefill_decode runs."""
     import numpy as np
 
     prompt = np.random.default_rng(0).integers(0, n_vocab, n).tolist()  # as time_prefill_decode
     llm.reset()
-    t = time.perf_counter()
+    t = clock()
     llm.eval(prompt)
     token = int(np.argmax(_last_logits(llm, n_vocab)))
-    pp = time.perf_counter() - t
-    t = time.perf_counter()
+    pp = clock() - t
+    t = clock()
     for _ in range(n_decode):
         llm.eval([token])
         token = int(np.argmax(_last_logits(llm, n_vocab)))
-    return n / pp, n_decode / (time.perf_counter() - t)
+    return n / pp, n_decode / (clock() - t)
+
+
+def _plinth_prefill_decode(model, n, n_decode, clock):
+    """plinth's (prompt tok/s, decode tok/s) for one run on ``clock`` (time_prefill_decode's run)."""
+    import numpy as np
+
+    prompt = np.random.default_rng(0).integers(0, model.n_vocab, n).tolist()
+    ctx = model.new_context()
+    t = clock()
+    out = ctx.decode(prompt)
+    pp = clock() - t
+    token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+    t = clock()
+    for _ in range(n_decode):
+        out = ctx.decode([token])
+        token = int(np.argmax(model.backend.to_numpy(out.logits[-1])))
+    return n / pp, n_decode / (clock() - t)
 
 
 def speed(name, path, args, llama_cpp):
@@ -177,25 +202,24 @@ def speed(name, path, args, llama_cpp):
     rss2 = _rss_mb()
     n_vocab = model.n_vocab
     n_max = max(args.prompt_tokens)
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_max + args.decode_tokens + 16, n_batch=512,
-                          n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+    n_ctx = max(n_max + args.decode_tokens, VERIFY_CTX + 1 + VERIFY_REPS * max(VERIFY_KS)) + 16
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
     ours, peer = {}, {}
     for n in args.prompt_tokens:
         best = [0.0, 0.0, 0.0, 0.0]  # plinth prompt, decode; llama.cpp prompt, decode (tok/s, best)
         for _ in range(args.runs):
-            pp, tg = time_prefill_decode(model, n, args.decode_tokens, runs=1)
-            ppp, ptg = _peer_prefill_decode(llm, n_vocab, n, args.decode_tokens)
+            if args.cpu_time:
+                pp, tg = _plinth_prefill_decode(model, n, args.decode_tokens, time.process_time)
+                ppp, ptg = _peer_prefill_decode(llm, n_vocab, n, args.decode_tokens, time.process_time)
+            else:
+                pp, tg = time_prefill_decode(model, n, args.decode_tokens, runs=1)
+                ppp, ptg = _peer_prefill_decode(llm, n_vocab, n, args.decode_tokens)
             best = [max(a, b) for a, b in zip(best, (pp, tg, ppp, ptg))]
         ours[n], peer[n] = tuple(best[:2]), tuple(best[2:])
-    ours_verify = {k: float("inf") for k in VERIFY_KS}
-    peer_verify = dict(ours_verify)
-    for _ in range(args.runs):
-        for k in VERIFY_KS:
-            ours_verify[k] = min(ours_verify[k], _plinth_verify(model, k))
-            peer_verify[k] = min(peer_verify[k], _peer_verify(llm, n_vocab, k))
-    del model, llm
     size = path.stat().st_size / 2**20
-    print(f"{name}: {args.threads} threads, best of {args.runs}")
+    print(f"{name}: {args.threads} threads, best of {args.runs}"
+          + (" (tokens per second of this process's CPU time)" if args.cpu_time else ""))
     print(f"  plinth load {load_s:.2f} s; resident set {rss1:.0f} MiB after load ({rss1 - rss0:.0f} MiB added by "
           f"the load), file {size:.0f} MiB: added / file = {(rss1 - rss0) / size:.2f}")
     print(f"  first forward (4 tokens, weights repacked) {first_s:.2f} s; resident set after it {rss2:.0f} MiB: "
@@ -206,7 +230,16 @@ def speed(name, path, args, llama_cpp):
     pp, tg = ours[args.prompt_tokens[0]]
     ppp, ptg = peer[args.prompt_tokens[0]]
     print(f"  decode ({args.decode_tokens} tokens) tok/s: plinth {tg:.1f}, llama.cpp {ptg:.1f}, "
-          f"ratio {tg / ptg:.2f}")
+          f"ratio {tg / ptg:.2f}", flush=True)
+    if args.no_verify:
+        return
+    ours_verify = {k: float("inf") for k in VERIFY_KS}
+    peer_verify = dict(ours_verify)
+    for _ in range(args.runs):
+        for k in VERIFY_KS:
+            ours_verify[k] = min(ours_verify[k], _plinth_verify(model, k))
+            peer_verify[k] = min(peer_verify[k], _peer_verify(llm, n_vocab, k))
+    del model, llm
     for label, v in (("plinth", ours_verify), ("llama.cpp", peer_verify)):
         print(f"  verify forward after 128 tokens, cost / k=1 ({label}): "
               + ", ".join(f"k={k} {v[k] * 1e3:.1f} ms ({v[k] / v[1]:.2f}x)" for k in VERIFY_KS))
@@ -226,8 +259,19 @@ def main() -> None:
     parser.add_argument("--transformers", action="store_true", help="also transformers vs llama.cpp agreement")
     parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--no-verify", action="store_true", help="speed without the verify forwards")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="prompt and decode speed on this process's CPU time (with --threads 1 only: a "
+                             "loaded machine's figure that does not count the time other processes held the core)")
+    parser.add_argument("--synthetic-1b", action="store_true",
+                        help="speed only, on a random ~1.1B llama in the Q4_K_M mix (written first when missing)")
+    parser.add_argument("--synthetic-path", type=Path, default=SYNTHETIC_1B,
+                        help=f"where --synthetic-1b's file is kept (default {SYNTHETIC_1B})")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)  # before numpy is imported
+    os.environ["PLINTH_THREADS"] = str(args.threads)  # plinth's kernels run as many threads as llama.cpp's
+    if args.cpu_time and args.threads != 1:
+        sys.exit("--cpu-time counts CPU time: it compares the engines at --threads 1 only")
 
     from plinth import hub
 
@@ -238,6 +282,19 @@ def main() -> None:
 
     print(f"llama-cpp-python {llama_cpp.__version__}; cores: {os.cpu_count()}; "
           f"load average at start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if args.synthetic_1b:
+        path = args.synthetic_path
+        if not path.is_file():
+            from plinth.testing.synthetic import write_quantized_llama
+
+            print(f"writing {path} (a random ~1.1B llama, Q4_K_M mix)...", flush=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".partial")
+            write_quantized_llama(tmp)
+            tmp.replace(path)
+        speed("synthetic llama 1.1B Q4_K_M", path, args, llama_cpp)
+        print(f"load average at end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        return
     for name in args.model or DEFAULT_MODELS:
         path = hub.resolve_model(name)
         if not args.no_agreement:
