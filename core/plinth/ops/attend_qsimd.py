@@ -30,7 +30,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .attend_simd import (_F32P, _bcast, _bcast_i64, _c64, _exp, _f32, _fma, _hreduce, _i32, _i64, _splat,
+from .attend_simd import (_F32P, _bcast, _bcast_i64, _c64, _f32, _fma, _i32, _i64, _softmax_rows, _splat,
                           _transpose_sum, _vec, _vload, _vstore, lanes)
 
 _i8, _i16 = ir.IntType(8), ir.IntType(16)
@@ -237,30 +237,7 @@ def _rows_fn(module, W):
                 b.store(b.load(b.gep(bp, [b.add(j0, i.index)])), b.gep(tail, [i.index]))
         scores(n_full, tail)
 
-    def vmax(x, y):
-        return b.select(b.fcmp_ordered(">", x, y), x, y)
-
-    mxv = cgutils.alloca_once(b, vt)
-    den = cgutils.alloca_once(b, vt)
-    with cgutils.for_range(b, n_q) as qi:  # softmax weights, in place of the scores
-        srow_at = b.gep(sp, [b.mul(qi.index, srow)])
-        b.store(ninf, mxv)
-        with cgutils.for_range(b, nb) as blk:
-            b.store(vmax(_vload(b, b.gep(srow_at, [b.mul(blk.index, Wc)]), W), b.load(mxv)), mxv)
-        mx = _hreduce(b, b.load(mxv), W, vmax)
-        seen = b.fcmp_ordered("!=", mx, ir.Constant(_f32, -math.inf))  # else: sees no key, output 0
-        mxb = _bcast(b, b.select(seen, mx, ir.Constant(_f32, 0.0)), W)
-        b.store(zero, den)
-        with cgutils.for_range(b, nb) as blk:
-            p_at = b.gep(srow_at, [b.mul(blk.index, Wc)])
-            p = _exp(b, b.fsub(_vload(b, p_at, W), mxb), W)
-            _vstore(b, p, p_at)
-            b.store(b.fadd(b.load(den), p), den)
-        total = _hreduce(b, b.load(den), W, b.fadd)
-        inv = b.select(seen, b.fdiv(ir.Constant(_f32, 1.0), total), ir.Constant(_f32, 0.0))
-        b.store(inv, b.gep(inv_at, [b.mul(qi.index, Wc)]))
-        with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
-            _vstore(b, zero, b.gep(o_at, [b.add(b.mul(qi.index, hd_v), b.mul(c.index, Wc))]))
+    _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v)
     outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
 
     def value_sums(j0, j1, qis, off):

@@ -142,6 +142,39 @@ def scratch_floats(n_kv: int, n_q: int, hd: int, hd_v: int, W: int) -> int:
     return n_q * (-(-n_kv // W) * W + hd_v + W) + W * hd
 
 
+def _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v):
+    """Each query row's softmax weights in place of its scores (``nb`` vectors of ``W`` at ``sp + q * srow``):
+    the row's maximum, exp(score - max) and their sum; 1 / sum (0 for a row that sees no key) at
+    ``inv_at + q * W``; the row's ``hd_v`` output sums zeroed. Shared by the float32 and typed-cache kernels."""
+    zero = _splat(W, 0.0)
+    ninf = _splat(W, -math.inf)
+
+    def vmax(x, y):
+        return b.select(b.fcmp_ordered(">", x, y), x, y)
+
+    mxv = cgutils.alloca_once(b, vt)
+    den = cgutils.alloca_once(b, vt)
+    with cgutils.for_range(b, n_q) as qi:
+        srow_at = b.gep(sp, [b.mul(qi.index, srow)])
+        b.store(ninf, mxv)
+        with cgutils.for_range(b, nb) as blk:
+            b.store(vmax(_vload(b, b.gep(srow_at, [b.mul(blk.index, Wc)]), W), b.load(mxv)), mxv)
+        mx = _hreduce(b, b.load(mxv), W, vmax)
+        seen = b.fcmp_ordered("!=", mx, ir.Constant(_f32, -math.inf))  # else: sees no key, output 0
+        mxb = _bcast(b, b.select(seen, mx, ir.Constant(_f32, 0.0)), W)
+        b.store(zero, den)
+        with cgutils.for_range(b, nb) as blk:
+            p_at = b.gep(srow_at, [b.mul(blk.index, Wc)])
+            p = _exp(b, b.fsub(_vload(b, p_at, W), mxb), W)
+            _vstore(b, p, p_at)
+            b.store(b.fadd(b.load(den), p), den)
+        total = _hreduce(b, b.load(den), W, b.fadd)
+        inv = b.select(seen, b.fdiv(ir.Constant(_f32, 1.0), total), ir.Constant(_f32, 0.0))
+        b.store(inv, b.gep(inv_at, [b.mul(qi.index, Wc)]))
+        with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
+            _vstore(b, zero, b.gep(o_at, [b.add(b.mul(qi.index, hd_v), b.mul(c.index, Wc))]))
+
+
 def _rows_fn(module, W):
     """``plinth_attend_W(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch,
     out, out_stride)``: n_q query vectors (query i at q + i * q_stride, its output at out + i *
@@ -217,30 +250,7 @@ def _rows_fn(module, W):
                         _vstore(b, zero, b.gep(dst, [off]))
         scores(n_full, pad, hd, tail)
 
-    def vmax(x, y):
-        return b.select(b.fcmp_ordered(">", x, y), x, y)
-
-    mxv = cgutils.alloca_once(b, vt)
-    den = cgutils.alloca_once(b, vt)
-    with cgutils.for_range(b, n_q) as qi:  # softmax weights, in place of the scores
-        srow_at = b.gep(sp, [b.mul(qi.index, srow)])
-        b.store(ninf, mxv)
-        with cgutils.for_range(b, nb) as blk:
-            b.store(vmax(_vload(b, b.gep(srow_at, [b.mul(blk.index, Wc)]), W), b.load(mxv)), mxv)
-        mx = _hreduce(b, b.load(mxv), W, vmax)
-        seen = b.fcmp_ordered("!=", mx, ir.Constant(_f32, -math.inf))  # else: sees no key, output 0
-        mxb = _bcast(b, b.select(seen, mx, ir.Constant(_f32, 0.0)), W)
-        b.store(zero, den)
-        with cgutils.for_range(b, nb) as blk:
-            p_at = b.gep(srow_at, [b.mul(blk.index, Wc)])
-            p = _exp(b, b.fsub(_vload(b, p_at, W), mxb), W)
-            _vstore(b, p, p_at)
-            b.store(b.fadd(b.load(den), p), den)
-        total = _hreduce(b, b.load(den), W, b.fadd)
-        inv = b.select(seen, b.fdiv(ir.Constant(_f32, 1.0), total), ir.Constant(_f32, 0.0))
-        b.store(inv, b.gep(inv_at, [b.mul(qi.index, Wc)]))
-        with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
-            _vstore(b, zero, b.gep(o_at, [b.add(b.mul(qi.index, hd_v), b.mul(c.index, Wc))]))
+    _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v)
     outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
 
     def value_sums(j0, j1, qis, off):
