@@ -324,3 +324,23 @@ def test_rows_grow_no_further_than_the_context(path, registry):
     ctx.decode([int(t) for t in PROMPT[:35]] * 2)
     ctx.decode([int(t) for t in PROMPT[:20]])
     assert ctx.cache.kv(0).buffers(0)[0].shape[0] == 100
+
+
+def test_typed_rows_are_stored_head_major(path, registry):
+    """A typed field's rows are a view of head-major memory (one kv head's rows contiguous: what a decode row's
+    attention task streams), through growth and seq_cp, and they hold the rows the model wrote."""
+    from plinth.cache import KV
+
+    model = _load(path, registry, "f16", "q8_0")
+    ctx = model.new_context()
+    ctx.decode(PROMPT[:20])  # 16 rows, then grown
+    ctx.cache.seq_cp(0, 2)
+    kv = next(k for k in ctx.cache.kinds() if isinstance(k, KV))
+    for seq in (0, 2):
+        for b, rb in zip(kv.buffers(seq)[:2], (2 * HD, 34 * HD // 32)):
+            n = b.shape[0]
+            assert b.shape == (n, N_HEAD_KV, rb) and b.strides == (rb, n * rb, 1), (seq, b.shape, b.strides)
+        k, v, pos = kv.get(seq)
+        assert k.shape == (20, N_HEAD_KV, HD) and list(pos) == list(range(20))
+    np.testing.assert_array_equal(kv.get(0)[0], kv.get(2)[0])
+    np.testing.assert_array_equal(kv.get(0)[1], kv.get(2)[1])

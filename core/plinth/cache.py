@@ -129,7 +129,8 @@ class Rows(CacheKind):
 
     Each field is stored in the cache's type for its ``roles`` entry ("k": ``--cache-type-k``,
     "v": ``--cache-type-v``; :class:`plinth.kvtypes.CacheTypes`): float32 arrays, or uint8 rows in a
-    GGUF block layout ``[capacity, *shape[:-1], row bytes]`` (:attr:`codecs`), turned by the
+    GGUF block layout ``[capacity, *shape[:-1], row bytes]`` (:attr:`codecs`; a view of head-major memory,
+    :meth:`plinth.kvtypes.Codec.alloc`), turned by the
     Hadamard rotation where it applies. :meth:`get` returns float32 rows in the model's space
     either way (unpacked and turned back: a copy for a typed field); the attention of
     :func:`plinth.graph.attend` reads the stored blocks themselves.
@@ -328,7 +329,7 @@ class Rows(CacheKind):
             n = self._len[src]
             self._len[dst] = n
             self._pos[dst] = self._pos[src][:n].copy()
-            self._buf[dst] = [b[:n].copy() for b in self._buf[src]]
+            self._buf[dst] = [b[:n].copy(order="K") for b in self._buf[src]]  # (a typed field's head-major layout kept)
 
     def snapshot(self, seq: int) -> Any:
         # rows after a snapshot are only ever appended, so the length is enough

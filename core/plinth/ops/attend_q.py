@@ -90,6 +90,26 @@ def _add_value(src: np.ndarray, at: int, code: int, p: np.ndarray, jj: int, n_q:
 #: query rows of one sequence a task takes together (each key row it unpacks serves them all)
 ROWS = 8
 
+#: columns of the kernels' table: :func:`plinth.ops.attention_rows`'s six (rows start / stop, key count, K / V
+#: / bias addresses), then per group the bytes between its kv heads' rows in K and in V and between
+#: consecutive keys' rows in K and in V (a typed cache is stored head-major: :meth:`plinth.kvtypes.Codec.alloc`)
+TABLE_COLUMNS = 10
+
+
+@njit(cache=True)
+def full_table(table: np.ndarray, n_head_kv: int, kbytes: int, vbytes: int) -> np.ndarray:
+    """``table`` with its stride columns (:data:`TABLE_COLUMNS`); a six-column table (rows stored position-major,
+    ``[n, n_head_kv, row bytes]``) gets the strides of that layout."""
+    if table.shape[1] >= TABLE_COLUMNS:
+        return table
+    out = np.empty((table.shape[0], TABLE_COLUMNS), dtype=np.int64)
+    for g in range(table.shape[0]):
+        for c in range(6):
+            out[g, c] = table[g, c]
+        out[g, 6], out[g, 7] = kbytes, vbytes
+        out[g, 8], out[g, 9] = n_head_kv * kbytes, n_head_kv * vbytes
+    return out
+
 
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
 def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.ndarray, n_head_kv: int, kcode: int,
@@ -122,8 +142,9 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.
                 m -= 1
         ns[ri] = m
         n = max(n, m)
-    kb = carray(u8_at(table[g, 3]), (n * n_head_kv * kbytes,))
-    vb = carray(u8_at(table[g, 4]), (n * n_head_kv * vbytes,))
+    khs, vhs, krs, vrs = table[g, 6], table[g, 7], table[g, 8], table[g, 9]  # head and key strides
+    kb = carray(u8_at(table[g, 3]), ((n_head_kv - 1) * khs + n * krs,))
+    vb = carray(u8_at(table[g, 4]), ((n_head_kv - 1) * vhs + n * vrs,))
     nrq = nr * n_q
     qv = np.empty((nrq, hd), dtype=np.float32)
     for ri in range(nr):
@@ -140,7 +161,7 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.
     for j0 in range(0, n, KB):
         nk = min(KB, n - j0)
         for kk in range(nk):
-            at = ((j0 + kk) * n_head_kv + hk) * kbytes
+            at = (j0 + kk) * krs + hk * khs
             if kcode == 3:  # q8_0 straight into the block's column
                 for b in range(hd // 32):
                     ob = at + b * 34
@@ -186,7 +207,7 @@ def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.
             den += p
         mx[x] = np.float32(1.0) / den
     for jj in range(n):  # (past a row's own keys its weights stay 0: skipped)
-        _add_value(vb, (jj * n_head_kv + hk) * vbytes, vcode, s, jj, nrq, hd_v, f16, vbuf, o)
+        _add_value(vb, jj * vrs + hk * vhs, vcode, s, jj, nrq, hd_v, f16, vbuf, o)
     for x in range(nrq):
         ri = x // n_q
         qi = x - ri * n_q
@@ -200,9 +221,10 @@ def attention_table_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, kcode: i
                       vbytes: int, scale: float, soft_cap: float, out: np.ndarray, n_threads: int,
                       f16: np.ndarray) -> None:
     """The parallel region of :func:`attention_rows_q`: ``table`` int64 [n_groups, 6] as
-    :func:`plinth.ops.attention_rows` takes it, its K / V addresses those of uint8 buffers of
-    ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` / ``vcode``. A group's rows go in
-    chunks of up to ROWS."""
+    :func:`plinth.ops.attention_rows` takes it (or with its stride columns: :data:`TABLE_COLUMNS`), its K / V
+    addresses those of uint8 buffers of ``kbytes`` / ``vbytes`` a (position, kv head) of types ``kcode`` /
+    ``vcode``. A group's rows go in chunks of up to ROWS."""
+    table = full_table(table, n_head_kv, kbytes, vbytes)
     n_groups = table.shape[0]
     n_head = q.shape[1]
     n_chunks = 0
@@ -236,7 +258,7 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
                  sc: float) -> None:
     """Task t of :func:`attention_table_qv`: one selected row and a run of ``run`` query heads that share a
     kv head (:mod:`plinth.ops.attend_qsimd`), as :func:`plinth.ops.compiled._vector_task` for float32 rows."""
-    table = carray(i64_at(table_at), (n_groups, 6))
+    table = carray(i64_at(table_at), (n_groups, TABLE_COLUMNS))
     per_kv = n_head // n_head_kv
     runs = (per_kv + run - 1) // run
     j = t // (n_head_kv * runs)
@@ -252,8 +274,8 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
         while n > 1 and bias[n - 1] == -np.inf:
             n -= 1
     scratch = np.empty(n_scratch, np.float32)
-    _attend_rows_v(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * kbytes, table[g, 4] + hk * vbytes,
-                   n, n_head_kv * kbytes, n_head_kv * vbytes, hd, hd_v, sc, b_at, scratch.ctypes.data,
+    _attend_rows_v(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * table[g, 6],
+                   table[g, 4] + hk * table[g, 7], n, table[g, 8], table[g, 9], hd, hd_v, sc, b_at, scratch.ctypes.data,
                    out_at + (r * n_head + h0) * hd_v * 4, hd_v, kcode, vcode)
 
 
@@ -267,8 +289,9 @@ def task_address() -> int:
 def attention_table_qv(fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcode: int, vcode: int,
                        kbytes: int, vbytes: int, scale: float, out: np.ndarray, n_threads: int) -> None:
     """The parallel region of :func:`attention_rows_q`'s vector path: a task a selected row and a run of
-    the query heads of one kv head, the runs split until there are two tasks for each thread (as
-    :func:`plinth.ops.compiled.attention_table`)."""
+    the query heads of one kv head, the runs split until there is a task for each thread; ``table`` as
+    :func:`attention_table_q` takes it."""
+    table = full_table(table, n_head_kv, kbytes, vbytes)
     n_groups = table.shape[0]
     n_head, hd = q.shape[1], q.shape[2]
     n_sel = 0
@@ -277,9 +300,10 @@ def attention_table_qv(fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int
         n_sel += table[g, 1] - table[g, 0]
         n_max = max(n_max, table[g, 2])
     per_kv = n_head // n_head_kv
-    run = per_kv
-    while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
-        run = (run + 1) // 2
+    run = per_kv  # split only until every thread has a task: a task unpacks its kv head's keys and values,
+    while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < n_threads:  # which costs more than a
+        run = (run + 1) // 2  # query head's products (SmolLM2, one decode row at 4096 keys, 2 threads: three
+    # tasks of three heads 4.8 ms a token, six of one or two 5.5 ms; q8_0 6.0 vs 7.5; Gemma-3 f16 8.9 vs 11.5)
     n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
     n_scratch = scratch_floats(n_max, run, hd, hd_v, _W)
     sc = np.float32(scale)
@@ -341,7 +365,10 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
             kv.append_stored(seq, positions[sel], shapes, ke[sel], ve[sel])
     table = kv.rows_table(groups)
     key_columns(step, kv, table, window)
-    kb = kv.buffers(groups[0][0])[0]
+    strides = [kv.buffers(seq)[:2] for seq, _ in groups]
+    table = np.concatenate([table, np.array([(k.strides[1], v.strides[1], k.strides[0], v.strides[0])
+                                             for k, v in strides], dtype=np.int64)], axis=1)
+    kb = strides[0][0]
     kc, vc = kv.codecs
     hd_v = kv.widths[1]
     if kv.widths[0] != q.shape[2]:
