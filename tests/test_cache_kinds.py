@@ -231,7 +231,7 @@ def test_reserve_and_compiled_scatter_equal_append():
     """The server path's writes (room made by ``reserve_rows`` for every sequence, or ``reserve`` for
     one, and every sequence's rows written by one compiled call through the buffers' addresses) leave
     the cache a plain ``update`` leaves, across buffer growth, a forward rolled back, a sequence that
-    joins late and strided rows; ``rows_table`` reads what ``n_rows`` and ``addresses`` say."""
+    joins late and strided rows; ``rows_table`` reads what ``n_rows``, ``addresses`` and ``strides`` say."""
     from plinth.ops._xp import compiled_ops
 
     c = compiled_ops()
@@ -255,11 +255,14 @@ def test_reserve_and_compiled_scatter_equal_append():
         else:
             shapes = (k.shape[1:], v.shape[1:])
             table = np.array([(sel.start, sel.stop, fast.kv(0).reserve(s, sel.stop - sel.start, shapes),
-                               *fast.kv(0).addresses(s)) for s, sel in groups], dtype=np.int64)
+                               *fast.kv(0).addresses(s), *fast.kv(0).strides(s)) for s, sel in groups],
+                             dtype=np.int64)
         c.scatter_rows(k, v, pos, table)
         read = fast.kv(0).rows_table(groups)
-        assert [tuple(r) for r in read] == [(sel.start, sel.stop, plain.kv(0).n_rows(s), *fast.kv(0).addresses(s))
-                                            for s, sel in groups]
+        assert [tuple(r) for r in read] == [(sel.start, sel.stop, plain.kv(0).n_rows(s), *fast.kv(0).addresses(s),
+                                             *fast.kv(0).strides(s)) for s, sel in groups]
+        kb = fast.kv(0).buffers(groups[0][0])[0]  # (stored head-major: one kv head's rows contiguous)
+        assert kb.strides == (4 * 4, kb.shape[0] * 4 * 4, 4)
         if step == 7:  # a failed forward: neither cache keeps its rows
             for cache in (plain, fast):
                 cache.rollback_pending()

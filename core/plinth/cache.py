@@ -46,6 +46,15 @@ import numpy as np
 _BIG = np.iinfo(np.int64).max
 
 
+def _rows_empty(xp: Any, cap: int, shape: tuple[int, ...]) -> Any:
+    """float32 room for ``cap`` rows of ``shape``: ``[cap, *shape]``; on the host stored head-major (a view of
+    ``[*shape[:-1], cap, shape[-1]]`` memory, as :meth:`plinth.kvtypes.Codec.alloc` stores typed rows: a decode
+    row's attention task streams one contiguous run of its kv head's rows)."""
+    if xp is not np or len(shape) < 2:
+        return xp.empty((cap,) + tuple(shape), dtype=xp.float32)
+    return np.moveaxis(np.empty(tuple(shape[:-1]) + (cap, shape[-1]), dtype=np.float32), len(shape) - 1, 0)
+
+
 def _copy(v: Any) -> Any:
     if isinstance(v, tuple):
         return tuple(_copy(x) for x in v)
@@ -129,10 +138,11 @@ class Rows(CacheKind):
 
     Each field is stored in the cache's type for its ``roles`` entry ("k": ``--cache-type-k``,
     "v": ``--cache-type-v``; :class:`plinth.kvtypes.CacheTypes`): float32 arrays, or uint8 rows in a
-    GGUF block layout ``[capacity, *shape[:-1], row bytes]`` (:attr:`codecs`; a view of head-major memory,
-    :meth:`plinth.kvtypes.Codec.alloc`), turned by the
-    Hadamard rotation where it applies. :meth:`get` returns float32 rows in the model's space
-    either way (unpacked and turned back: a copy for a typed field); the attention of
+    GGUF block layout ``[capacity, *shape[:-1], row bytes]`` (:attr:`codecs`), turned by the
+    Hadamard rotation where it applies; on the host both are views of head-major memory (one kv head's
+    rows contiguous: :func:`_rows_empty`, :meth:`plinth.kvtypes.Codec.alloc`; :meth:`strides`). :meth:`get`
+    returns float32 rows in the model's space either way (unpacked and turned back: a copy for a typed
+    field); the attention of
     :func:`plinth.graph.attend` reads the stored blocks themselves.
     """
 
@@ -266,7 +276,7 @@ class Rows(CacheKind):
                 cap = max(n_new, min(cap, self.cache.max_rows))
             codecs = self._codecs(shapes)
             self.widths = [int(shape[-1]) if len(shape) else 1 for shape in shapes]
-            grown = [xp.empty((cap,) + tuple(shape), dtype=xp.float32) if c is None else c.alloc(cap, tuple(shape))
+            grown = [_rows_empty(xp, cap, tuple(shape)) if c is None else c.alloc(cap, tuple(shape))
                      for shape, c in zip(shapes, codecs)]
             pos = np.zeros(cap, np.int64)
             if bufs is not None:
@@ -280,20 +290,27 @@ class Rows(CacheKind):
         self._pending[seq] = n_new
         return n_old
 
+    def strides(self, seq: int) -> tuple[int, int, int, int]:
+        """Bytes between the kv heads' rows of ``seq``'s K and V buffers, then between consecutive rows of each
+        (a KV kind's two fields)."""
+        k, v = self._buf[seq][:2]
+        return k.strides[1], v.strides[1], k.strides[0], v.strides[0]
+
     def reserve_rows(self, groups: Sequence[tuple[int, slice]], shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
         """:meth:`reserve` for several sequences at once (a server step's, per layer): ``groups`` holds
-        (seq, its rows' slice of the batch); two fields (K and V). Returns int64 ``[len(groups), 6]``:
-        per group its slice's start and stop, where its new rows start in its buffers, and the
-        :meth:`addresses` of its K, V and positions buffers (what
+        (seq, its rows' slice of the batch); two fields (K and V). Returns int64 ``[len(groups), 10]``:
+        per group its slice's start and stop, where its new rows start in its buffers, the
+        :meth:`addresses` of its K, V and positions buffers and its buffers' :meth:`strides` (what
         :func:`plinth.ops.compiled.scatter_rows` takes)."""
-        return np.array([(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) + self.addresses(seq)
-                         for seq, sel in groups], dtype=np.int64)
+        rows = [(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) for seq, sel in groups]
+        return np.array([r + self.addresses(seq) + self.strides(seq) for r, (seq, _) in zip(rows, groups)],
+                        dtype=np.int64)
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its
-        :meth:`n_rows` and its :meth:`addresses` (a layer reading an earlier layer's rows)."""
-        return np.array([(sel.start, sel.stop, self.n_rows(seq)) + self.addresses(seq) for seq, sel in groups],
-                        dtype=np.int64)
+        :meth:`n_rows`, its :meth:`addresses` and :meth:`strides` (a layer reading an earlier layer's rows)."""
+        return np.array([(sel.start, sel.stop, self.n_rows(seq)) + self.addresses(seq) + self.strides(seq)
+                         for seq, sel in groups], dtype=np.int64)
 
     def commit(self) -> None:
         for seq, n in self._pending.items():

@@ -34,7 +34,7 @@ from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i6
 from .attend_qsimd import attend_rows_typed as _attend_rows_v
 from .attend_qsimd import scratch_floats
 from .attend_simd import lanes
-from .compiled import _selected
+from .compiled import TABLE_COLUMNS, _selected, full_table
 
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: float16 bits -> float32 (the kernels' scales and f16 rows)
@@ -89,27 +89,6 @@ def _add_value(src: np.ndarray, at: int, code: int, p: np.ndarray, jj: int, n_q:
 
 #: query rows of one sequence a task takes together (each key row it unpacks serves them all)
 ROWS = 8
-
-#: columns of the kernels' table: :func:`plinth.ops.attention_rows`'s six (rows start / stop, key count, K / V
-#: / bias addresses), then per group the bytes between its kv heads' rows in K and in V and between
-#: consecutive keys' rows in K and in V (a typed cache is stored head-major: :meth:`plinth.kvtypes.Codec.alloc`)
-TABLE_COLUMNS = 10
-
-
-@njit(cache=True)
-def full_table(table: np.ndarray, n_head_kv: int, kbytes: int, vbytes: int) -> np.ndarray:
-    """``table`` with its stride columns (:data:`TABLE_COLUMNS`); a six-column table (rows stored position-major,
-    ``[n, n_head_kv, row bytes]``) gets the strides of that layout."""
-    if table.shape[1] >= TABLE_COLUMNS:
-        return table
-    out = np.empty((table.shape[0], TABLE_COLUMNS), dtype=np.int64)
-    for g in range(table.shape[0]):
-        for c in range(6):
-            out[g, c] = table[g, c]
-        out[g, 6], out[g, 7] = kbytes, vbytes
-        out[g, 8], out[g, 9] = n_head_kv * kbytes, n_head_kv * vbytes
-    return out
-
 
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
 def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.ndarray, n_head_kv: int, kcode: int,
@@ -365,10 +344,7 @@ def attend_rows_typed(q: np.ndarray, k: np.ndarray, v: np.ndarray, kv, shared: b
             kv.append_stored(seq, positions[sel], shapes, ke[sel], ve[sel])
     table = kv.rows_table(groups)
     key_columns(step, kv, table, window)
-    strides = [kv.buffers(seq)[:2] for seq, _ in groups]
-    table = np.concatenate([table, np.array([(k.strides[1], v.strides[1], k.strides[0], v.strides[0])
-                                             for k, v in strides], dtype=np.int64)], axis=1)
-    kb = strides[0][0]
+    kb = kv.buffers(groups[0][0])[0]
     kc, vc = kv.codecs
     hd_v = kv.widths[1]
     if kv.widths[0] != q.shape[2]:

@@ -98,7 +98,7 @@ def attention_rows(q: Any, table: Any, n_head_kv: int, hd_v: int, scale: float,
                    soft_cap: float | None = None) -> Any:
     """:func:`attention_groups` on the host for rows whose keys and values are in float32 C-order
     host buffers already (``plinth.cache.Rows``' own, which :func:`plinth.graph.attend` passes for a
-    server step's or a verify batch's rows): ``table`` int64 ``[n_groups, 6]``, per group its rows'
+    server step's or a verify batch's rows): ``table`` int64 ``[n_groups, 6 or 10]``, per group its rows'
     start and stop in q (at most KERNEL_MAX_Q of them), its key count n_kv, the data addresses of its
     K ``[>= n_kv, n_head_kv, hd]`` and V ``[>= n_kv, n_head_kv, hd_v]`` buffers and of its bias
     ``[stop - start, n_kv]`` (0: none). The caller keeps those alive and guarantees their shapes: no
@@ -142,7 +142,7 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
             raise ValueError(f"attention: rows {small[0][0]}:{small[0][1]} have k {k0.shape} against q {q.shape}: "
                              "the head sizes differ")
         keep = []  # the contiguous float32 arrays whose addresses the kernel reads
-        table = []  # per group: start, stop, n_kv, K, V and bias addresses (0: no bias)
+        table = []  # per group: start, stop, n_kv, K, V and bias addresses (0: no bias), K / V strides
         for grp in small:
             s, e, k, v, bias = grp[:5]
             at = grp[5] if len(grp) > 5 else None
@@ -150,10 +150,10 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
             if k.shape[1:] != k_tail or v.shape[1:] != v_tail or v.shape[0] != k.shape[0]:
                 raise ValueError(f"attention: rows {s}:{e} have k {k.shape}, v {v.shape} beside {k0.shape}, "
                                  f"{v0.shape}")
-            if at is None:
-                if not (k.dtype == F32 and k.flags.c_contiguous):
+            if at is None:  # (the kernel takes any strides with the head's values contiguous: a cache's views)
+                if not (k.dtype == F32 and k.strides[2] == 4 and min(k.strides) > 0):
                     k = numpy.ascontiguousarray(k, dtype=F32)
-                if not (v.dtype == F32 and v.flags.c_contiguous):
+                if not (v.dtype == F32 and v.strides[2] == 4 and min(v.strides) > 0):
                     v = numpy.ascontiguousarray(v, dtype=F32)
                 keep += [k, v]
                 at = (k.ctypes.data, v.ctypes.data)
@@ -162,7 +162,7 @@ def attention_groups(q: Any, groups: list[tuple[int, int, Any, Any, Any]], scale
                 b = host_bias(bias, e - s, k.shape[0])
                 keep.append(b)
                 b_at = b.ctypes.data
-            table.append((s, e, k.shape[0], at[0], at[1], b_at))
+            table.append((s, e, k.shape[0], at[0], at[1], b_at, k.strides[1], v.strides[1], k.strides[0], v.strides[0]))
         out = attention_rows(q, table, n_head_kv, hd_v, scale, soft_cap)
         del keep
         done = {id(grp) for grp in small}

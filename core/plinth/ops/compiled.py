@@ -36,13 +36,34 @@ _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 _W = lanes()
 
 
+#: columns of an attention table: per group its query rows' start and stop, its key count, the addresses of its
+#: K, V and bias (:func:`attention_groups`), then the bytes between its kv heads' rows in K and in V and between
+#: consecutive keys' rows in K and in V (the cache stores rows head-major: :meth:`plinth.cache.Rows.strides`)
+TABLE_COLUMNS = 10
+
+
+@njit(cache=True)
+def full_table(table: np.ndarray, n_head_kv: int, kbytes: int, vbytes: int) -> np.ndarray:
+    """``table`` with its stride columns (:data:`TABLE_COLUMNS`); a six-column table (rows stored position-major,
+    ``[n, n_head_kv, row]``, ``kbytes`` / ``vbytes`` a kv head's row) gets the strides of that layout."""
+    if table.shape[1] >= TABLE_COLUMNS:
+        return table
+    out = np.empty((table.shape[0], TABLE_COLUMNS), dtype=np.int64)
+    for g in range(table.shape[0]):
+        for c in range(6):
+            out[g, c] = table[g, c]
+        out[g, 6], out[g, 7] = kbytes, vbytes
+        out[g, 8], out[g, 9] = n_head_kv * kbytes, n_head_kv * vbytes
+    return out
+
+
 @njit(cache=True, fastmath=_FLAGS)
-def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray, has_bias: bool, sc: float,
-                cap: float, out: np.ndarray) -> None:
-    """Query row t // n_head, head t % n_head."""
+def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_kv: int, n_head_kv: int, kh: int, krs: int,
+                vh: int, vrs: int, bias: np.ndarray, has_bias: bool, sc: float, cap: float, out: np.ndarray) -> None:
+    """Query row t // n_head, head t % n_head; k and v flat float32 from the group's first key, kv head hk's
+    row of key j at ``hk * kh + j * krs`` (floats)."""
     n_head, hd = q.shape[1], q.shape[2]
-    n_kv, n_head_kv = k.shape[0], k.shape[1]
-    hd_v = v.shape[2]
+    hd_v = out.shape[2]
     i = t // n_head
     h = t - i * n_head
     hk = h // (n_head // n_head_kv)
@@ -53,8 +74,9 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
     mx = -np.inf
     for j in range(n_kv):
         a = np.float32(0.0)
+        at = hk * kh + j * krs
         for d in range(hd):
-            a += qs[d] * k[j, hk, d]
+            a += qs[d] * k[at + d]
         if cap > 0:
             a = np.float32(np.tanh(a / cap)) * cap
         if has_bias:
@@ -72,8 +94,9 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.nd
         p = np.float32(np.exp(s[j] - mx))
         den += p
         if p != 0:
+            at = hk * vh + j * vrs
             for d in range(hd_v):
-                o[d] += p * v[j, hk, d]
+                o[d] += p * v[at + d]
     inv = np.float32(1.0) / den
     for d in range(hd_v):
         out[i, h, d] = o[d] * inv
@@ -97,7 +120,7 @@ def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
 def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s vector path: one selected row and a run of ``run`` query heads
     that share a kv head (:mod:`plinth.ops.attend_simd`)."""
-    table = carray(i64_at(table_at), (n_groups, 6))
+    table = carray(i64_at(table_at), (n_groups, TABLE_COLUMNS))
     per_kv = n_head // n_head_kv
     runs = (per_kv + run - 1) // run
     j = t // (n_head_kv * runs)
@@ -113,25 +136,27 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
         while n > 1 and bias[n - 1] == -np.inf:  # must see the key count it sees alone
             n -= 1
     scratch = np.empty(n_scratch, np.float32)
-    attend_rows(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * hd * 4, table[g, 4] + hk * hd_v * 4,
-                n, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v, sc, b_at, scratch.ctypes.data,
+    attend_rows(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * table[g, 6], table[g, 4] + hk * table[g, 7],
+                n, table[g, 8] // 4, table[g, 9] // 4, hd, hd_v, sc, b_at, scratch.ctypes.data,
                 out_at + (r * n_head + h0) * hd_v * 4, hd_v)
 
 
 def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s plain path: one selected row and one query head
     (:func:`_attend_one` on its group's arrays; ``run`` and ``n_scratch`` unused)."""
-    table = carray(i64_at(table_at), (n_groups, 6))
+    table = carray(i64_at(table_at), (n_groups, TABLE_COLUMNS))
     j = t // n_head
     g, r = _selected(table, j)
     s0, s1, n_kv = table[g, 0], table[g, 1], table[g, 2]
     q = carray(f32_at(q_at + s0 * n_head * hd * 4), (s1 - s0, n_head, hd))
-    k = carray(f32_at(table[g, 3]), (n_kv, n_head_kv, hd))
-    v = carray(f32_at(table[g, 4]), (n_kv, n_head_kv, hd_v))
+    kh, vh, krs, vrs = table[g, 6] // 4, table[g, 7] // 4, table[g, 8] // 4, table[g, 9] // 4
+    k = carray(f32_at(table[g, 3]), ((n_head_kv - 1) * kh + max(n_kv, 1) * krs,))
+    v = carray(f32_at(table[g, 4]), ((n_head_kv - 1) * vh + max(n_kv, 1) * vrs,))
     has_bias = table[g, 5] != 0
     bias = carray(f32_at(table[g, 5] if has_bias else table[g, 3]), (s1 - s0, n_kv if has_bias else 0))
     out = carray(f32_at(out_at + s0 * n_head * hd_v * 4), (s1 - s0, n_head, hd_v))
-    _attend_one((r - s0) * n_head + t - j * n_head, q, k, v, bias, has_bias, sc, cap, out)
+    _attend_one((r - s0) * n_head + t - j * n_head, q, k, v, n_kv, n_head_kv, kh, krs, vh, vrs, bias, has_bias, sc,
+                cap, out)
 
 
 def task_address(vector: bool) -> int:
@@ -145,40 +170,44 @@ def task_address(vector: bool) -> int:
 @njit(cache=True, nogil=True)
 def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.ndarray) -> None:
     """Write this forward's K / V rows and positions into their sequences' cache buffers: per row g of
-    ``table`` (int64 ``[n, 6]``) rows ``start:stop`` of k ``[rows, n_head_kv, hd]``, v ``[rows, n_head_kv,
-    hd_v]`` (any strides) and positions go to rows ``n_old ..`` of the float32 C-order buffers at the K
-    and V addresses and of the int64 buffer at the positions address (columns: start, stop, n_old, K,
-    V, positions address); the caller made the room (:meth:`plinth.cache.Rows.reserve`)."""
+    ``table`` (int64 ``[n, 6]``, or ``[n, 10]`` with the buffers' strides: :meth:`plinth.cache.Rows.reserve_rows`)
+    rows ``start:stop`` of k ``[rows, n_head_kv, hd]``, v ``[rows, n_head_kv, hd_v]`` (any strides) and
+    positions go to rows ``n_old ..`` of the float32 buffers at the K and V addresses (six columns: C-order)
+    and of the int64 buffer at the positions address (columns: start, stop, n_old, K, V, positions
+    address, then the strides); the caller made the room (:meth:`plinth.cache.Rows.reserve`)."""
     n_head_kv, hd, hd_v = k.shape[1], k.shape[2], v.shape[2]
+    table = full_table(table, n_head_kv, hd * 4, hd_v * 4)
     for g in range(table.shape[0]):
         s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
         n = n0 + s1 - s0
-        kb = carray(f32_at(table[g, 3]), (n, n_head_kv, hd))
-        vb = carray(f32_at(table[g, 4]), (n, n_head_kv, hd_v))
+        kh, vh, krs, vrs = table[g, 6] // 4, table[g, 7] // 4, table[g, 8] // 4, table[g, 9] // 4
+        kb = carray(f32_at(table[g, 3]), ((n_head_kv - 1) * kh + n * krs,))
+        vb = carray(f32_at(table[g, 4]), ((n_head_kv - 1) * vh + n * vrs,))
         pb = carray(i64_at(table[g, 5]), (n,))
         for r in range(s0, s1):
             j = n0 + r - s0
             for h in range(n_head_kv):
                 for d in range(hd):
-                    kb[j, h, d] = k[r, h, d]
+                    kb[h * kh + j * krs + d] = k[r, h, d]
                 for d in range(hd_v):
-                    vb[j, h, d] = v[r, h, d]
+                    vb[h * vh + j * vrs + d] = v[r, h, d]
             pb[j] = positions[r]
 
 
 def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, scale: float, soft_cap: float,
                      out: np.ndarray, n_threads: int = 1, plain: bool = False) -> None:
     """Attention of a few query rows for one or more sequences in one parallel region. ``table`` int64
-    ``[n_groups, 6]``, per group g: its query rows' start and stop in q, its key count n, and the data
-    addresses of its C-order float32 keys ``[n, n_head_kv, hd]``, values ``[n, n_head_kv, hd_v]`` and
-    bias ``[stop - start, n]`` (0: none). Rows of no group are left alone; q and out C-order. The
-    caller keeps the arrays alive.
+    ``[n_groups, 10]``, per group g: its query rows' start and stop in q, its key count n, the data
+    addresses of its float32 keys ``[n, n_head_kv, hd]``, values ``[n, n_head_kv, hd_v]`` and bias
+    ``[stop - start, n]`` (0: none), and the keys' and values' strides in bytes (between kv heads, then
+    between keys: :data:`TABLE_COLUMNS`; a six-column table: C-order keys and values). Rows of no group
+    are left alone; q and out C-order. The caller keeps the arrays alive.
 
     Where the head sizes suit the vector kernel (:mod:`plinth.ops.attend_simd`: no soft-cap, hd a
     multiple of W, hd_v of 4W) a task is one row and a run of the query heads that share a kv
     head, which read each block of keys and values once between them; the runs are split until
-    there are two tasks for each of ``n_threads`` threads (so a lone decode row of a model with
-    one kv head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
+    there is a task for each of ``n_threads`` threads (so a lone decode row of a model with one kv
+    head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
     vector = not plain and not soft_cap and q.shape[2] % _W == 0 and hd_v % (4 * _W) == 0
@@ -190,6 +219,7 @@ def attention_table(fn: int, vector: bool, q: np.ndarray, table: np.ndarray, n_h
                     soft_cap: float, out: np.ndarray, n_threads: int) -> None:
     """:func:`attention_groups`' parallel region: its tasks run the compiled function at ``fn``
     (:func:`task_address`; the vector kernel where ``vector``, else the plain loop)."""
+    table = full_table(table, n_head_kv, q.shape[2] * 4, hd_v * 4)
     n_groups = table.shape[0]
     n_head, hd = q.shape[1], q.shape[2]
     n_sel = 0
@@ -199,9 +229,9 @@ def attention_table(fn: int, vector: bool, q: np.ndarray, table: np.ndarray, n_h
     n_tasks = n_sel * n_head
     if vector:
         per_kv = n_head // n_head_kv
-        run = per_kv  # query heads a task
-        while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < 2 * n_threads:
-            run = (run + 1) // 2
+        run = per_kv  # query heads a task, split only until every thread has a task (each task reads its kv
+        while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < n_threads:  # head's keys and values:
+            run = (run + 1) // 2  # SmolLM2's decode step at 4096 keys, 2 threads, 16.3-17.5 ms, 21-23 split further)
         n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
         n_max = 0
         for g in range(n_groups):
