@@ -30,8 +30,9 @@ Every activation row goes through the same operations whatever the batch (its in
 exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
 on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
 
-In row groups of four and eight each block's bytes are prefetched :data:`PREFETCH_BYTES` ahead (a
-batch is compute-bound, and the hardware prefetchers left the weights' memory latency unhidden).
+In row groups of four and eight (and Q6_K's one-row products) each block's bytes are prefetched into the
+L2 cache :data:`PREFETCH_BLOCKS` blocks ahead (a batch is compute-bound, and the hardware prefetchers
+left the weights' memory latency unhidden).
 :func:`quantize_row` quantizes the activations (the int8 side of these products) as vector code too.
 
 A weight whose row count is not a multiple of eight is padded with zero rows to the next group.
@@ -364,10 +365,17 @@ class _Ptrs:
             setattr(self, k, v)
 
 
-#: how far ahead of the block being multiplied its weight bytes are asked for (at least two blocks): a
-#: batch's product is compute-bound from the cache but was not hiding the weights' memory latency behind
-#: that compute (a 16-row SmolLM2 step -5 to -20%, k = 8 verify forwards -5%, one row unchanged)
+#: how far ahead of the block being multiplied its weight bytes are asked for (at least
+#: PREFETCH_BLOCKS blocks): a batch's product is compute-bound from the cache but was not hiding the
+#: weights' memory latency behind that compute (a 16-row SmolLM2 step -5 to -20%, k = 8 verify forwards
+#: -5%, one row unchanged)
 PREFETCH_BYTES = 2048
+#: blocks ahead, and the prefetch's locality: 2 (``prefetcht1``, into the L2 cache). Into the L1 cache
+#: (3) two blocks ahead, the prefetches of a weight streamed from memory waited on the L1's few miss
+#: buffers: 16384 x 5632 Q6_K, one activation row, one thread 9.5 -> 3.0 ms (8 -> 25 GB/s; two threads
+#: 5.5 -> 2.6 ms); eight rows Q6_K 12.3 -> 8.5 ms, Q4_K 6.7 -> 5.5 ms
+PREFETCH_BLOCKS = 8
+PREFETCH_LOCALITY = 2
 #: types whose one-row products prefetch too: Q6_K's one-row loop streamed a weight larger than the
 #: L3 cache at a quarter of Q4_K's bytes a second (16384 x 5632, one thread: 13.1 -> 10.0 ms)
 PREFETCH_ONE_ROW = ("q6_k",)
@@ -428,13 +436,14 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
                                    builder.load(saccs[i])), saccs[i])
 
     per = qk // 32
-    ahead = max(PREFETCH_BYTES, 2 * gbs)
+    ahead = max(PREFETCH_BYTES, PREFETCH_BLOCKS * gbs)
     prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _i32, _i32, _i32])
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
-        # (read, keep, data; past the group: the next one's)
+        # (read, into the L2 cache, data; past the group: the next one's)
         for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
-            builder.call(prefetch, [_at(builder, gb, ahead + 64 * line)] + [_const(_i32, a) for a in (0, 3, 1)])
+            builder.call(prefetch, [_at(builder, gb, ahead + 64 * line)]
+                         + [_const(_i32, a) for a in (0, PREFETCH_LOCALITY, 1)])
         if per == 1:
             unit(_decode(builder, kind, gb, vnni), loop.index)
         else:
