@@ -30,9 +30,9 @@ Every activation row goes through the same operations whatever the batch (its in
 exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
 on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
 
-In row groups of four and eight (and Q6_K's one-row products) each block's bytes are prefetched into the
-L2 cache :data:`PREFETCH_BLOCKS` blocks ahead (a batch is compute-bound, and the hardware prefetchers
-left the weights' memory latency unhidden).
+In row groups of four and eight each block's bytes are prefetched :data:`PREFETCH_BYTES` ahead into the
+L1 cache (a batch is compute-bound, and the hardware prefetchers left the weights' memory latency
+unhidden); Q6_K's one-row products prefetch :data:`PREFETCH_BLOCKS` blocks ahead into the L2 cache.
 :func:`quantize_row` quantizes the activations (the int8 side of these products) as vector code too.
 
 A weight whose row count is not a multiple of eight is padded with zero rows to the next group.
@@ -370,10 +370,12 @@ class _Ptrs:
 #: weights' memory latency behind that compute (a 16-row SmolLM2 step -5 to -20%, k = 8 verify forwards
 #: -5%, one row unchanged)
 PREFETCH_BYTES = 2048
-#: blocks ahead, and the prefetch's locality: 2 (``prefetcht1``, into the L2 cache). Into the L1 cache
-#: (3) two blocks ahead, the prefetches of a weight streamed from memory waited on the L1's few miss
-#: buffers: 16384 x 5632 Q6_K, one activation row, one thread 9.5 -> 3.0 ms (8 -> 25 GB/s; two threads
-#: 5.5 -> 2.6 ms); eight rows Q6_K 12.3 -> 8.5 ms, Q4_K 6.7 -> 5.5 ms
+#: a one-row product's prefetch (:data:`PREFETCH_ONE_ROW`): blocks ahead, and the locality 2
+#: (``prefetcht1``, into the L2 cache). Into the L1 cache (3) two blocks ahead, as a batch's, the
+#: prefetches of a weight streamed from memory waited on the L1's few miss buffers: 16384 x 5632 Q6_K,
+#: one activation row, one thread 9.5 -> 3.0 ms (8 -> 25 GB/s; two threads 5.5 -> 2.6 ms). A batch keeps
+#: two blocks into the L1 (eight into the L2 took SmolLM2's k = 8 verify forward from 9.3-9.5 to 9.9-10.0
+#: ms, though a 16384 x 5632 Q6_K product of eight rows went from 12.3 to 8.5 ms)
 PREFETCH_BLOCKS = 8
 PREFETCH_LOCALITY = 2
 #: types whose one-row products prefetch too: Q6_K's one-row loop streamed a weight larger than the
@@ -436,14 +438,16 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
                                    builder.load(saccs[i])), saccs[i])
 
     per = qk // 32
-    ahead = max(PREFETCH_BYTES, PREFETCH_BLOCKS * gbs)
+    one_row = R < 4  # (a one-row product streams its weight: far ahead, into the L2 cache; a batch computes
+    ahead = max(PREFETCH_BYTES, (PREFETCH_BLOCKS if one_row else 2) * gbs)  # on each block: near, into the L1)
+    locality = PREFETCH_LOCALITY if one_row else 3
     prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _i32, _i32, _i32])
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
-        # (read, into the L2 cache, data; past the group: the next one's)
+        # (read, the locality above, data; past the group: the next one's)
         for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
             builder.call(prefetch, [_at(builder, gb, ahead + 64 * line)]
-                         + [_const(_i32, a) for a in (0, PREFETCH_LOCALITY, 1)])
+                         + [_const(_i32, a) for a in (0, locality, 1)])
         if per == 1:
             unit(_decode(builder, kind, gb, vnni), loop.index)
         else:
