@@ -159,7 +159,7 @@ class Rows(CacheKind):
         self._pos: dict[int, np.ndarray] = {}
         self._len: dict[int, int] = {}
         self._pending: dict[int, int] = {}
-        self._addr: dict[int, tuple[list[Any], tuple[int, ...]]] = {}  # seq -> (its buffers, their addresses)
+        self._addr: dict[int, tuple[Any, ...]] = {}  # seq -> (its buffers, their addresses, K / V strides)
         self.codecs: tuple[Any, ...] | None = None  # per field its kvtypes.Codec (None: float32); set on first rows
         self.widths: list[int] = []  # per field the values of a row's last axis
 
@@ -229,7 +229,10 @@ class Rows(CacheKind):
         bufs = self._buf[seq]
         known = self._addr.get(seq)
         if known is None or known[0] is not bufs:
-            known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs) + (self._pos[seq].ctypes.data,))
+            strides = (bufs[0].strides[1], bufs[1].strides[1], bufs[0].strides[0], bufs[1].strides[0]) \
+                if len(bufs) >= 2 and bufs[0].ndim >= 2 and bufs[1].ndim >= 2 else None
+            known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs) + (self._pos[seq].ctypes.data,),
+                                       strides)
         return known[1]
 
     def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
@@ -292,9 +295,9 @@ class Rows(CacheKind):
 
     def strides(self, seq: int) -> tuple[int, int, int, int]:
         """Bytes between the kv heads' rows of ``seq``'s K and V buffers, then between consecutive rows of each
-        (a KV kind's two fields)."""
-        k, v = self._buf[seq][:2]
-        return k.strides[1], v.strides[1], k.strides[0], v.strides[0]
+        (a KV kind's two fields); remembered with the :meth:`addresses`."""
+        self.addresses(seq)
+        return self._addr[seq][2]
 
     def reserve_rows(self, groups: Sequence[tuple[int, slice]], shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
         """:meth:`reserve` for several sequences at once (a server step's, per layer): ``groups`` holds
