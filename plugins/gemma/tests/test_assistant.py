@@ -193,6 +193,7 @@ def test_llama_cpp_opens_plinths_assistant_file(tmp_path):
     from pathlib import Path
 
     llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("torch")  # (llama.cpp's converter imports it: make test-interop installs it)
     from plinth.testing import load_module, write_hf_folder
     from plinth_gemma import testkit as tk
     from plinth_gemma.assistant import Gemma4AssistantConverter
