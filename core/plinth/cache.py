@@ -349,7 +349,7 @@ class Rows(CacheKind):
             n = self._len[src]
             self._len[dst] = n
             self._pos[dst] = self._pos[src][:n].copy()
-            self._buf[dst] = [b[:n].copy(order="K") for b in self._buf[src]]  # (a typed field's head-major layout kept)
+            self._buf[dst] = [b[:n].copy(order="K") for b in self._buf[src]]  # (the head-major layout kept)
 
     def snapshot(self, seq: int) -> Any:
         # rows after a snapshot are only ever appended, so the length is enough
