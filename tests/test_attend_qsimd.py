@@ -208,7 +208,7 @@ def test_eight_lane_form_matches_the_reference():
                 attend8(q.ctypes.data + (i * n_head + hk * g) * hd * 4, g, hd, kb.ctypes.data + hk * kbytes,
                         vb.ctypes.data + hk * vbytes, n_kv, n_head_kv * kbytes, n_head_kv * vbytes, hd, hd,
                         np.float32(1 / np.sqrt(hd)), bias.ctypes.data + i * n_kv * 4, scratch.ctypes.data,
-                        out.ctypes.data + (i * n_head + hk * g) * hd * 4, hd, kcode, vcode)
+                        out.ctypes.data + (i * n_head + hk * g) * hd * 4, hd, kcode, vcode, kbytes, vbytes)
 
     for t in TYPES:
         for shape, n in (((6, 2, 32), 21), ((4, 1, 64), 40)):

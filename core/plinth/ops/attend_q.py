@@ -90,6 +90,7 @@ def _add_value(src: np.ndarray, at: int, code: int, p: np.ndarray, jj: int, n_q:
 #: query rows of one sequence a task takes together (each key row it unpacks serves them all)
 ROWS = 8
 
+
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
 def _task(t: int, q: np.ndarray, out: np.ndarray, table: np.ndarray, chunks: np.ndarray, n_head_kv: int, kcode: int,
           vcode: int, kbytes: int, vbytes: int, run: int, sc: np.float32, cap: np.float32, f16: np.ndarray) -> None:
@@ -255,7 +256,7 @@ def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n
     scratch = np.empty(n_scratch, np.float32)
     _attend_rows_v(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * table[g, 6],
                    table[g, 4] + hk * table[g, 7], n, table[g, 8], table[g, 9], hd, hd_v, sc, b_at, scratch.ctypes.data,
-                   out_at + (r * n_head + h0) * hd_v * 4, hd_v, kcode, vcode)
+                   out_at + (r * n_head + h0) * hd_v * 4, hd_v, kcode, vcode, kbytes, vbytes)
 
 
 def task_address() -> int:

@@ -133,17 +133,6 @@ def _block_chunk(b, code, base, d, r, W):
 PREFETCH_BLOCKS = 2
 
 
-def _row_bytes(b, code, n):
-    """Bytes of a stored row of ``n`` values of type ``code`` (an i64 value): 4n (f32), 2n (f16, bf16), or n / 32
-    blocks of the block type's bytes."""
-    blocks = b.udiv(n, _c64(32))
-    rb = b.mul(n, _c64(4))
-    rb = b.select(b.icmp_unsigned("<", b.sub(code, _c64(1)), _c64(2)), b.mul(n, _c64(2)), rb)
-    for c, nbytes in _BLOCK_BYTES.items():
-        rb = b.select(b.icmp_unsigned("==", code, _c64(c)), b.mul(blocks, _c64(nbytes)), rb)
-    return rb
-
-
 def _prefetch_rows(b, src, stride, n_rows, rb):
     """Prefetch (read, keep, data) the cache lines from row 0 (at byte address ``src``) to the end of row n_rows - 1
     (at src + (n_rows - 1) * stride, ``rb`` bytes long): the rows themselves where they are contiguous (a
@@ -196,14 +185,15 @@ def _unpack_fn(module, W):
     return fn
 
 
-_ARGS = [_F32P, _i64, _i64, _U8P, _U8P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64, _i64, _i64]
+_ARGS = [_F32P, _i64, _i64, _U8P, _U8P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64, _i64, _i64,
+         _i64, _i64]
 
 
 def _rows_fn(module, W):
     """``plinth_attend_typed_W(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch,
-    out, out_stride, kcode, vcode)``: :mod:`plinth.ops.attend_simd`'s ``plinth_attend_W`` with k and v the
-    byte addresses of stored rows of types ``kcode`` / ``vcode`` (k_stride, v_stride: bytes between
-    consecutive keys / values); ``scratch`` :func:`scratch_floats` floats."""
+    out, out_stride, kcode, vcode, kbytes, vbytes)``: :mod:`plinth.ops.attend_simd`'s ``plinth_attend_W`` with k
+    and v the byte addresses of stored rows of types ``kcode`` / ``vcode``, ``kbytes`` / ``vbytes`` bytes each
+    (k_stride, v_stride: bytes between consecutive keys / values); ``scratch`` :func:`scratch_floats` floats."""
     name = f"plinth_attend_typed_{W}"
     fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), _ARGS), name)
     if not fn.is_declaration:
@@ -213,7 +203,7 @@ def _rows_fn(module, W):
     fn.attributes.add("noinline")
     fn.attributes.add("nounwind")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    qp, n_q, qs, kp, vp, n_kv, ks, vs, hd, hd_v, scale, bp, sp, op, os_, kcode, vcode = fn.args
+    qp, n_q, qs, kp, vp, n_kv, ks, vs, hd, hd_v, scale, bp, sp, op, os_, kcode, vcode, krb, vrb = fn.args
     Wc = _c64(W)
     vt = _vec(W)
     ninf = _splat(W, -math.inf)
@@ -252,22 +242,22 @@ def _rows_fn(module, W):
                 b.store(b.fadd(b.load(sv), _vload(b, bias_at, W)), sv)
             _vstore(b, b.select(valid, b.load(sv), ninf), b.gep(sp, [b.add(b.mul(qi.index, srow), j0)]))
 
-    krb, vrb = _row_bytes(b, kcode, hd), _row_bytes(b, vcode, hd_v)
     ahead = _c64(PREFETCH_BLOCKS * W)
+
+    def prefetch_first(base, stride, rb, code):
+        """The rows of the first PREFETCH_BLOCKS blocks (float row types only: ``code`` < 3)."""
+        with b.if_then(b.icmp_unsigned("<", code, _c64(3))):
+            _prefetch_rows(b, base, stride, b.select(b.icmp_unsigned("<", n_kv, ahead), n_kv, ahead), rb)
 
     def prefetch_ahead(base, stride, rb, code, j0):
         """The rows of the block PREFETCH_BLOCKS ahead of the one at key j0 (those of them below n_kv)."""
-        if not PREFETCH_BLOCKS:
-            return
         ja = b.add(j0, ahead)
         with b.if_then(b.and_(b.icmp_unsigned("<", ja, n_kv), b.icmp_unsigned("<", code, _c64(3)))):
             nr = b.sub(n_kv, ja)
             nr = b.select(b.icmp_unsigned("<", nr, Wc), nr, Wc)
             _prefetch_rows(b, b.gep(base, [b.mul(ja, stride)]), stride, nr, rb)
 
-    if PREFETCH_BLOCKS:
-        with b.if_then(b.icmp_unsigned("<", kcode, _c64(3))):
-            _prefetch_rows(b, kp, ks, b.select(b.icmp_unsigned("<", n_kv, ahead), n_kv, ahead), krb)
+    prefetch_first(kp, ks, krb, kcode)
     with cgutils.for_range(b, n_full) as blk:
         j0 = b.mul(blk.index, Wc)
         prefetch_ahead(kp, ks, krb, kcode, j0)
@@ -287,9 +277,7 @@ def _rows_fn(module, W):
                 b.store(b.load(b.gep(bp, [b.add(j0, i.index)])), b.gep(tail, [i.index]))
         scores(n_full, tail)
 
-    if PREFETCH_BLOCKS:
-        with b.if_then(b.icmp_unsigned("<", vcode, _c64(3))):
-            _prefetch_rows(b, vp, vs, b.select(b.icmp_unsigned("<", n_kv, ahead), n_kv, ahead), vrb)
+    prefetch_first(vp, vs, vrb, vcode)
     _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v)
     outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
 
@@ -351,10 +339,10 @@ def make_attend(W: int):
     """The intrinsic for W float lanes (``attend_rows_typed`` is the host's; tests build the other)."""
 
     def attend(typingctx, q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-               out_stride, kcode, vcode):
+               out_stride, kcode, vcode, kbytes, vbytes):
         i64 = types.int64
         sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, types.float32, i64, i64, i64, i64, i64,
-                         i64)
+                         i64, i64, i64)
 
         def codegen(context, builder, signature, args):
             vals = [context.cast(builder, a, t, st) for a, t, st in zip(args, signature.args, sig.args)]
@@ -372,7 +360,8 @@ def make_attend(W: int):
 
 
 #: ``attend_rows_typed(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-#: out_stride, kcode, vcode)`` from numba (:func:`_rows_fn` with the host's lanes): q, bias, scratch and out
-#: int64 data addresses of float32 memory (``bias`` 0 for none), k and v of the stored rows' bytes, strides
-#: of q / out in floats and of k / v in bytes, scale a float32, the rest int64
+#: out_stride, kcode, vcode, kbytes, vbytes)`` from numba (:func:`_rows_fn` with the host's lanes): q, bias,
+#: scratch and out int64 data addresses of float32 memory (``bias`` 0 for none), k and v of the stored rows'
+#: bytes, strides of q / out in floats and of k / v in bytes, kbytes / vbytes the bytes of one stored key /
+#: value row (what the prefetches cover), scale a float32, the rest int64
 attend_rows_typed = make_attend(lanes())
