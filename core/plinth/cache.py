@@ -226,6 +226,10 @@ class Rows(CacheKind):
         """The data addresses of ``seq``'s host buffers, one per field (what :meth:`get` and
         :meth:`append` return are views at their start), then of its positions buffer; remembered
         until the buffers are replaced."""
+        return self._layout(seq)[1]
+
+    def _layout(self, seq: int) -> tuple[Any, ...]:
+        """(``seq``'s buffers, :meth:`addresses`, :meth:`strides`), remembered until the buffers are replaced."""
         bufs = self._buf[seq]
         known = self._addr.get(seq)
         if known is None or known[0] is not bufs:
@@ -233,7 +237,7 @@ class Rows(CacheKind):
                 if len(bufs) >= 2 and bufs[0].ndim >= 2 and bufs[1].ndim >= 2 else None
             known = self._addr[seq] = (bufs, tuple(b.ctypes.data for b in bufs) + (self._pos[seq].ctypes.data,),
                                        strides)
-        return known[1]
+        return known
 
     def append(self, seq: int, positions: np.ndarray, *arrays: Any) -> tuple[Any, ...]:
         """Add rows of ``seq`` at ``positions`` ([n]); ``arrays`` one per field, [n, *shape].
@@ -296,8 +300,7 @@ class Rows(CacheKind):
     def strides(self, seq: int) -> tuple[int, int, int, int]:
         """Bytes between the kv heads' rows of ``seq``'s K and V buffers, then between consecutive rows of each
         (a KV kind's two fields); remembered with the :meth:`addresses`."""
-        self.addresses(seq)
-        return self._addr[seq][2]
+        return self._layout(seq)[2]
 
     def reserve_rows(self, groups: Sequence[tuple[int, slice]], shapes: Sequence[tuple[int, ...]]) -> np.ndarray:
         """:meth:`reserve` for several sequences at once (a server step's, per layer): ``groups`` holds
@@ -306,14 +309,18 @@ class Rows(CacheKind):
         :meth:`addresses` of its K, V and positions buffers and its buffers' :meth:`strides` (what
         :func:`plinth.ops.compiled.scatter_rows` takes)."""
         rows = [(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) for seq, sel in groups]
-        return np.array([r + self.addresses(seq) + self.strides(seq) for r, (seq, _) in zip(rows, groups)],
-                        dtype=np.int64)
+        return np.array([r + self._columns(seq) for r, (seq, _) in zip(rows, groups)], dtype=np.int64)
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its
         :meth:`n_rows`, its :meth:`addresses` and :meth:`strides` (a layer reading an earlier layer's rows)."""
-        return np.array([(sel.start, sel.stop, self.n_rows(seq)) + self.addresses(seq) + self.strides(seq)
-                         for seq, sel in groups], dtype=np.int64)
+        return np.array([(sel.start, sel.stop, self.n_rows(seq)) + self._columns(seq) for seq, sel in groups],
+                        dtype=np.int64)
+
+    def _columns(self, seq: int) -> tuple[int, ...]:
+        """:meth:`addresses` then :meth:`strides` of ``seq`` (a table row's last seven columns), one lookup."""
+        _, addresses, strides = self._layout(seq)
+        return addresses + strides
 
     def commit(self) -> None:
         for seq, n in self._pending.items():
