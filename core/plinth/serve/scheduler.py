@@ -58,6 +58,11 @@ from .spec_policy import DraftPolicy, SeqDraftState
 __all__ = ["Event", "Metrics", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TokenInfo", "log_softmax"]
 
 
+def _chunk_bytes(chunk: tuple[Any, Any, dict[int, Any]]) -> int:
+    """What a request's deferred rows (tokens, positions, the taps' features: :meth:`Scheduler._defer`) hold."""
+    return sum(int(f.nbytes) for f in chunk[2].values()) + 16 * len(chunk[0])
+
+
 class Scheduler:
     """Owns one context (one multi-sequence KV cache) and the thread that steps it.
 
@@ -222,7 +227,7 @@ class Scheduler:
         lg, rows = hit
         if req.speculative:  # (its drafters see the prompt's rows before its first draft, as after a prefill)
             req.deferred = list(rows)
-            req.deferred_bytes = sum(sum(int(f.nbytes) for f in c[2].values()) + 16 * len(c[0]) for c in rows)
+            req.deferred_bytes = sum(_chunk_bytes(c) for c in rows)
         req.n_prefilled = len(req.prompt_ids)
         self._first_token(req, lg)
         return True
@@ -486,8 +491,9 @@ class Scheduler:
         step: a DSpark drafter's layers over one row cost a plain step a good part of its time, and a request
         that never drafts never pays for its prompt's either), or once they hold :attr:`defer_bytes`."""
         feats = {t: out.features[t][first:first + n].copy() for t in self._taps if t in out.features}
-        req.deferred.append((batch.tokens[first:first + n].copy(), batch.positions[first:first + n].copy(), feats))
-        req.deferred_bytes += sum(int(f.nbytes) for f in feats.values()) + 16 * n
+        chunk = (batch.tokens[first:first + n].copy(), batch.positions[first:first + n].copy(), feats)
+        req.deferred.append(chunk)
+        req.deferred_bytes += _chunk_bytes(chunk)
         if req.deferred_bytes >= self.defer_bytes:
             self._show_deferred(req)
 
