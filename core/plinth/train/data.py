@@ -165,7 +165,6 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     Returns (sequences, answer tokens) present at the end. ``deadline`` (a ``time.time()``) stops
     starting new shards after it.
     """
-    from ..generate import render_chat
     from ..model import load_model
     from ..sampling import SamplerConfig
     from ..serve.scheduler import Request, Scheduler
@@ -206,12 +205,7 @@ def generate(target: str | os.PathLike[str], data_dir: str | os.PathLike[str], *
     made = 0
 
     def submit(idx: int) -> None:
-        if tok.chat_template:
-            text = render_chat(tok.chat_template, [{"role": "user", "content": prompts[idx].text}], tok)
-            ids = tok.encode(text, add_special=False, parse_special=True)
-        else:  # a base model: the prompt as plain text
-            ids = tok.encode(prompts[idx].text, add_special=True)
-        ids = ids[: n_ctx - max_tokens - 1]
+        ids = P.prompt_ids(tok, prompts[idx].text)[: n_ctx - max_tokens - 1]
         out: list[int] = []
         holder: list[Any] = []
 

@@ -42,7 +42,8 @@ def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], 
                 clock: Callable[[], float] = time.perf_counter) -> KindResult:
     """Decode every prompt text plainly (unless ``plain`` is false) and with a fresh speculative generator from
     ``make_spec`` (greedy both), and sum up."""
-    from ..generate import Generator, render_chat
+    from ..generate import Generator
+    from .prompts import prompt_ids
 
     tok = model.tokenizer
     plain_t = spec_t = 0.0
@@ -50,11 +51,7 @@ def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], 
     per_pos: list[int] = []
     spec = make_spec()
     for text in texts:
-        if tok.chat_template:
-            chat = render_chat(tok.chat_template, [{"role": "user", "content": text}], tok)
-            ids = tok.encode(chat, add_special=False, parse_special=True)
-        else:  # a model without a chat template continues the prompt as raw text
-            ids = tok.encode(text, add_special=True)
+        ids = prompt_ids(tok, text)
         a = None
         if plain:
             g = Generator(model)

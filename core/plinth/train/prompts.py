@@ -30,7 +30,7 @@ import random
 import sysconfig
 import textwrap
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import attrs
 
@@ -46,6 +46,17 @@ class Prompt:
     kind: str  # "chat", "code" or "text"
     subject: str  # what held-out is decided on
     text: str  # the user message
+
+
+def prompt_ids(tok: Any, text: str) -> list[int]:
+    """The token ids of a prompt as the target answers it, in data generation and evaluation alike: the user
+    message in the model's chat template, or the text itself for a model without one (a base model)."""
+    if tok.chat_template:
+        from ..generate import render_chat
+
+        chat = render_chat(tok.chat_template, [{"role": "user", "content": text}], tok)
+        return tok.encode(chat, add_special=False, parse_special=True)
+    return tok.encode(text, add_special=True)
 
 
 def held_out(subject: str) -> bool:
