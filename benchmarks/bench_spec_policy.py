@@ -26,6 +26,13 @@ QUESTIONS = ["What is the capital of France?", "Explain photosynthesis briefly."
              "Give me a tip for learning Python."]
 
 
+def question_ids(tok, i: int) -> list[int]:
+    """Request i's prompt: question i (cycling) in the model's chat template."""
+    from plinth.train.prompts import prompt_ids
+
+    return prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=os.path.expanduser("~/.cache/plinth/SmolLM2-135M-Instruct.Q4_1.gguf"))
@@ -40,7 +47,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import plinth
-    from plinth.generate import render_chat
     from plinth.plugins import default_registry
     from plinth.sampling import SamplerConfig
     from plinth.serve.scheduler import Request, Scheduler
@@ -76,8 +82,7 @@ def main() -> None:
 
         reqs = []
         for i in range(args.requests):
-            ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": QUESTIONS[i % 8]}], tok),
-                             add_special=False, parse_special=True)
+            ids = question_ids(tok, i)
             reqs.append(Request(prompt_ids=ids, max_tokens=args.tokens, emit=emitter(i),
                                 sampling=SamplerConfig(temperature=args.temperature, seed=i, logit_bias=bias)))
         t0, c0 = time.perf_counter(), time.process_time()

@@ -20,11 +20,13 @@ import argparse
 import cProfile
 import os
 import pstats
+import sys
 import time
+from pathlib import Path
 
-QUESTIONS = ["What is the capital of France?", "Explain photosynthesis briefly.", "Name three prime numbers.",
-             "Why is the sky blue?", "Write a haiku about rain.", "What does a CPU do?", "How do bees make honey?",
-             "Give me a tip for learning Python."]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_spec_policy import question_ids  # noqa: E402  (the same chat questions)
 
 
 def main() -> None:
@@ -39,7 +41,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import plinth
-    from plinth.generate import render_chat
     from plinth.sampling import SamplerConfig
     from plinth.serve.scheduler import Request, Scheduler
 
@@ -61,8 +62,7 @@ def main() -> None:
     def run(n: int) -> tuple[float, float, dict[int, list[int]]]:
         outs: dict[int, list[int]] = {}
         for i in range(n):
-            ids = tok.encode(render_chat(tok.chat_template, [{"role": "user", "content": QUESTIONS[i % 8]}], tok),
-                             add_special=False, parse_special=True)
+            ids = question_ids(tok, i)
             sched.submit(Request(prompt_ids=ids, max_tokens=args.tokens, speculative=False,
                                  emit=lambda ev, i=i: outs.setdefault(i, []).extend(t.token for t in ev.tokens),
                                  sampling=SamplerConfig(temperature=args.temperature, top_p=args.top_p, seed=i)))
