@@ -11,15 +11,14 @@ random model with the byte vocabulary.
 from __future__ import annotations
 
 import json
-import threading
 
-import numpy as np
 import pytest
 from plinth import grammar as G
 from plinth.generate import Generator
 from plinth.sampling import Sampler, SamplerConfig
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
 from plinth.speculative.ngram import NgramDrafter
+from plinth.testing.scheduling import run_requests
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5},
                                            "b": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -134,30 +133,15 @@ def test_seeded_sampling_with_rejection_stays_in_the_schema(model, constraint, d
 
 
 def test_scheduler_batched_constrained_requests_equal_lone_runs(model, constraint, dflash_path):
-    from plinth.serve.scheduler import Event, Request, Scheduler
+    from plinth.serve.scheduler import Scheduler
 
     sched = Scheduler(model, drafters=[NgramDrafter(n_match_max=3, n_match_min=1)], spec=SpecConfig(n_max=4), max_batch=8)
     sched.start()
     try:
-        reqs, outs, done = [], [], threading.Semaphore(0)
         cases = [(p, c, s) for p in PROMPTS for c, s in ((True, True), (True, False), (False, False))]
-        for prompt, constrained, spec in cases:
-            out: list[int] = []
-
-            def emit(ev: Event, out=out) -> None:
-                out.extend(t.token for t in ev.tokens)
-                if ev.finish is not None:
-                    done.release()
-
-            r = Request(prompt_ids=list(prompt), max_tokens=MAX, sampling=SamplerConfig(temperature=0), emit=emit,
-                        speculative=spec)
-            r.constraint = constraint.start() if constrained else None
-            reqs.append(r)
-            outs.append(out)
-        for r in reqs:
-            sched.submit(r)
-        for _ in reqs:
-            assert done.acquire(timeout=120)
+        outs = run_requests(sched, [dict(prompt_ids=list(prompt), max_tokens=MAX, speculative=spec,
+                                         constraint=constraint.start() if constrained else None)
+                                    for prompt, constrained, spec in cases])
     finally:
         sched.stop()
     for (prompt, constrained, _), out in zip(cases, outs):

@@ -12,6 +12,7 @@ import pytest
 import plinth
 from plinth.graph import Batch
 from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
+from plinth.testing.scheduling import run_requests
 
 N_EMBD, N_HEAD, N_HEAD_KV, N_LAYER = 256, 4, 2, 2  # head size 64: the rotation applies
 HD = N_EMBD // N_HEAD
@@ -282,34 +283,16 @@ def test_quantized_draft_keeps_its_blocks(path, registry, tmp_path):
 def test_server_steps_and_prompt_cache_on_a_typed_cache(path, registry):
     """plinth serve's scheduler on a q8_0 / q4_0 cache: requests decoding together (prompts in chunks) and
     a request served from the prompt cache (seq_cp of typed rows) each give a lone run's tokens."""
-    import threading
-
     from plinth.generate import Generator
-    from plinth.sampling import SamplerConfig
-    from plinth.serve.scheduler import Request, Scheduler
+    from plinth.serve.scheduler import Scheduler
 
     model = _load(path, registry, "q8_0", "q4_0")
-    greedy = SamplerConfig(temperature=0.0)
     prompts = [[int(t) for t in PROMPT[i:i + 5 + 3 * i]] for i in range(4)]
     sched = Scheduler(model, max_batch=3, prefill_chunk=7, prompt_cache=4)
     sched.start()
     try:
         for round_ in range(2):  # the second round: every prompt from the prompt cache
-            out = [[] for _ in prompts]
-            done = threading.Semaphore(0)
-
-            def emitter(i):
-                def emit(ev):
-                    out[i].extend(t.token for t in ev.tokens)
-                    if ev.finish is not None:
-                        done.release()
-                return emit
-
-            with sched._cond:
-                for i, p in enumerate(prompts):
-                    sched.submit(Request(prompt_ids=p, max_tokens=12, sampling=greedy, emit=emitter(i)))
-            for _ in prompts:
-                assert done.acquire(timeout=120)
+            out = run_requests(sched, [dict(prompt_ids=p, max_tokens=12) for p in prompts])
             assert out == [Generator(model).generate(p, 12) for p in prompts], f"round {round_}"
         assert sched.metrics.prompt_cache_hits >= 1
     finally:

@@ -23,6 +23,7 @@ from plinth.speculative.ngram import NgramDrafter
 from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
 from plinth.testing.drafters import OracleDrafter, RandomDrafter
 from plinth.testing.recurrent import recurrent_plugin, write_toy_recurrent
+from plinth.testing.scheduling import run_requests
 
 PROMPTS = [b"Hello there", b"abcabcabcabc", b"The sea is the sea is", b"1 2 3 1 2 3 1 2", b"x", b"plinth serves"]
 TIMEOUT = 60
@@ -54,26 +55,7 @@ def ids(prompt: bytes) -> list[int]:
 
 def run(sched: Scheduler, specs: list[tuple[list[int], int, SamplerConfig]]) -> list[list[int]]:
     """Submit every request at once, run them to the end, return each one's token ids."""
-    out: list[list[int]] = [[] for _ in specs]
-    finished = threading.Semaphore(0)
-    reasons: list[str | None] = [None] * len(specs)
-
-    def emitter(i: int):
-        def emit(ev: Event) -> None:
-            out[i].extend(t.token for t in ev.tokens)
-            if ev.finish is not None:
-                reasons[i] = ev.finish
-                finished.release()
-        return emit
-
-    reqs = [Request(prompt_ids=p, max_tokens=n, sampling=s, emit=emitter(i)) for i, (p, n, s) in enumerate(specs)]
-    with sched._cond:  # hold the loop so that all requests join the first step together
-        for r in reqs:
-            sched.submit(r)
-    for _ in reqs:
-        assert finished.acquire(timeout=TIMEOUT), "a request did not finish in time"
-    assert all(r in ("stop", "length") for r in reasons), reasons
-    return out
+    return run_requests(sched, [dict(prompt_ids=p, max_tokens=n, sampling=s) for p, n, s in specs], timeout=TIMEOUT)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from plinth.speculative.base import Draft
 from plinth.speculative.engine import SpecConfig
 from plinth.testing import byte_vocab, make_registry, tiny_metadata, write_synthetic_gguf
 from plinth.testing.drafters import OracleDrafter
+from plinth.testing.scheduling import run_requests
 
 # ---------------------------------------------------------------- the cost model and the decision
 
@@ -234,26 +235,7 @@ class NeverPays(DraftPolicy):
 
 
 def run_greedy(sched, prompts, n):
-    from plinth.sampling import SamplerConfig
-    from plinth.serve.scheduler import Request
-
-    out = [[] for _ in prompts]
-    done = threading.Semaphore(0)
-
-    def emit(i):
-        def f(ev):
-            out[i].extend(t.token for t in ev.tokens)
-            if ev.finish is not None:
-                assert ev.finish in ("stop", "length"), ev.error
-                done.release()
-        return f
-
-    with sched._cond:
-        for i, p in enumerate(prompts):
-            sched.submit(Request(prompt_ids=p, max_tokens=n, sampling=SamplerConfig(temperature=0.0), emit=emit(i)))
-    for _ in prompts:
-        assert done.acquire(timeout=120)
-    return out
+    return run_requests(sched, [dict(prompt_ids=p, max_tokens=n) for p in prompts])
 
 
 def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny):

@@ -8,18 +8,18 @@ cache (rows copied with seq_cp) gives the same tokens with no prefill. The cache
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
 from plinth.generate import Generator
 from plinth.sampling import SamplerConfig
-from plinth.serve.scheduler import Event, Request, Scheduler
+from plinth.serve.scheduler import Scheduler
 from plinth.speculative.engine import SpecConfig
 from plinth.speculative.ngram import NgramDrafter
 from plinth.testing import load_module
 from plinth.testing.drafters import RandomDrafter
+from plinth.testing.scheduling import run_requests
 
 HERE = Path(__file__).resolve().parent
 golden = load_module(HERE / "golden" / "make_golden.py")
@@ -43,22 +43,7 @@ def prompts():
 
 
 def run(sched: Scheduler, specs: list[tuple[list[int], int]]) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in specs]
-    done = threading.Semaphore(0)
-
-    def emitter(i):
-        def emit(ev: Event) -> None:
-            out[i].extend(t.token for t in ev.tokens)
-            if ev.finish is not None:
-                done.release()
-        return emit
-
-    with sched._cond:  # every request joins the first step
-        for i, (p, n) in enumerate(specs):
-            sched.submit(Request(prompt_ids=p, max_tokens=n, sampling=GREEDY, emit=emitter(i)))
-    for _ in specs:
-        assert done.acquire(timeout=120), "a request did not finish in time"
-    return out
+    return run_requests(sched, [dict(prompt_ids=p, max_tokens=n) for p, n in specs])
 
 
 @pytest.mark.parametrize("which, drafter", [("v4", None), ("v4", "random"), ("v41", "ngram")])
