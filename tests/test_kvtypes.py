@@ -1,5 +1,6 @@
-"""K/V cache storage types against gguf-py's quantize / dequantize (the oracle), float16 bits against
-numpy, and the Hadamard rotation against the matrix llama.cpp builds."""
+"""K/V cache storage types against gguf-py's quantize / dequantize (the oracle; the cache's fitted q4_0 / q5_0
+scales against gguf-py's decoding and the reference coding's error), float16 bits against numpy, and the
+Hadamard rotation against the matrix llama.cpp builds."""
 
 from __future__ import annotations
 
@@ -40,6 +41,38 @@ def test_encode_decode_bit_exact(name):
     back = kvtypes.decode(mine, t, x.shape[1])
     want = gguf.quants.dequantize(ref, GGUF_TYPE[name]).astype(np.float32)
     np.testing.assert_array_equal(back.view(np.uint32), want.reshape(back.shape).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q5_0"])
+def test_fitted_scales_keep_the_layout_and_never_lose(name):
+    """What the cache stores (``fit``): q4_0 / q5_0 blocks in the same layout (gguf-py decodes them to what
+    plinth does), each block's squared error at most the reference coding's, smaller on most blocks of
+    Gaussian rows and on SmolLM2-like rows with an outlier channel; other types are unaffected."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([_rows(rng), rng.standard_normal((64, 128)).astype(np.float32) * np.float32(0.3)])
+    x[70:, 5] *= 9.0  # an outlier channel
+    t = kvtypes.cache_type(name)
+    ref, fit = kvtypes.encode(x, t), kvtypes.encode(x, t, fit=True)
+    assert fit.shape == ref.shape
+    back = kvtypes.decode(fit, t, x.shape[1])
+    want = gguf.quants.dequantize(fit, GGUF_TYPE[name]).astype(np.float32).reshape(back.shape)
+    np.testing.assert_array_equal(back.view(np.uint32), want.view(np.uint32))
+    e_ref = ((kvtypes.decode(ref, t, x.shape[1]) - x) ** 2).reshape(-1, 32).sum(1)
+    e_fit = ((back - x) ** 2).reshape(-1, 32).sum(1)
+    assert np.all(e_fit <= e_ref * (1 + 1e-6) + 1e-30)
+    assert (e_fit < e_ref).mean() > 0.5 and e_fit.sum() < 0.97 * e_ref.sum()
+    assert np.array_equal(back[0], np.zeros(x.shape[1], np.float32))  # a zero block stays zero
+    # a row's bytes do not depend on the other rows
+    np.testing.assert_array_equal(kvtypes.encode(x[70:71], t, fit=True), fit[70:71])
+    for other in ("q8_0", "q4_1", "q5_1", "f16"):
+        np.testing.assert_array_equal(kvtypes.encode(x, other, fit=True), kvtypes.encode(x, other))
+
+
+def test_the_cache_stores_fitted_blocks():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((8, 2, 64)).astype(np.float32)
+    codec = kvtypes.Codec(kvtypes.cache_type("q4_0"), 64)
+    np.testing.assert_array_equal(codec.encode(x), kvtypes.encode(kvtypes.rotate(x, 64), "q4_0", fit=True))
 
 
 def test_f16_bits_against_numpy():

@@ -3,9 +3,11 @@
 A cache row (one position's keys of one kv head, its values, an MLA latent, indexer keys) is
 kept as float32, or in one of the GGUF layouts llama.cpp offers for its cache: ``f16``, ``bf16``,
 ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``. The block layouts are GGUF's (per 32 values a
-float16 scale, for the ``_1`` types a float16 minimum, then the quants), written and read
-bit for bit as gguf-py's ``quantize`` / ``dequantize`` do (``tests/test_kvtypes.py`` holds them
-to it), so a cache row costs the type's bytes: q8_0 34 bytes a 32 values, q4_0 18.
+float16 scale, for the ``_1`` types a float16 minimum, then the quants), read bit for bit as
+gguf-py's ``dequantize`` reads them and written as its ``quantize`` writes them (``tests/test_kvtypes.py``
+holds them to it), except that the cache's q4_0 / q5_0 blocks take a fitted scale (:func:`_fit_scale`:
+least squared error among the reference's and a few others, the same layout), so a cache row costs
+the type's bytes: q8_0 34 bytes a 32 values, q4_0 18.
 
 **Rotation.** Quantizing a row per 32 values loses most where a few values are large (outlier
 channels of keys). Before a row enters a quantized cache it is multiplied by an orthonormal
@@ -228,10 +230,84 @@ def _get_f16(src: np.ndarray, at: int) -> np.float32:
     return f16_to_f32(np.uint16(src[at]) | (np.uint16(src[at + 1]) << np.uint16(8)))
 
 
+#: a fitted q4_0 / q5_0 block scale starts from the value of largest magnitude ``mx`` over -(half + s) for
+#: these s (s = 0: the reference's scale), each start also refined once by least squares (the other sign,
+#: and more or finer starts, lowered the squared error of SmolLM2's rotated K / V no further)
+FIT_STARTS = (-1.0, -0.5, 0.0, 0.5)
+
+
+@njit(cache=True, inline="always")
+def _code(v: np.float32, ide: np.float32, half: np.float32, top: np.float32) -> np.float32:
+    """The signed integer (q - half) that q4_0 / q5_0 store for ``v`` at scale 1 / ``ide``, as a float32
+    (q = trunc(v ide + half + 1/2) within [0, top]: the reference's steps)."""
+    return min(max(np.trunc(v * ide + (half + np.float32(0.5))), np.float32(0.0)), top) - half
+
+
 @njit(cache=True)
-def encode_row(x: np.ndarray, code: int, out: np.ndarray) -> None:
+def _block_error(x: np.ndarray, x0: int, d: np.float32, half: np.float32, top: np.float32) -> np.float32:
+    """The squared error of a block of 32 values at ``x0`` coded with scale ``d`` (float32 steps; four
+    running sums)."""
+    ide = np.float32(1.0) / d
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    for i in range(x0, x0 + 32, 4):
+        e0 = x[i] - _code(x[i], ide, half, top) * d
+        e1 = x[i + 1] - _code(x[i + 1], ide, half, top) * d
+        e2 = x[i + 2] - _code(x[i + 2], ide, half, top) * d
+        e3 = x[i + 3] - _code(x[i + 3], ide, half, top) * d
+        a0 += e0 * e0
+        a1 += e1 * e1
+        a2 += e2 * e2
+        a3 += e3 * e3
+    return (a0 + a1) + (a2 + a3)
+
+
+@njit(cache=True)
+def _least_squares_scale(x: np.ndarray, x0: int, d: np.float32, half: np.float32, top: np.float32) -> np.float32:
+    """The scale that fits the block best for the integers ``d`` gives it: sum(x c) / sum(c^2), c = q - half
+    (0 where every c is 0)."""
+    ide = np.float32(1.0) / d
+    num = np.float32(0.0)
+    den = np.float32(0.0)
+    for i in range(x0, x0 + 32):
+        c = _code(x[i], ide, half, top)
+        num += x[i] * c
+        den += c * c
+    return num / den if den > 0 else np.float32(0.0)
+
+
+@njit(cache=True)
+def _fit_scale(x: np.ndarray, x0: int, mx: np.float32, half: np.float32, top: int) -> np.float32:
+    """The q4_0 / q5_0 block scale of least squared error, as float16 stores it, among mx / -(half + s) for
+    s in :data:`FIT_STARTS` (``mx`` the block's value of largest magnitude: s = 0 is gguf-py's scale) and
+    each of those refined once by least squares; the reference's wins ties. Deterministic per block: a
+    row's bytes do not depend on the other rows."""
+    ftop = np.float32(top)
+    ref = f16_to_f32(f32_to_f16(mx / -half))
+    if ref == 0:
+        return ref
+    best, err = ref, _block_error(x, x0, ref, half, ftop)
+    for s in FIT_STARTS:
+        d0 = ref if s == 0 else f16_to_f32(f32_to_f16(mx / -(half + np.float32(s))))
+        if d0 == 0:
+            continue
+        if d0 != best:
+            e = _block_error(x, x0, d0, half, ftop)
+            if e < err:
+                best, err = d0, e
+        d1 = f16_to_f32(f32_to_f16(_least_squares_scale(x, x0, d0, half, ftop)))
+        if d1 != 0 and d1 != best:
+            e = _block_error(x, x0, d1, half, ftop)
+            if e < err:
+                best, err = d1, e
+    return best
+
+
+@njit(cache=True)
+def encode_row(x: np.ndarray, code: int, out: np.ndarray, fit: bool = False) -> None:
     """Row ``x`` (float32 [n]) into ``out`` (uint8 [row bytes]) as type ``code`` (gguf-py's quantize, bit
-    for bit: float32 steps, no fused multiply-adds)."""
+    for bit: float32 steps, no fused multiply-adds). ``fit``: q4_0 and q5_0 blocks take the scale of
+    least squared error (:func:`_fit_scale`) instead of the reference's, coded the same way (the same
+    layout: any reader of the type decodes them); other types are unaffected."""
     n = x.shape[0]
     if code == 1:
         for i in range(n):
@@ -274,6 +350,8 @@ def encode_row(x: np.ndarray, code: int, out: np.ndarray) -> None:
             half = np.float32(8.0) if code == 4 else np.float32(16.0)
             top = 15 if code == 4 else 31
             d = mx / -half
+            if fit:
+                d = _fit_scale(x, x0, mx, half, top)
             ide = np.float32(0.0) if d == 0 else np.float32(1.0) / d
             for i in range(32):
                 t = np.float32(math.trunc(x[x0 + i] * ide + (half + np.float32(0.5))))
@@ -363,9 +441,9 @@ def decode_row(src: np.ndarray, code: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True)
-def _encode_rows(x: np.ndarray, code: int, out: np.ndarray) -> None:
+def _encode_rows(x: np.ndarray, code: int, out: np.ndarray, fit: bool) -> None:
     for r in range(x.shape[0]):
-        encode_row(x[r], code, out[r])
+        encode_row(x[r], code, out[r], fit)
 
 
 @njit(cache=True)
@@ -374,8 +452,10 @@ def _decode_rows(src: np.ndarray, code: int, out: np.ndarray) -> None:
         decode_row(src[r], code, out[r])
 
 
-def encode(x: Any, t: CacheType | str) -> np.ndarray:
-    """Float rows ``x`` [..., n] -> uint8 [..., row bytes] of type ``t`` (n a multiple of its block)."""
+def encode(x: Any, t: CacheType | str, fit: bool = False) -> np.ndarray:
+    """Float rows ``x`` [..., n] -> uint8 [..., row bytes] of type ``t`` (n a multiple of its block): gguf-py's
+    quantization bit for bit, or with ``fit`` q4_0 / q5_0 blocks scaled for least squared error
+    (:func:`encode_row`; what the cache stores: :meth:`Codec.encode`)."""
     t = cache_type(t)
     x = np.asarray(x)
     n = x.shape[-1]
@@ -386,7 +466,7 @@ def encode(x: Any, t: CacheType | str) -> np.ndarray:
     if t.code == 0:
         out[...] = a.view(np.uint8)
     else:
-        _encode_rows(a, t.code, out)
+        _encode_rows(a, t.code, out, fit)
     return out.reshape(x.shape[:-1] + (out.shape[1],))
 
 
@@ -424,7 +504,7 @@ class Codec:
         return np.moveaxis(store, len(lead), 0)
 
     def encode(self, a: Any) -> np.ndarray:
-        return encode(rotate(np.asarray(a, dtype=F32), self.rot), self.type)
+        return encode(rotate(np.asarray(a, dtype=F32), self.rot), self.type, fit=True)
 
     def decode(self, b: np.ndarray, n: int) -> np.ndarray:
         return rotate(decode(b, self.type, n), self.rot)
