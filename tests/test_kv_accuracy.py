@@ -2,12 +2,13 @@
 llama.cpp's on the same GGUF (benchmarks/bench_kv_accuracy.py at a smaller size: SmolLM2, WINDOWS windows
 of 1024 tokens of real text, the last POSITIONS of each teacher-forced).
 
-plinth's q4_0 cache against its own f32 cache must be no worse than llama.cpp's q4_0 cache against its own
-f16 cache, judged per window (paired) on the mean KL divergence of the next-token distributions and on
-top-1 agreement, within two standard errors of the paired difference: a q4_0 cache's figures move by
-several percent with rounding alone (a relative 1e-6 on the stored K / V changes which values round up;
-over 512 positions top-1 agreement then spreads by about a point, the KLD by ~5%), so a single window of a
-hundred positions cannot tell the engines apart. And the rotation must help plinth (the reason for it)."""
+plinth's q4_0 cache against its own f32 cache must be at least as good as llama.cpp's q4_0 cache against its
+own f16 cache, judged per window (paired): its mean KL divergence of the next-token distributions no
+larger, and its top-1 agreement not below by more than one standard error of the paired difference (a
+q4_0 cache's figures move by several percent with rounding alone: a relative 1e-6 on the stored K / V
+changes which values round up, and over 512 positions top-1 agreement then spreads by about a point, the
+KLD by ~5%, so a single window of a hundred positions cannot tell the engines apart). And the rotation
+must help plinth (the reason for it). Measured: benchmarks/README.md, "Fitted q4_0 / q5_0 scales"."""
 
 from __future__ import annotations
 
@@ -53,6 +54,6 @@ def test_q4_0_cache_no_worse_than_llama_cpp(request):
           f"KLD {ours[:, 1].mean():.5f} (rotation off {off[:, 0].mean():.2%}, {off[:, 1].mean():.5f}); llama.cpp "
           f"top-1 {theirs[:, 0].mean():.2%} KLD {theirs[:, 1].mean():.5f}; paired difference top-1 "
           f"{diff[:, 0].mean():+.2%} +- {se[0]:.2%}, KLD {diff[:, 1].mean():+.5f} +- {se[1]:.5f}")
-    assert diff[:, 1].mean() <= 2 * se[1], "plinth's q4_0 cache moves the distribution more than llama.cpp's"
-    assert diff[:, 0].mean() >= -2 * se[0], "plinth's q4_0 cache keeps fewer top-1 tokens than llama.cpp's"
+    assert diff[:, 1].mean() <= 0, "plinth's q4_0 cache moves the distribution more than llama.cpp's"
+    assert diff[:, 0].mean() >= -se[0], "plinth's q4_0 cache keeps fewer top-1 tokens than llama.cpp's"
     assert off[:, 1].mean() > 1.5 * ours[:, 1].mean() and off[:, 0].mean() < ours[:, 0].mean()
