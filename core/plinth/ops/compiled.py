@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i64_at
+from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i64_at, prefetch_write
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -177,6 +177,15 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
     address, then the strides); the caller made the room (:meth:`plinth.cache.Rows.reserve`)."""
     n_head_kv, hd, hd_v = k.shape[1], k.shape[2], v.shape[2]
     table = full_table(table, n_head_kv, hd * 4, hd_v * 4)
+    for g in range(table.shape[0]):  # every destination line asked for first: a server step's rows land in
+        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]  # as many cold places as it has sequences x kv heads
+        for r in range(s0, s1):  # (x K and V), and copying into them one after another waited on each in turn
+            j = n0 + r - s0
+            for h in range(n_head_kv):
+                for at, nb in ((table[g, 3] + h * table[g, 6] + j * table[g, 8], hd * 4),
+                               (table[g, 4] + h * table[g, 7] + j * table[g, 9], hd_v * 4)):
+                    for b in range(0, nb + 63, 64):
+                        prefetch_write(at + min(b, nb - 1))
     for g in range(table.shape[0]):
         s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
         n = n0 + s1 - s0

@@ -111,6 +111,21 @@ def pointer_to(dtype: Any, name: str) -> Any:
     return intrinsic(at)
 
 
+@intrinsic
+def prefetch_write(typingctx, addr):
+    """``prefetch_write(address)``: ask for the cache line at the integer ``address`` in the L1 cache, for
+    writing (``llvm.prefetch``: write, high locality, data). A hint: no value changes."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], i8p)] + [ir.Constant(i32, a) for a in (1, 3, 1)])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
 def _llvm_type(t: Any) -> ir.Type:
     if t == types.float32:
         return ir.FloatType()
