@@ -32,6 +32,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant.jitcache import emit_prefetch
 from .attend_simd import (_F32P, _bcast, _bcast_i64, _c64, _f32, _fma, _i32, _i64, _softmax_rows, _splat,
                           _transpose_sum, _vec, _vload, _vstore, lanes)
 
@@ -137,13 +138,10 @@ def _prefetch_rows(b, src, stride, n_rows, rb):
     """Prefetch (read, keep, data) the cache lines from row 0 (at byte address ``src``) to the end of row n_rows - 1
     (at src + (n_rows - 1) * stride, ``rb`` bytes long): the rows themselves where they are contiguous (a
     head-major cache). A hint: no arithmetic changes."""
-    prefetch = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [_U8P, _i32, _i32, _i32]),
-                                              "llvm.prefetch.p0")
-    hint = [ir.Constant(_i32, a) for a in (0, 3, 1)]
     span = b.add(b.mul(b.sub(n_rows, _c64(1)), stride), rb)
     with cgutils.for_range(b, b.udiv(b.add(span, _c64(63)), _c64(64))) as ln:
-        b.call(prefetch, [b.gep(src, [b.mul(ln.index, _c64(64))])] + hint)
-    b.call(prefetch, [b.gep(src, [b.sub(span, _c64(1))])] + hint)  # (a span that starts mid-line)
+        emit_prefetch(b, b.gep(src, [b.mul(ln.index, _c64(64))]))
+    emit_prefetch(b, b.gep(src, [b.sub(span, _c64(1))]))  # (a span that starts mid-line)
 
 
 def _unpack_fn(module, W):

@@ -111,16 +111,21 @@ def pointer_to(dtype: Any, name: str) -> Any:
     return intrinsic(at)
 
 
+def emit_prefetch(builder: ir.IRBuilder, ptr: ir.Value, *, write: bool = False, locality: int = 3) -> None:
+    """Emit a prefetch of the cache line holding the byte at ``ptr`` (an ``i8*``): ``llvm.prefetch`` with
+    read / write, ``locality`` 0-3 (3: the L1 cache, 2: the L2), data cache. A hint: no value changes."""
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [ptr] + [ir.Constant(i32, a) for a in (int(write), locality, 1)])
+
+
 @intrinsic
 def prefetch_write(typingctx, addr):
     """``prefetch_write(address)``: ask for the cache line at the integer ``address`` in the L1 cache, for
-    writing (``llvm.prefetch``: write, high locality, data). A hint: no value changes."""
+    writing (:func:`emit_prefetch`)."""
     def codegen(context, builder, sig, args):
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [builder.inttoptr(args[0], i8p)] + [ir.Constant(i32, a) for a in (1, 3, 1)])
+        emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=True)
         return context.get_dummy_value()
 
     return types.void(types.int64), codegen

@@ -50,7 +50,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..gguf.constants import GGMLType
-from .jitcache import cfunc_address
+from .jitcache import cfunc_address, emit_prefetch
 
 _i8, _i16, _i32, _i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
@@ -441,13 +441,11 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
     one_row = R < 4  # (a one-row product streams its weight: far ahead, into the L2 cache; a batch computes
     ahead = max(PREFETCH_BYTES, (PREFETCH_BLOCKS if one_row else 2) * gbs)  # on each block: near, into the L1)
     locality = PREFETCH_LOCALITY if one_row else 3
-    prefetch = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), [_I8P, _i32, _i32, _i32])
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
         # (read, the locality above, data; past the group: the next one's)
         for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
-            builder.call(prefetch, [_at(builder, gb, ahead + 64 * line)]
-                         + [_const(_i32, a) for a in (0, locality, 1)])
+            emit_prefetch(builder, _at(builder, gb, ahead + 64 * line), locality=locality)
         if per == 1:
             unit(_decode(builder, kind, gb, vnni), loop.index)
         else:
