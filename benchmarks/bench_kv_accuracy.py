@@ -75,14 +75,10 @@ def windows(tokenizer, texts: list[str], ctx: int, n: int, n_pos: int) -> list[l
     return [bos + [int(i) for i in stream[i * step:i * step + body]] for i in range(n)]
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return (z - np.log(np.exp(z).sum(-1, keepdims=True))).astype(np.float32)
-
-
 def plinth_logprobs(model, ids: list[int], n_pos: int, cache_type: str, rotate: bool, chunk: int) -> np.ndarray:
     """plinth's log-probabilities at the last ``n_pos`` positions of ``ids`` ([n_pos, vocab]), teacher-forced."""
+    from plinth.ops import log_softmax
+
     os.environ["PLINTH_ATTN_ROT_DISABLE"] = "0" if rotate else "1"
     ctx = model.new_context(cache_type_k=cache_type, cache_type_v=cache_type)
     start = len(ids) - n_pos
@@ -97,6 +93,8 @@ def llama_logprobs(path: Path, ids: list[int], n_pos: int, cache_type: str, rota
     """llama.cpp's (llama-cpp-python, flash attention on) log-probabilities, the same way, a token at a time."""
     os.environ["LLAMA_ATTN_ROT_DISABLE"] = "0" if rotate else "1"
     from llama_cpp import Llama
+
+    from plinth.ops import log_softmax
 
     llm = Llama(str(path), n_ctx=len(ids) + 16, n_batch=512, n_threads=threads, n_threads_batch=threads,
                 type_k=GGML[cache_type], type_v=GGML[cache_type], flash_attn=True, verbose=False)
