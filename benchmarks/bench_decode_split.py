@@ -6,7 +6,13 @@ rest (norms, RoPE, cache appends, the Python of the layers). The floor is the qu
 bytes read per token (every quantized weight once; a tied embedding table as the LM head) over
 the read bandwidth this machine reaches with the kernel threads, measured here too.
 
-    OPENBLAS_NUM_THREADS=2 python benchmarks/bench_decode_split.py [-m MODEL ...] [--steps 64] [--runs 3]
+A llama-style model runs each layer's attention half as one compiled call
+(``plinth.ops.fused.attention_block``, which holds three of the layer's four products and its
+attention): its rows show that call's time as "fused blocks", and the products and attention
+columns count only what runs outside it. ``--general`` also times the model with that call off
+(``graph.fused = None``, the same bits), where every product and attention is counted.
+
+    OPENBLAS_NUM_THREADS=2 python benchmarks/bench_decode_split.py [-m MODEL ...] [--steps 64] [--runs 3] [--general]
 """
 
 from __future__ import annotations
@@ -72,17 +78,20 @@ def _read_bandwidth(n_bytes: int = 400_000_000) -> float:
     return n_bytes / best
 
 
-def split(name: str, steps: int, runs: int) -> dict[str, float]:
+def split(name: str, steps: int, runs: int, general: bool = False) -> dict[str, float]:
     import plinth
     import plinth.quant as quant
+    import plinth.ops.fused as fused
 
     model = plinth.load_model(name)
+    if general:
+        model.graph.fused = None
     k8 = quant.compiled_i8()
     attn_mod = importlib.import_module("plinth.ops._xp").compiled_ops()
     if k8 is None or attn_mod is None:
         raise SystemExit("the int8 kernels are off here (no AVX2, PLINTH_INT8=0 or no numba)")
-    acc = {"products": 0.0, "attention": 0.0}
-    real_linear, real_attn = k8.linear, attn_mod.attention_groups
+    acc = {"products": 0.0, "attention": 0.0, "blocks": 0.0}
+    real_linear, real_attn, real_block = k8.linear, attn_mod.attention_groups, fused.attention_block
 
     def linear(*a):
         t0 = time.perf_counter()
@@ -94,14 +103,20 @@ def split(name: str, steps: int, runs: int) -> dict[str, float]:
         real_attn(*a)
         acc["attention"] += time.perf_counter() - t0
 
-    k8.linear, attn_mod.attention_groups = linear, attention_groups
+    def attention_block(*a):
+        t0 = time.perf_counter()
+        out = real_block(*a)
+        acc["blocks"] += time.perf_counter() - t0
+        return out
+
+    k8.linear, attn_mod.attention_groups, fused.attention_block = linear, attention_groups, attention_block
     try:
         best = None
         for _ in range(runs):
             ctx = model.new_context()
             ctx.decode(list(range(1, 65)))
             ctx.decode([5])  # one step first: the prompt's BLAS threads settle
-            acc["products"] = acc["attention"] = 0.0
+            acc["products"] = acc["attention"] = acc["blocks"] = 0.0
             token = 7
             t0 = time.perf_counter()
             for _ in range(steps):
@@ -110,11 +125,11 @@ def split(name: str, steps: int, runs: int) -> dict[str, float]:
             if best is None or total < best["total"]:
                 best = dict(acc, total=total)
     finally:
-        k8.linear, attn_mod.attention_groups = real_linear, real_attn
+        k8.linear, attn_mod.attention_groups, fused.attention_block = real_linear, real_attn, real_block
     nbytes = _weight_bytes(model)
     bw = _read_bandwidth()
     ms = {k: v / steps * 1e3 for k, v in best.items()}
-    return dict(ms, rest=ms["total"] - ms["products"] - ms["attention"], mib=nbytes / 2**20, gbs=bw / 1e9,
+    return dict(ms, rest=ms["total"] - ms["products"] - ms["attention"] - ms["blocks"], mib=nbytes / 2**20, gbs=bw / 1e9,
                 floor=nbytes / bw * 1e3)
 
 
@@ -123,15 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-m", "--model", action="append", default=None)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--general", action="store_true", help="also time each model with the fused blocks off")
     args = ap.parse_args(argv)
     print(f"load average at start: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    print("| model | ms a token (tok/s) | int8 weight products | attention | the rest | weight bytes | "
+    print("| model | ms a token (tok/s) | fused blocks | int8 weight products | attention | the rest | weight bytes | "
           "read bandwidth | floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.model or ["smollm2-135m-instruct", "gemma3-270m"]:
-        r = split(name, args.steps, args.runs)
-        print(f"| {name} | {r['total']:.2f} ({1e3 / r['total']:.1f}) | {r['products']:.2f} ms | {r['attention']:.2f} ms "
-              f"| {r['rest']:.2f} ms | {r['mib']:.0f} MiB | {r['gbs']:.1f} GB/s | {r['floor']:.2f} ms |")
+        for general in ([False, True] if args.general else [False]):
+            r = split(name, args.steps, args.runs, general)
+            label = name + (" (fused off)" if general else "")
+            print(f"| {label} | {r['total']:.2f} ({1e3 / r['total']:.1f}) | {r['blocks']:.2f} ms | {r['products']:.2f} ms "
+                  f"| {r['attention']:.2f} ms | {r['rest']:.2f} ms | {r['mib']:.0f} MiB | {r['gbs']:.1f} GB/s "
+                  f"| {r['floor']:.2f} ms |")
     print(f"load average at end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}")
     return 0
 

@@ -492,6 +492,101 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
     return int(b.ctypes.data)
 
 
+class DenseBlocks:
+    """The host fast path of a llama-style block: its attention half in one compiled call
+    (:func:`plinth.ops.fused.attention_block`) instead of a dozen calls with Python between them.
+
+    ``graph`` holds per layer ``norms`` (attention and FFN norm weights), ``heads`` (query heads, kv
+    heads, head size), the :class:`Linear` s ``qkv``, ``attn_out``, ``gate_up``, and ``rope`` (a
+    :class:`Rope`), ``attn_scale`` and ``hp.norm_eps``; its layer is ``x + attention(rms_norm(x))``
+    with plain RoPE on Q and K and a causal attention without a window or soft-cap, then a GLU FFN on
+    ``rms_norm(x1)``. :meth:`attention_block` returns None wherever the general path would not run
+    the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a typed or shared
+    cache, more rows than the kernels take...): the caller then takes that path, which gives the
+    same bits where both apply."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self._weights: dict[int, Any] = {}  # per layer: the three products' kernel arguments, or False
+
+    def _layer_args(self, il: int) -> Any:
+        args = self._weights.get(il)
+        if args is None:
+            g = self.graph
+            lins = (g.qkv[il], g.attn_out[il], g.gate_up[il])
+            ok = all(lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES)
+                     and not lin.w.scaled and not lin.w.precise for lin in lins)
+            if ok:
+                got = [quant._int8_args(lin.w, getattr(lin.w, "parts", [lin.w])) for lin in lins]
+                if not all(got):
+                    return False  # (the int8 kernels off now: asked again next time)
+                args = tuple(a for got_one in got for a in got_one)
+            else:
+                args = False
+            self._weights[il] = args
+        return args
+
+    def attention_block(self, il: int, x: Any, step: Step) -> tuple[Any, Any] | None:
+        """``(x1, gate_up)``: the residual after layer ``il``'s attention and its FFN's gate | up
+        products for the rows ``x`` [m, n_embd], or None (the caller takes the general path)."""
+        if quant.compiled_i8() is None or type(x) is not np.ndarray or x.dtype != np.float32 \
+                or x.ndim != 2 or not x.flags.c_contiguous or not 0 < x.shape[0] <= quant.KERNEL_MAX_ROWS:
+            return None
+        args = self._weights.get(il)
+        if args is None:
+            args = self._layer_args(il)
+        if not args:
+            return None
+        kv = step.cache.kv(il)
+        if kv.layer != il or (kv.roles and not kv.cache.types.plain):
+            return None
+        g = self.graph
+        table = g.rope.tables[il]
+        per_step = step.memo.get((DenseBlocks, id(table)))
+        if per_step is None:
+            per_step = step.memo[(DenseBlocks, id(table))] = self._per_step(kv, step, table, x.shape[0])
+        if not per_step:
+            return None
+        cos, sin, pos = per_step
+        n_head, n_head_kv, hd = g.heads[il]
+        if quant.blas._state["current"] != 1:
+            quant.blas.use(1)
+        rows = kv.reserve_rows(step.groups, ((n_head_kv, hd), (n_head_kv, hd)))
+        n_kv = rows[:, 2] + (rows[:, 1] - rows[:, 0])
+        key = ("attn_bias_col", 0, n_kv.tobytes())  # (plinth.graph._key_columns' key)
+        col = step.memo.get(key)
+        if col is None:  # (once a step: the bias reads the new rows' positions, which the call writes later)
+            for (seq, sel), n0 in zip(step.groups, rows[:, 2]):
+                kv.positions(seq)[n0:] = step.batch.positions[sel]
+            col = step.once(key, lambda: _bias_column(step, kv, n_kv, 0))
+        attn_norm, ffn_norm = g.norms[il]
+        eps, neox, task, vector, scale, threads = self._consts
+        return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, cos, sin, neox, pos, rows,
+                            col, task, vector, scale, threads)
+
+    def _per_step(self, kv: Any, step: Step, table: Any, m: int) -> Any:
+        """(cos, sin, positions) of ``step``'s rows for layers with RoPE ``table``, or False where the
+        general path would not take the kernels of the call (the rows of a sequence past the compiled
+        attention's, a RoPE table of another form). Also settles the constants of the call."""
+        g = self.graph
+        if not _rows_path(kv, False, step):
+            return False
+        cos, sin = step.once(("rope", id(table)), lambda: table(step.batch.positions))
+        hd = g.heads[0][2]
+        if not (type(cos) is np.ndarray and cos.dtype == np.float32 and sin.dtype == np.float32
+                and cos.shape[0] == m and 2 * cos.shape[1] <= min(h[2] for h in g.heads)
+                and g.rope.mode in ("normal", "neox") and all(h[2] == hd for h in g.heads)):
+            return False
+        from .ops import compiled, fused
+        from .ops.attention import _threads
+
+        vector = hd % compiled._W == 0 and hd % (4 * compiled._W) == 0  # (attention_groups' choice)
+        self._consts = (float(g.hp.norm_eps), g.rope.mode == "neox", compiled.task_address(vector), vector,
+                        float(g.attn_scale), _threads())
+        self._kernel = fused.attention_block
+        return cos, sin, step.once("positions_i64", lambda: np.asarray(step.batch.positions, dtype=np.int64))
+
+
 class Rope:
     """Rotary position embedding tables for every layer; layers with equal settings share one.
 

@@ -33,11 +33,12 @@ import math
 from typing import Any, Mapping
 
 import attrs
+import numpy as np
 
 from plinth import ops
 from plinth.errors import UserError
-from plinth.graph import (DENSE_RANGES, Architecture, BaseGraph, HParamsError, KeyReader, Linear, PerLayer, Rope, Step,
-                          TensorSpec, attend, expert_tensors)
+from plinth.graph import (DENSE_RANGES, Architecture, BaseGraph, DenseBlocks, HParamsError, KeyReader, Linear, PerLayer,
+                          Rope, Step, TensorSpec, attend, expert_tensors)
 
 
 @attrs.frozen
@@ -245,6 +246,11 @@ class LlamaGraph(BaseGraph):
                                           [(w.get(b + "ffn_gate.bias"), ff), (w.get(b + "ffn_up.bias"), ff)], xp))
             self.down.append(with_bias(Linear.stack(w, [b + "ffn_down.weight"], xp),
                                        [(w.get(b + "ffn_down.bias"), hp.n_embd)], xp))
+        #: the host fast path of a block (one compiled call up to the FFN's activation), for the graphs
+        #: whose layer is this class's own; None for the others (qk-norm, MoE, another layer)
+        cls = type(self)
+        plain = all(getattr(cls, f) is getattr(LlamaGraph, f) for f in ("layer", "attention", "ffn", "qk_norm"))
+        self.fused = DenseBlocks(self) if plain and not hp.n_expert and xp is np else None
 
     def qkv_linear(self, il: int) -> Linear:
         """Q|K|V of layer ``il`` as one Linear: the separate projections stacked, or the fused ``attn_qkv``.
@@ -283,6 +289,16 @@ class LlamaGraph(BaseGraph):
         return qk
 
     def layer(self, il: int, x: Any, step: Step) -> Any:
+        if self.fused is not None:
+            fast = self.fused.attention_block(il, x, step)
+            if fast is not None:  # (the same bits as the lines below)
+                x, gate_up = fast
+                ff = self.hp.n_ff[il]
+                h = ops.silu(gate_up[:, :ff])
+                h *= gate_up[:, ff:]
+                h = self.down[il](h)
+                h += x
+                return h
         attn_norm, ffn_norm = self.norms[il]
         eps = self.hp.norm_eps
         x = x + self.attention(il, ops.rms_norm(x, attn_norm, eps), step)

@@ -1,0 +1,139 @@
+"""The fused host block (plinth.graph.DenseBlocks, plinth.ops.fused.attention_block) gives the general
+path's bits: the same logits, bit for bit, with the fast path on and off, over a prompt, decode steps, a
+verify batch and its rollback (stale rows left in the cache buffers), several sequences in one step
+(a server's) and a pipeline stage; and it really ran. A graph it does not fit (biases on Q / K / V, a
+typed cache, the int8 kernels off) takes the general path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import plinth
+import plinth.quant as quant
+from plinth.batch import Batch
+from plinth.testing.synthetic import write_quantized_llama
+
+pytestmark = pytest.mark.skipif(quant.compiled_i8() is None, reason="no int8 kernels here")
+
+SHAPE = dict(n_vocab=300, n_embd=256, n_layer=4, n_head=4, n_head_kv=2, n_ff=512, n_ctx=256)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return plinth.load_model(str(write_quantized_llama(tmp_path_factory.mktemp("fused") / "q.gguf", **SHAPE)))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the compiled block ran."""
+    import plinth.ops.fused as fused
+
+    n = [0]
+    real = fused.attention_block
+
+    def counting(*a):
+        n[0] += 1
+        return real(*a)
+
+    monkeypatch.setattr(fused, "attention_block", counting)
+    return n
+
+
+def _multi(tokens_by_seq: dict[int, list[int]], starts: dict[int, int]) -> Batch:
+    """One step holding several sequences' rows (a server step), every row's logits asked for."""
+    toks, pos, seqs = [], [], []
+    for seq, toks_s in tokens_by_seq.items():
+        toks += toks_s
+        pos += list(range(starts[seq], starts[seq] + len(toks_s)))
+        seqs += [seq] * len(toks_s)
+    n = len(toks)
+    return Batch(tokens=np.array(toks, np.int64), positions=np.array(pos, np.int64),
+                 seq_ids=np.array(seqs, np.int64), output=np.ones(n, bool))
+
+
+def _script(model, vocab: int) -> list[np.ndarray]:
+    """The logits of a run touching every way rows reach a layer."""
+    rng = np.random.default_rng(3)
+    ctx = model.new_context()
+    out = [ctx.decode(rng.integers(1, vocab, 23).tolist(), output="all").logits]
+    tok = 5
+    for _ in range(6):  # decode steps
+        lg = ctx.decode([tok]).logits
+        out.append(lg)
+        tok = int(np.argmax(lg[-1]))
+    n = ctx.cache.next_position(0)
+    out.append(ctx.decode([tok, 7, 11, 13, 17], output="all").logits)  # a verify batch (a causal bias)
+    ctx.cache.seq_rm(0, n + 2)  # its last three rows rejected: stale rows stay in the buffers
+    out.append(ctx.decode([19, 23], output="all").logits)
+    out.append(ctx.decode(rng.integers(1, vocab, 9).tolist(), seq=1, output="all").logits)  # a second sequence
+    out.append(ctx.decode(rng.integers(1, vocab, 4).tolist(), seq=2, output="all").logits)
+    for _ in range(3):  # server steps: rows of three sequences in one forward
+        starts = {s: ctx.cache.next_position(s) for s in (0, 1, 2)}
+        out.append(ctx.forward(_multi({0: [3], 1: [29, 31], 2: [37]}, starts)).logits)
+    return [np.array(model.backend.to_numpy(o), copy=True) for o in out]
+
+
+def _both(model, vocab: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    g = model.graph
+    fast = g.fused
+    assert fast is not None, "the llama graph has the fused block"
+    try:
+        on = _script(model, vocab)
+        g.fused = None
+        off = _script(model, vocab)
+    finally:
+        g.fused = fast
+    return on, off
+
+
+def _same(on: list[np.ndarray], off: list[np.ndarray]) -> None:
+    assert len(on) == len(off)
+    for i, (a, b) in enumerate(zip(on, off)):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"forward {i}: the fused block's logits differ"
+
+
+def test_fused_block_gives_the_general_paths_bits(tiny, calls):
+    on, off = _both(tiny, SHAPE["n_vocab"])
+    assert calls[0] >= 10 * SHAPE["n_layer"], f"the fused block ran {calls[0]} times"
+    _same(on, off)
+
+
+def test_fused_block_in_a_pipeline_stage(tiny, calls):
+    """Two stages (layers 0-1, 2-3) give one forward's bits, fused or not."""
+    ids = [1, 9, 40, 77, 120, 5]
+    whole = np.array(tiny.new_context().decode(ids, output="all").logits)
+    ctx = tiny.new_context()
+    batch = Batch.from_tokens(ids, output="all")
+    x = ctx.forward_stage(batch, None, 0, 2)
+    out = ctx.forward_stage(batch, x, 2, SHAPE["n_layer"])
+    assert np.array_equal(np.asarray(out.logits), whole)
+    assert calls[0] > 0
+
+
+def test_general_path_where_the_block_does_not_fit(tiny, calls, monkeypatch):
+    """The int8 kernels off: no fused call, and the run still completes (f32 activations)."""
+    monkeypatch.setitem(quant._state, "i8", False)
+    ctx = tiny.new_context()
+    assert np.isfinite(ctx.decode([1, 2, 3]).logits).all()
+    assert np.isfinite(ctx.decode([4]).logits).all()
+    assert calls[0] == 0
+
+
+def test_typed_cache_takes_the_general_path(tmp_path, calls):
+    path = write_quantized_llama(tmp_path / "q.gguf", **SHAPE)
+    model = plinth.load_model(str(path), cache_type_k="q8_0", cache_type_v="q8_0")
+    ctx = model.new_context()
+    ctx.decode([1, 2, 3])
+    assert np.isfinite(ctx.decode([4]).logits).all()
+    assert calls[0] == 0
+
+
+@pytest.mark.real
+@pytest.mark.network
+def test_fused_block_real_model(calls):
+    """SmolLM2-135M (Q4_1 / Q8_0 in its file): the same bits with and without the fused block."""
+    model = plinth.load_model("smollm2-135m-instruct")
+    on, off = _both(model, model.n_vocab)
+    assert calls[0] > 0
+    _same(on, off)
