@@ -6,10 +6,9 @@ rest (norms, RoPE, cache appends, the Python of the layers). The floor is the qu
 bytes read per token (every quantized weight once; a tied embedding table as the LM head) over
 the read bandwidth this machine reaches with the kernel threads, measured here too.
 
-A llama-style model runs each layer's attention half as one compiled call
-(``plinth.ops.fused.attention_block``, which holds three of the layer's four products and its
-attention): its rows show that call's time as "fused blocks", and the products and attention
-columns count only what runs outside it. ``--general`` also times the model with that call off
+A llama-style model runs each layer as one compiled call (``plinth.ops.fused.dense_block``, which
+holds the layer's four products and its attention): its rows show those calls' time as "fused
+blocks", and the products and attention columns count only what runs outside them (the LM head). ``--general`` also times the model with that call off
 (``graph.fused = None``, the same bits), where every product and attention is counted.
 
     OPENBLAS_NUM_THREADS=2 python benchmarks/bench_decode_split.py [-m MODEL ...] [--steps 64] [--runs 3] [--general]
@@ -91,7 +90,7 @@ def split(name: str, steps: int, runs: int, general: bool = False) -> dict[str, 
     if k8 is None or attn_mod is None:
         raise SystemExit("the int8 kernels are off here (no AVX2, PLINTH_INT8=0 or no numba)")
     acc = {"products": 0.0, "attention": 0.0, "blocks": 0.0}
-    real_linear, real_attn, real_block = k8.linear, attn_mod.attention_groups, fused.attention_block
+    real_linear, real_attn, real_block = k8.linear, attn_mod.attention_groups, fused.dense_block
 
     def linear(*a):
         t0 = time.perf_counter()
@@ -103,13 +102,13 @@ def split(name: str, steps: int, runs: int, general: bool = False) -> dict[str, 
         real_attn(*a)
         acc["attention"] += time.perf_counter() - t0
 
-    def attention_block(*a):
+    def dense_block(*a):
         t0 = time.perf_counter()
         out = real_block(*a)
         acc["blocks"] += time.perf_counter() - t0
         return out
 
-    k8.linear, attn_mod.attention_groups, fused.attention_block = linear, attention_groups, attention_block
+    k8.linear, attn_mod.attention_groups, fused.dense_block = linear, attention_groups, dense_block
     try:
         best = None
         for _ in range(runs):
@@ -125,7 +124,7 @@ def split(name: str, steps: int, runs: int, general: bool = False) -> dict[str, 
             if best is None or total < best["total"]:
                 best = dict(acc, total=total)
     finally:
-        k8.linear, attn_mod.attention_groups, fused.attention_block = real_linear, real_attn, real_block
+        k8.linear, attn_mod.attention_groups, fused.dense_block = real_linear, real_attn, real_block
     nbytes = _weight_bytes(model)
     bw = _read_bandwidth()
     ms = {k: v / steps * 1e3 for k, v in best.items()}

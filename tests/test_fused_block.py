@@ -1,4 +1,4 @@
-"""The fused host block (plinth.graph.DenseBlocks, plinth.ops.fused.attention_block) gives the general
+"""The fused host block (plinth.graph.DenseBlocks, plinth.ops.fused.dense_block) gives the general
 path's bits: the same logits, bit for bit, with the fast path on and off, over a prompt, decode steps, a
 verify batch and its rollback (stale rows left in the cache buffers), several sequences in one step
 (a server's) and a pipeline stage; and it really ran. A graph it does not fit (biases on Q / K / V, a
@@ -30,13 +30,13 @@ def calls(monkeypatch):
     import plinth.ops.fused as fused
 
     n = [0]
-    real = fused.attention_block
+    real = fused.dense_block
 
     def counting(*a):
         n[0] += 1
         return real(*a)
 
-    monkeypatch.setattr(fused, "attention_block", counting)
+    monkeypatch.setattr(fused, "dense_block", counting)
     return n
 
 
@@ -137,3 +137,49 @@ def test_fused_block_real_model(calls):
     on, off = _both(model, model.n_vocab)
     assert calls[0] > 0
     _same(on, off)
+
+
+def test_compiled_exp_within_2_ulp():
+    """The float32 exp of every host silu: within 2 ulp of float64's over the normal float32 range; inf, 0 and
+    NaN at the ends."""
+    from numba import njit
+
+    from plinth.ops.compiled import exp_f32
+
+    @njit
+    def exps(a, out):
+        for i in range(a.size):
+            out[i] = exp_f32(a[i])
+
+    rng = np.random.default_rng(11)
+    x = np.concatenate([rng.uniform(-87.3, 88.7, 400_000), rng.uniform(-4, 4, 400_000),
+                        [0.0, -0.0, 1e-30, -1e-30, 88.72, -87.33]]).astype(np.float32)
+    got = np.empty_like(x)
+    exps(x, got)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert (np.abs(got - ref) / ulp).max() <= 2.0
+    ends = np.array([88.8, 1000, np.inf, -87.4, -1000, -np.inf, np.nan], np.float32)
+    out = np.empty_like(ends)
+    exps(ends, out)
+    assert np.array_equal(out[:6], [np.inf, np.inf, np.inf, 0, 0, 0]) and np.isnan(out[6])
+
+
+def test_silu_is_one_definition():
+    """ops.silu (contiguous or a strided view, any batch) and the fused block's silu(gate) * up give the same
+    bits; silu is within 3e-7 (relative) of float64's."""
+    from plinth import ops
+    from plinth.ops.compiled import silu_mul_rows
+
+    rng = np.random.default_rng(12)
+    gu = (rng.standard_normal((7, 64)) * rng.choice([0.1, 3.0, 40.0], (7, 1))).astype(np.float32)
+    want = ops.silu(gu[:, :32])
+    want *= gu[:, 32:]
+    got = np.empty((7, 32), np.float32)
+    silu_mul_rows(gu, 32, got)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    alone = ops.silu(gu[3:4, :32].copy())
+    assert np.array_equal(alone[0].view(np.uint32), ops.silu(gu[:, :32])[3].view(np.uint32))
+    x64 = gu.astype(np.float64)
+    ref = x64 / (1 + np.exp(-x64))
+    assert (np.abs(ops.silu(gu) - ref) / np.maximum(np.abs(ref), 1e-30)).max() < 3e-7

@@ -493,27 +493,27 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
 
 
 class DenseBlocks:
-    """The host fast path of a llama-style block: its attention half in one compiled call
-    (:func:`plinth.ops.fused.attention_block`) instead of a dozen calls with Python between them.
+    """The host fast path of a llama-style block: the whole layer in one compiled call
+    (:func:`plinth.ops.fused.dense_block`) instead of a dozen calls with Python between them.
 
     ``graph`` holds per layer ``norms`` (attention and FFN norm weights), ``heads`` (query heads, kv
-    heads, head size), the :class:`Linear` s ``qkv``, ``attn_out``, ``gate_up``, and ``rope`` (a
-    :class:`Rope`), ``attn_scale`` and ``hp.norm_eps``; its layer is ``x + attention(rms_norm(x))``
-    with plain RoPE on Q and K and a causal attention without a window or soft-cap, then a GLU FFN on
-    ``rms_norm(x1)``. :meth:`attention_block` returns None wherever the general path would not run
+    heads, head size), the :class:`Linear` s ``qkv``, ``attn_out``, ``gate_up``, ``down``, and ``rope``
+    (a :class:`Rope`), ``attn_scale``, ``hp.norm_eps`` and ``hp.n_ff``; its layer is ``x1 = x +
+    attention(rms_norm(x))`` with plain RoPE on Q and K and a causal attention without a window or
+    soft-cap, then ``x1 + down(silu(gate) * up)`` of ``rms_norm(x1)``. :meth:`block` returns None wherever the general path would not run
     the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a typed or shared
     cache, more rows than the kernels take...): the caller then takes that path, which gives the
     same bits where both apply."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
-        self._weights: dict[int, Any] = {}  # per layer: the three products' kernel arguments, or False
+        self._weights: dict[int, Any] = {}  # per layer: the four products' kernel arguments, or False
 
     def _layer_args(self, il: int) -> Any:
         args = self._weights.get(il)
         if args is None:
             g = self.graph
-            lins = (g.qkv[il], g.attn_out[il], g.gate_up[il])
+            lins = (g.qkv[il], g.attn_out[il], g.gate_up[il], g.down[il])
             ok = all(lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES)
                      and not lin.w.scaled and not lin.w.precise for lin in lins)
             if ok:
@@ -526,9 +526,8 @@ class DenseBlocks:
             self._weights[il] = args
         return args
 
-    def attention_block(self, il: int, x: Any, step: Step) -> tuple[Any, Any] | None:
-        """``(x1, gate_up)``: the residual after layer ``il``'s attention and its FFN's gate | up
-        products for the rows ``x`` [m, n_embd], or None (the caller takes the general path)."""
+    def block(self, il: int, x: Any, step: Step) -> Any:
+        """Layer ``il``'s output for the rows ``x`` [m, n_embd], or None (the caller takes the general path)."""
         if quant.compiled_i8() is None or type(x) is not np.ndarray or x.dtype != np.float32 \
                 or x.ndim != 2 or not x.flags.c_contiguous or not 0 < x.shape[0] <= quant.KERNEL_MAX_ROWS:
             return None
@@ -561,8 +560,8 @@ class DenseBlocks:
             col = step.once(key, lambda: _bias_column(step, kv, n_kv, 0))
         attn_norm, ffn_norm = g.norms[il]
         eps, neox, task, vector, scale, threads = self._consts
-        return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, cos, sin, neox, pos, rows,
-                            col, task, vector, scale, threads)
+        return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, g.hp.n_ff[il], cos, sin, neox,
+                            pos, rows, col, task, vector, scale, threads)
 
     def _per_step(self, kv: Any, step: Step, table: Any, m: int) -> Any:
         """(cos, sin, positions) of ``step``'s rows for layers with RoPE ``table``, or False where the
@@ -583,7 +582,7 @@ class DenseBlocks:
         vector = hd % compiled._W == 0 and hd % (4 * compiled._W) == 0  # (attention_groups' choice)
         self._consts = (float(g.hp.norm_eps), g.rope.mode == "neox", compiled.task_address(vector), vector,
                         float(g.attn_scale), _threads())
-        self._kernel = fused.attention_block
+        self._kernel = fused.dense_block
         return cos, sin, step.once("positions_i64", lambda: np.asarray(step.batch.positions, dtype=np.int64))
 
 

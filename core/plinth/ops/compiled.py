@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i64_at, prefetch_write
+from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, f32_from_bits, i64_at, prefetch_write
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -319,6 +319,59 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox
                 sn = -sin[t, i] if inverse else sin[t, i]
                 out[t, h, ia] = a * c - b * sn
                 out[t, h, ib] = a * sn + b * c
+
+
+# exp in float32 for silu_rows: x = n ln2 + r (Cody-Waite: ln2 in a high part of few bits, so n * _LN2_HI is
+# exact for |n| <= 128, and a low part), e^r by its Taylor series to r^7 / 7! (|r| <= ln2 / 2: the first term
+# left out is below 0.1 ulp), times 2^n built from its bits in two halves (no overflow of the exponent field)
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.1219444005469057e-4)
+_EXP_MAX = np.float32(88.72283)  # above: inf (past the largest float32)
+_EXP_MIN = np.float32(-87.33654)  # below: 0 (past the smallest normal float32)
+_T2, _T3, _T4 = np.float32(1 / 2), np.float32(1 / 6), np.float32(1 / 24)
+_T5, _T6, _T7 = np.float32(1 / 120), np.float32(1 / 720), np.float32(1 / 5040)
+_ONE, _HALF, _ZERO, _INF = np.float32(1.0), np.float32(0.5), np.float32(0.0), np.float32(np.inf)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def exp_f32(v: float) -> float:
+    """e^v for a float32 ``v``, within 2 ulp of the true value over the normal float32 range (inf above it, 0
+    below it, NaN for NaN). Plain float32 steps, no call and no branch: a loop over it vectorises, and its
+    result is the same wherever it is compiled (no fused multiply-add, no reassociation)."""
+    c = v if v > _EXP_MIN else _EXP_MIN
+    c = c if c < _EXP_MAX else _EXP_MAX
+    t = c * _LOG2E + _HALF
+    k = np.int32(t)  # (toward zero, then down where that rounded up: the floor)
+    k = k - np.int32(1) if t < np.float32(k) else k
+    n = np.float32(k)
+    r = (c - n * _LN2_HI) - n * _LN2_LO
+    p = _ONE + r * (_ONE + r * (_T2 + r * (_T3 + r * (_T4 + r * (_T5 + r * (_T6 + r * _T7))))))
+    a = k >> np.int32(1)
+    s = p * f32_from_bits((a + np.int32(127)) << np.int32(23)) * f32_from_bits((k - a + np.int32(127)) << np.int32(23))
+    s = _INF if v > _EXP_MAX else s
+    s = _ZERO if v < _EXP_MIN else s
+    return v if v != v else s
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def silu_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """out = x / (1 + exp(-x)) for x float32 [m, n] (C order, as out): every host silu of float32 arrays
+    (:func:`plinth.ops.silu`; :func:`silu_mul_rows` for a GLU), so a value's result does not depend on the call."""
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            v = x[r, j]
+            out[r, j] = v / (_ONE + exp_f32(-v))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def silu_mul_rows(gate_up: np.ndarray, n: int, out: np.ndarray) -> None:
+    """out = silu(gate_up[:, :n]) * gate_up[:, n:2n] (C order), the silu of :func:`silu_rows` then one
+    float32 product: the bits of ``h = ops.silu(gate); h *= up``."""
+    for r in range(gate_up.shape[0]):
+        for j in range(n):
+            v = gate_up[r, j]
+            out[r, j] = v / (_ONE + exp_f32(-v)) * gate_up[r, n + j]
 
 
 drop_stale(attention_table, [Path(__file__).with_name("attend_simd.py"), Path(__file__).parents[1] / "quant" / "jitcache.py"])

@@ -1,9 +1,8 @@
-"""One compiled call for the attention half of a pre-norm dense block (llama's), on the host.
+"""One compiled call for a pre-norm dense block (llama's), on the host.
 
 A decode step of a small dense model spends as long in the Python between its kernels (the
 wrappers of a dozen calls a layer, the views and small arrays they make) as in the kernels' own
-work beyond the weight reads. :func:`attention_block` runs what lies between a layer's input
-and its FFN's gate / up product in one call::
+work beyond the weight reads. :func:`dense_block` runs a whole layer in one call::
 
     h  = rms_norm(x) * attn_norm                # plinth.ops.compiled.rms_norm_rows
     qkv = h @ Wqkv.T                            # plinth.quant.kernels_i8.linear
@@ -12,11 +11,11 @@ and its FFN's gate / up product in one call::
     a  = attention(q, cache)                    # plinth.ops.compiled.attention_table
     x1 = x + a @ Wo.T
     gu = (rms_norm(x1) * ffn_norm) @ [Wgate | Wup].T
+    out = x1 + (silu(gate) * up) @ Wdown.T     # plinth.ops.compiled.silu_mul_rows
 
 It calls the very kernels the layer's Python calls one by one, on the same values in the same
 order (no float step is reordered, fused or skipped), so a row's result is bit for bit the one
 the general path gives, alone or in any batch; ``tests/test_fused_block.py`` compares the two.
-The activation of the FFN stays with its caller (numpy's ``exp``, which every other path uses).
 """
 
 from __future__ import annotations
@@ -28,22 +27,22 @@ from numba import njit
 
 from ..quant.jitcache import drop_stale
 from ..quant.kernels_i8 import linear
-from .compiled import attention_table, rms_norm_rows, rope_rows, scatter_rows
+from .compiled import attention_table, rms_norm_rows, rope_rows, scatter_rows, silu_mul_rows
 
 
 @njit(cache=True, nogil=True)
-def attention_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
-                    qkv_fns: np.ndarray, qkv_grps: tuple, qkv_gstarts: np.ndarray, qkv_starts: np.ndarray,
-                    ao_fns: np.ndarray, ao_grps: tuple, ao_gstarts: np.ndarray, ao_starts: np.ndarray,
-                    gu_fns: np.ndarray, gu_grps: tuple, gu_gstarts: np.ndarray, gu_starts: np.ndarray,
-                    n_head: int, n_head_kv: int, hd: int, cos: np.ndarray, sin: np.ndarray, neox: bool,
-                    positions: np.ndarray, table: np.ndarray, bias_col: np.ndarray, task: int, vector: bool,
-                    scale: float, n_threads: int) -> tuple[np.ndarray, np.ndarray]:
-    """The attention half of a dense block for the rows x float32 ``[m, n_embd]`` (C order): returns the
-    residual after attention ``x1`` ``[m, n_embd]`` and the FFN's gate | up products ``[m, 2 n_ff]``.
+def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps: float,
+                qkv_fns: np.ndarray, qkv_grps: tuple, qkv_gstarts: np.ndarray, qkv_starts: np.ndarray,
+                ao_fns: np.ndarray, ao_grps: tuple, ao_gstarts: np.ndarray, ao_starts: np.ndarray,
+                gu_fns: np.ndarray, gu_grps: tuple, gu_gstarts: np.ndarray, gu_starts: np.ndarray,
+                dn_fns: np.ndarray, dn_grps: tuple, dn_gstarts: np.ndarray, dn_starts: np.ndarray,
+                n_head: int, n_head_kv: int, hd: int, n_ff: int, cos: np.ndarray, sin: np.ndarray, neox: bool,
+                positions: np.ndarray, table: np.ndarray, bias_col: np.ndarray, task: int, vector: bool,
+                scale: float, n_threads: int) -> np.ndarray:
+    """A dense block for the rows x float32 ``[m, n_embd]`` (C order): returns its output ``[m, n_embd]``.
 
-    The three products' arguments are :func:`plinth.quant.kernels_i8.linear`'s (Q | K | V stacked, the
-    attention output, gate | up stacked); cos / sin ``[m, n_rot / 2]`` the rows' RoPE tables (interleaved
+    The four products' arguments are :func:`plinth.quant.kernels_i8.linear`'s (Q | K | V stacked, the
+    attention output, gate | up stacked, down); ``n_ff`` the FFN's width; cos / sin ``[m, n_rot / 2]`` the rows' RoPE tables (interleaved
     pairs, or halves where ``neox``); ``positions`` int64 ``[m]``. ``table`` int64 ``[n_groups, 10]`` is
     :meth:`plinth.cache.Rows.reserve_rows`' (room made for every group's rows); after the rows are written
     its key counts are advanced and its column 5 becomes ``bias_col`` (each group's bias address, 0: none),
@@ -69,10 +68,17 @@ def attention_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, 
         for j in range(x.shape[1]):
             x1[r, j] += x[r, j]
     rms_norm_rows(x1, ffn_norm, True, False, eps, h)
-    gu = np.empty((m, gu_starts[len(gu_fns)]), np.float32)
+    gu = np.empty((m, 2 * n_ff), np.float32)
     linear(gu_fns, gu_grps, gu_gstarts, gu_starts, h, gu)
-    return x1, gu
+    act = np.empty((m, n_ff), np.float32)
+    silu_mul_rows(gu, n_ff, act)
+    out = np.empty_like(x)
+    linear(dn_fns, dn_grps, dn_gstarts, dn_starts, act, out)
+    for r in range(m):
+        for j in range(x.shape[1]):
+            out[r, j] += x1[r, j]
+    return out
 
 
-drop_stale(attention_block, [Path(__file__).parents[1] / "quant" / n for n in ("kernels_i8.py", "simd.py", "jitcache.py")]
+drop_stale(dense_block, [Path(__file__).parents[1] / "quant" / n for n in ("kernels_i8.py", "simd.py", "jitcache.py")]
            + [Path(__file__).with_name(n) for n in ("compiled.py", "attend_simd.py")])

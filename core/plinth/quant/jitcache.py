@@ -131,6 +131,15 @@ def prefetch_write(typingctx, addr):
     return types.void(types.int64), codegen
 
 
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """``f32_from_bits(i)``: the float32 whose IEEE bits are the int32 ``i`` (a bit cast; vectorises)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
 def _llvm_type(t: Any) -> ir.Type:
     if t == types.float32:
         return ir.FloatType()

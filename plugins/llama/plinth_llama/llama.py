@@ -246,7 +246,7 @@ class LlamaGraph(BaseGraph):
                                           [(w.get(b + "ffn_gate.bias"), ff), (w.get(b + "ffn_up.bias"), ff)], xp))
             self.down.append(with_bias(Linear.stack(w, [b + "ffn_down.weight"], xp),
                                        [(w.get(b + "ffn_down.bias"), hp.n_embd)], xp))
-        #: the host fast path of a block (one compiled call up to the FFN's activation), for the graphs
+        #: the host fast path of a block (one compiled call a layer), for the graphs
         #: whose layer is this class's own; None for the others (qk-norm, MoE, another layer)
         cls = type(self)
         plain = all(getattr(cls, f) is getattr(LlamaGraph, f) for f in ("layer", "attention", "ffn", "qk_norm"))
@@ -290,15 +290,9 @@ class LlamaGraph(BaseGraph):
 
     def layer(self, il: int, x: Any, step: Step) -> Any:
         if self.fused is not None:
-            fast = self.fused.attention_block(il, x, step)
-            if fast is not None:  # (the same bits as the lines below)
-                x, gate_up = fast
-                ff = self.hp.n_ff[il]
-                h = ops.silu(gate_up[:, :ff])
-                h *= gate_up[:, ff:]
-                h = self.down[il](h)
-                h += x
-                return h
+            out = self.fused.block(il, x, step)
+            if out is not None:  # (the same bits as the lines below)
+                return out
         attn_norm, ffn_norm = self.norms[il]
         eps = self.hp.norm_eps
         x = x + self.attention(il, ops.rms_norm(x, attn_norm, eps), step)
