@@ -183,3 +183,25 @@ def test_silu_is_one_definition():
     x64 = gu.astype(np.float64)
     ref = x64 / (1 + np.exp(-x64))
     assert (np.abs(ops.silu(gu) - ref) / np.maximum(np.abs(ref), 1e-30)).max() < 3e-7
+
+
+def test_warm_up_compiles_what_a_model_passes(tiny, monkeypatch):
+    """plinth.ops.warm_up (an image build's) compiles the fused block for the argument types a model's layers
+    pass it: the types of its warm-up call are those of a model's calls."""
+    from numba import typeof
+
+    from plinth.ops import fused
+
+    seen = []
+    real = fused.dense_block
+
+    def spy(*a):
+        seen.append(tuple(typeof(v) for v in a))
+        return real(*a)
+
+    monkeypatch.setattr(fused, "dense_block", spy)
+    fused.warm_up()
+    ctx = tiny.new_context()
+    ctx.decode([1, 2, 3])
+    ctx.decode([4])
+    assert len(seen) > 1 and set(seen) == {seen[0]}, "the warm-up and a model call the block with other types"

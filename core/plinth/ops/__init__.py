@@ -38,7 +38,8 @@ from .rope import (
 
 def warm_up() -> float:
     """Compile (or load from the on-disk cache) every compiled kernel: the quantized products of every
-    kept type (:func:`plinth.quant.warm_up`) and the host ops (decode attention, RMSNorm, RoPE);
+    kept type (:func:`plinth.quant.warm_up`) and the host ops (decode attention, RMSNorm, RoPE, silu, the
+    fused dense block);
     seconds taken (0 where the compiled kernels are off)."""
     import time
 
@@ -58,6 +59,11 @@ def warm_up() -> float:
     cs = np.ones((1, 4), dtype=np.float32)
     apply_rope(q, cos_sin=(cs, cs))
     apply_rope(q[:, :, ::2], cos_sin=(cs[:, :2], cs[:, :2]))  # the strided view a fused QKV gives
+    silu(q[0])
+    if quant.compiled_i8() is not None:  # a llama-style layer's one call (plinth.graph.DenseBlocks)
+        from . import fused
+
+        fused.warm_up()
     return time.perf_counter() - t0
 
 

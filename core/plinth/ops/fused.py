@@ -82,3 +82,39 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
 
 drop_stale(dense_block, [Path(__file__).parents[1] / "quant" / n for n in ("kernels_i8.py", "simd.py", "jitcache.py")]
            + [Path(__file__).with_name(n) for n in ("compiled.py", "attend_simd.py")])
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) :func:`dense_block` for the argument types a model's layers
+    pass it (read-only norm weights and weight groups), on a one-row block of 64-wide zero weights."""
+    from .. import quant
+    from ..quant import QuantWeight
+    from . import compiled
+    from .attention import _threads
+
+    e = hd = ff = 64
+    q8_0 = 8
+
+    def weight(n_out: int, n_in: int) -> QuantWeight:
+        return QuantWeight(np.zeros((n_out, n_in // 32 * 34), np.uint8), q8_0, (n_out, n_in))
+
+    def args(parts: list) -> tuple:
+        w = parts[0] if len(parts) == 1 else quant.stack(parts)
+        got = quant._int8_args(w, parts)
+        if not got:
+            raise RuntimeError("the int8 kernels are off")
+        return got
+
+    norm = np.ones(e, np.float32)
+    norm.flags.writeable = False  # (as a mapped file's)
+    k = np.zeros((1, 4, hd), np.float32)  # (one kv head, room for four rows, head-major as plinth.cache's)
+    v = np.zeros_like(k)
+    positions = np.zeros(4, np.int64)
+    table = np.array([[0, 1, 0, k.ctypes.data, v.ctypes.data, positions.ctypes.data, k.strides[0], v.strides[0],
+                       k.strides[1], v.strides[1]]], dtype=np.int64)
+    vector = hd % compiled._W == 0 and hd % (4 * compiled._W) == 0
+    cos = np.ones((1, hd // 2), np.float32)
+    dense_block(np.zeros((1, e), np.float32), norm, norm, 1e-6, *args([weight(hd, e)] * 3), *args([weight(e, hd)]),
+                *args([weight(ff, e)] * 2), *args([weight(e, ff)]), 1, 1, hd, ff, cos, cos, False,
+                np.zeros(1, np.int64), table, np.zeros(1, np.int64), compiled.task_address(vector), vector,
+                1.0 / hd ** 0.5, _threads())
