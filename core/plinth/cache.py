@@ -308,24 +308,8 @@ class Rows(CacheKind):
         per group its slice's start and stop, where its new rows start in its buffers, the
         :meth:`addresses` of its K, V and positions buffers and its buffers' :meth:`strides` (what
         :func:`plinth.ops.compiled.scatter_rows` takes)."""
-        pending, lengths, buffers, known = self._pending, self._len, self._buf, self._addr
-        rows = []
-        for seq, sel in groups:  # (reserve and _columns inlined: a server step asks this per layer and sequence)
-            n = sel.stop - sel.start
-            n_old = pending.get(seq)
-            if n_old is None:
-                n_old = lengths.get(seq, 0)
-            bufs = buffers.get(seq)
-            if bufs is None or bufs[0].shape[0] < n_old + n:
-                self.reserve(seq, n, shapes)  # (room made: the buffers grow)
-                bufs = buffers[seq]
-            else:
-                pending[seq] = n_old + n
-            layout = known.get(seq)
-            if layout is None or layout[0] is not bufs:
-                layout = self._layout(seq)
-            rows.append((sel.start, sel.stop, n_old) + layout[1] + layout[2])
-        return np.array(rows, dtype=np.int64)
+        rows = [(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) for seq, sel in groups]
+        return np.array([r + self._columns(seq) for r, (seq, _) in zip(rows, groups)], dtype=np.int64)
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its
