@@ -437,7 +437,7 @@ def _key_columns(step: Step, kv: Any, table: np.ndarray, window: int) -> None:
     -inf change no bit of the kernels' sums), so such a layer reads about its window of keys, not
     the whole cache."""
     if not window:
-        table[:, 5] = step.once(("attn_bias_col", window, table[:, 2].tobytes()),
+        table[:, 5] = step.once(_bias_column_key(table[:, 2], window),
                                 lambda: _bias_column(step, kv, table[:, 2], window))
         return
     lo, col = step.once(("attn_window_cols", window, table[:, 2].tobytes()),
@@ -466,6 +466,12 @@ def _window_columns(step: Step, kv: Any, n_kv: np.ndarray, window: int) -> tuple
         if bias is not None:
             col[i] = _bias_address(step, bias, ("window", seq, window, n), sel.stop - sel.start, n - skip)
     return lo, col
+
+
+def _bias_column_key(n_kv: np.ndarray, window: int) -> tuple:
+    """The step memo's key of :func:`_bias_column` for these key counts (int64) and window: layers with
+    the same key counts share one column (:func:`_key_columns`, :class:`DenseBlocks`)."""
+    return "attn_bias_col", window, n_kv.tobytes()
 
 
 def _bias_column(step: Step, kv: Any, n_kv: np.ndarray, window: int) -> np.ndarray:
@@ -510,20 +516,14 @@ class DenseBlocks:
         self._weights: dict[int, Any] = {}  # per layer: the four products' kernel arguments, or False
 
     def _layer_args(self, il: int) -> Any:
-        args = self._weights.get(il)
-        if args is None:
-            g = self.graph
-            lins = (g.qkv[il], g.attn_out[il], g.gate_up[il], g.down[il])
-            ok = all(lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES)
-                     and not lin.w.scaled and not lin.w.precise for lin in lins)
-            if ok:
-                got = [quant._int8_args(lin.w, getattr(lin.w, "parts", [lin.w])) for lin in lins]
-                if not all(got):
-                    return False  # (the int8 kernels off now: asked again next time)
-                args = tuple(a for got_one in got for a in got_one)
-            else:
-                args = False
-            self._weights[il] = args
+        """Layer ``il``'s four products' kernel arguments (remembered), or False where a product is not a
+        plain int8-kernel one (a bias, a scale, a transposed float matrix, a part of another type). Asked
+        with the int8 kernels on (:meth:`block` checks first), so False is for good."""
+        g = self.graph
+        lins = (g.qkv[il], g.attn_out[il], g.gate_up[il], g.down[il])
+        got = [lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES) and not lin.w.scaled
+               and not lin.w.precise and quant._int8_args(lin.w, getattr(lin.w, "parts", [lin.w])) for lin in lins]
+        args = self._weights[il] = all(got) and tuple(a for one in got for a in one)
         return args
 
     def block(self, il: int, x: Any, step: Step) -> Any:
@@ -552,7 +552,7 @@ class DenseBlocks:
             quant.blas.use(1)
         rows = kv.reserve_rows(step.groups, ((n_head_kv, hd), (n_head_kv, hd)))
         n_kv = rows[:, 2] + (rows[:, 1] - rows[:, 0])
-        key = ("attn_bias_col", 0, n_kv.tobytes())  # (plinth.graph._key_columns' key)
+        key = _bias_column_key(n_kv, 0)
         col = step.memo.get(key)
         if col is None:  # (once a step: the bias reads the new rows' positions, which the call writes later)
             for (seq, sel), n0 in zip(step.groups, rows[:, 2]):
@@ -573,13 +573,13 @@ class DenseBlocks:
         cos, sin = step.once(("rope", id(table)), lambda: table(step.batch.positions))
         hd = g.heads[0][2]
         if not (type(cos) is np.ndarray and cos.dtype == np.float32 and sin.dtype == np.float32
-                and cos.shape[0] == m and 2 * cos.shape[1] <= min(h[2] for h in g.heads)
-                and g.rope.mode in ("normal", "neox") and all(h[2] == hd for h in g.heads)):
+                and cos.shape[0] == m and 2 * cos.shape[1] <= hd and g.rope.mode in ("normal", "neox")
+                and all(h[2] == hd for h in g.heads)):
             return False
         from .ops import compiled, fused
         from .ops.attention import _threads
 
-        vector = hd % compiled._W == 0 and hd % (4 * compiled._W) == 0  # (attention_groups' choice)
+        vector = compiled.vector_suits(hd, hd, None)  # (attention_groups' choice)
         self._consts = (float(g.hp.norm_eps), g.rope.mode == "neox", compiled.task_address(vector), vector,
                         float(g.attn_scale), _threads())
         self._kernel = fused.dense_block

@@ -34,7 +34,7 @@ from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, i6
 from .attend_qsimd import attend_rows_typed as _attend_rows_v
 from .attend_qsimd import scratch_floats
 from .attend_simd import lanes
-from .compiled import TABLE_COLUMNS, _selected, full_table
+from .compiled import TABLE_COLUMNS, _selected, full_table, vector_suits
 
 _FLAGS = {"nsz", "arcp", "contract", "reassoc", "afn"}
 #: float16 bits -> float32 (the kernels' scales and f16 rows)
@@ -290,12 +290,6 @@ def attention_table_qv(fn: int, q: np.ndarray, table: np.ndarray, n_head_kv: int
     for t in prange(n_tasks):
         _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_head, n_head_kv, hd, hd_v,
                    run, n_scratch, kcode, vcode, kbytes, vbytes, sc)
-
-
-def vector_suits(hd: int, hd_v: int, soft_cap: float | None) -> bool:
-    """Whether :func:`attention_rows_q` takes the vector kernel (:mod:`plinth.ops.attend_qsimd`) for these
-    head sizes: no soft-cap, hd a multiple of W, hd_v of 4W."""
-    return not soft_cap and hd % _W == 0 and hd_v % (4 * _W) == 0
 
 
 def attention_rows_q(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int, kcodec, vcodec, scale: float,

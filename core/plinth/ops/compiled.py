@@ -219,8 +219,15 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
-    vector = not plain and not soft_cap and q.shape[2] % _W == 0 and hd_v % (4 * _W) == 0
+    vector = not plain and vector_suits(q.shape[2], hd_v, soft_cap)
     attention_table(task_address(vector), vector, q, table, n_head_kv, hd_v, scale, soft_cap, out, n_threads)
+
+
+def vector_suits(hd: int, hd_v: int, soft_cap: float | None) -> bool:
+    """Whether the attention kernels take their vector form (:mod:`plinth.ops.attend_simd`, and the typed
+    cache's :mod:`plinth.ops.attend_qsimd`) for these head sizes: no soft-cap, hd a multiple of the host's
+    float lanes W, hd_v of 4W."""
+    return not soft_cap and hd % _W == 0 and hd_v % (4 * _W) == 0
 
 
 @njit(cache=True, parallel=True, fastmath=_FLAGS, nogil=True)
@@ -354,14 +361,19 @@ def exp_f32(v: float) -> float:
     return v if v != v else s
 
 
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def silu_f32(v: float) -> float:
+    """v / (1 + exp(-v)) for a float32 ``v`` (:func:`exp_f32`): the one silu of the host paths."""
+    return v / (_ONE + exp_f32(-v))
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def silu_rows(x: np.ndarray, out: np.ndarray) -> None:
     """out = x / (1 + exp(-x)) for x float32 [m, n] (C order, as out): every host silu of float32 arrays
     (:func:`plinth.ops.silu`; :func:`silu_mul_rows` for a GLU), so a value's result does not depend on the call."""
     for r in range(x.shape[0]):
         for j in range(x.shape[1]):
-            v = x[r, j]
-            out[r, j] = v / (_ONE + exp_f32(-v))
+            out[r, j] = silu_f32(x[r, j])
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -370,8 +382,7 @@ def silu_mul_rows(gate_up: np.ndarray, n: int, out: np.ndarray) -> None:
     float32 product: the bits of ``h = ops.silu(gate); h *= up``."""
     for r in range(gate_up.shape[0]):
         for j in range(n):
-            v = gate_up[r, j]
-            out[r, j] = v / (_ONE + exp_f32(-v)) * gate_up[r, n + j]
+            out[r, j] = silu_f32(gate_up[r, j]) * gate_up[r, n + j]
 
 
 drop_stale(attention_table, [Path(__file__).with_name("attend_simd.py"), Path(__file__).parents[1] / "quant" / "jitcache.py"])

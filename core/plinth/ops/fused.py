@@ -112,7 +112,7 @@ def warm_up() -> None:
     positions = np.zeros(4, np.int64)
     table = np.array([[0, 1, 0, k.ctypes.data, v.ctypes.data, positions.ctypes.data, k.strides[0], v.strides[0],
                        k.strides[1], v.strides[1]]], dtype=np.int64)
-    vector = hd % compiled._W == 0 and hd % (4 * compiled._W) == 0
+    vector = compiled.vector_suits(hd, hd, None)
     cos = np.ones((1, hd // 2), np.float32)
     dense_block(np.zeros((1, e), np.float32), norm, norm, 1e-6, *args([weight(hd, e)] * 3), *args([weight(e, hd)]),
                 *args([weight(ff, e)] * 2), *args([weight(e, ff)]), 1, 1, hd, ff, cos, cos, False,
