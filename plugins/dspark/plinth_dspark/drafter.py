@@ -25,7 +25,7 @@ from plinth.speculative.base import Draft, DrafterRequirements
 from plinth_dflash.drafter import DFlashDrafter
 
 from .format import T_CONF, T_CONF_B, T_D2T, T_W1, T_W2, DSparkFile, DSparkFormatError, load_dspark
-from .heads import MarkovOutput, markov_chain
+from .heads import MarkovOutput, markov_chain, transposed_w2
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -48,6 +48,7 @@ class DSparkDrafter(DFlashDrafter):
         w = draft.weights
         xp = self.xp
         self.w1, self.w2 = w[T_W1], w[T_W2]
+        self.w2t = transposed_w2(self.w2, xp) if xp is np else None  # (the host chain's layout, made once)
         self.conf_w = w.get(T_CONF) if ds.has_confidence_head else None
         self.conf_b = w.get(T_CONF_B) if ds.has_confidence_head else None
         self.d2t = None
@@ -86,7 +87,8 @@ class DSparkDrafter(DFlashDrafter):
         hidden = self.block_hidden(seq, anchor, pos, n - 1 + s)[s:]  # [n, E]: the prediction rows only
         z = self.graph.logits(hidden)  # [n, V_d] (1+N: no head product for the anchor row)
         return markov_chain(z, hidden, [anchor], 1, w1=self.w1, w2=self.w2, d2t=self.d2t, conf_w=self.conf_w,
-                            conf_b=self.conf_b, first_row=0, max_block=self.hp.block_size, xp=self.xp)
+                            conf_b=self.conf_b, first_row=0, max_block=self.hp.block_size, xp=self.xp,
+                            w2t=self.w2t)
 
     def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
         n = min(int(n_max), self.n_max)

@@ -9,8 +9,10 @@ Markov head, for every block j (rows block-major, ``b`` rows per block, ``s`` th
         conf_i = sigmoid(conf_w . [h_i ; e_i] + conf_b)
         prev_{i+1} = d2t[argmax(out_i)]          # greedy chain, whatever the final pick
 
-Computed by fixed-point rounds over all rows at once (see :func:`markov_chain`), which gives exactly the
-sequential chain at a fraction of its memory traffic.
+On the host (numpy arrays of one float type) the chain runs in one compiled call, row after row
+(:func:`_chain_rows`: each row's bias and argmax in one pass over ``w2``, which a draft keeps transposed,
+``[R, V_d]``, so the pass vectorises over the vocabulary). Elsewhere (a device) it is computed by fixed-point
+rounds over all rows at once, which gives exactly the sequential chain in a few large products.
 
 The bias is computed in the draft vocabulary, which is the same as llama.cpp's scatter through ``d2t``
 into a -inf/0 target-vocabulary row: rows outside the draft vocabulary can never win the argmax.
@@ -21,6 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
+from numba import njit
 
 from plinth.errors import UserError
 
@@ -41,11 +45,57 @@ def sigmoid(x: Any, xp: Any) -> Any:
     return 1.0 / (1.0 + xp.exp(-x))
 
 
+@njit(cache=True, nogil=True)
+def _chain_rows(zb: np.ndarray, w1: np.ndarray, w2t: np.ndarray, d2t: np.ndarray, anchors: np.ndarray,
+                logits: np.ndarray, prev: np.ndarray) -> None:
+    """The greedy chain, row after row: ``logits[j, i] = zb[j, i] + w2t.T @ w1[prev[j, i]]`` and ``prev[j, i + 1]``
+    the (first) argmax of that row, through ``d2t`` (empty: the identity). Each bias element sums its R terms in
+    order (one pass over ``w2t`` a row, vectorised over the vocabulary)."""
+    n_blocks, m, vd = zb.shape
+    rank = w2t.shape[0]
+    acc = np.empty(vd, logits.dtype)
+    for j in range(n_blocks):
+        p = anchors[j]
+        for i in range(m):
+            prev[j, i] = p
+            acc[:] = 0
+            for r in range(rank):
+                e = w1[p, r]
+                w = w2t[r]
+                for v in range(vd):
+                    acc[v] += w[v] * e
+            out = logits[j, i]
+            z = zb[j, i]
+            for v in range(vd):
+                out[v] = z[v] + acc[v]
+            best = 0
+            for v in range(vd):  # numpy's argmax: the first maximum, or the first NaN
+                x = out[v]
+                if x != x:
+                    best = v
+                    break
+                if x > out[best]:
+                    best = v
+            p = best if d2t.shape[0] == 0 else d2t[best]
+
+
+def _host(xp: Any, zb: Any, w1: Any, w2: Any) -> bool:
+    """Whether :func:`_chain_rows` takes the chain: numpy arrays of one float type."""
+    return xp is np and zb.dtype in (np.float32, np.float64) and all(
+        isinstance(a, np.ndarray) and a.dtype == zb.dtype for a in (zb, w1, w2))
+
+
+def transposed_w2(w2: Any, xp: Any) -> Any:
+    """``w2`` as :func:`markov_chain`'s host path reads it (``[R, V_d]``, C order); a draft makes it once."""
+    return xp.ascontiguousarray(w2.T)
+
+
 def markov_chain(z: Any, hidden: Any, anchors: Any, n_blocks: int, *, w1: Any, w2: Any, d2t: Any = None,
                  conf_w: Any = None, conf_b: Any = None, first_row: int = 0, max_block: int | None = None,
-                 xp: Any) -> MarkovOutput:
+                 xp: Any, w2t: Any = None) -> MarkovOutput:
     """z: [n_tok, V_d] base logits of the block rows, hidden: [n_tok, E] their final-normed hidden states,
-    anchors: [n_blocks] target ids (row 0 of each block); rows block-major.
+    anchors: [n_blocks] target ids (row 0 of each block); rows block-major. ``w2t``: :func:`transposed_w2`
+    of ``w2`` where the caller keeps it (the host path makes it otherwise).
 
     Every block must have the same size (``n_tok % n_blocks == 0``). A block longer than ``max_block`` (the
     trained block size; the worst-case reservation in llama.cpp) gets no bias: the plain logits come back.
@@ -63,6 +113,12 @@ def markov_chain(z: Any, hidden: Any, anchors: Any, n_blocks: int, *, w1: Any, w
         return MarkovOutput(logits=zb, tokens=d2t_map(xp.argmax(zb, axis=-1)), conf=None, prev_emb=None)
     m = b - s
     anchors = xp.asarray(anchors).reshape(n_blocks).astype(xp.int64)
+    if _host(xp, zb, w1, w2):
+        logits = np.empty(zb.shape, dtype=zb.dtype)
+        prev = np.empty((n_blocks, m), dtype=np.int64)
+        _chain_rows(zb, w1, transposed_w2(w2, np) if w2t is None else w2t,
+                    np.empty(0, np.int64) if d2t is None else np.asarray(d2t, dtype=np.int64), anchors, logits, prev)
+        return _heads_out(logits, prev, hb, w1, conf_w, conf_b, d2t_map, xp)
     # The chain is sequential, but one w2 product per row would stream all of w2 (V_d x R) once per row.
     # Instead: guess every prev from the unbiased argmax, bias a window of rows in one product, and re-bias the
     # rows whose prev changed. Invariant: every fresh row's successor holds that row's argmax, so once rows
@@ -92,6 +148,12 @@ def markov_chain(z: Any, hidden: Any, anchors: Any, n_blocks: int, *, w1: Any, w
             break
         if int(flip.sum()) > 1:
             window = max(2, window // 2)
+    return _heads_out(logits, prev, hb, w1, conf_w, conf_b, d2t_map, xp)
+
+
+def _heads_out(logits: Any, prev: Any, hb: Any, w1: Any, conf_w: Any, conf_b: Any, d2t_map: Any,
+               xp: Any) -> MarkovOutput:
+    """The chained tokens, the Markov embeddings and the confidence head's output of the chain's rows."""
     tokens = d2t_map(xp.argmax(logits, axis=-1))
     emb = w1[prev]  # [n_blocks, m, R]
     conf = None

@@ -101,6 +101,50 @@ def test_markov_chain_vectorised_over_blocks_matches_the_formula():
             assert one.tokens[0, i] == prev
 
 
+@pytest.mark.parametrize("bias", [0.1, 3.0, 30.0])
+def test_host_chain_equals_the_fixed_point_rounds(monkeypatch, bias):
+    """The compiled row-after-row chain (numpy, float32) and the fixed-point rounds a device runs give the same
+    tokens and (to float32 rounding) the same logits; a larger bias makes the Markov term flip more guesses."""
+    import plinth_dspark.heads as heads
+
+    rng = np.random.default_rng(int(bias * 10))
+    v, vd, r, e, b, nb = 300, 120, 16, 24, 8, 3
+    d2t = rng.choice(v, vd, replace=False)
+    w1 = rng.standard_normal((v, r)).astype(np.float32)
+    w2 = (bias * rng.standard_normal((vd, r))).astype(np.float32)
+    cw, cb = rng.standard_normal((1, e + r)).astype(np.float32), np.array([0.3], np.float32)
+    z, h = rng.standard_normal((nb * b, vd)).astype(np.float32), rng.standard_normal((nb * b, e)).astype(np.float32)
+    z[2, 7] = z[2, 9] = 50.0  # a tie: the first index wins on both paths
+
+    def run(anchors, d2t, w2t=None):
+        return heads.markov_chain(z, h, anchors, nb, w1=w1, w2=w2, d2t=d2t, conf_w=cw, conf_b=cb, first_row=1,
+                                  xp=np, w2t=w2t)
+
+    assert heads._host(np, z, w1, w2)
+    host = [run([3, 7, 11], d2t), run([3, 7, 11], d2t, heads.transposed_w2(w2, np)), run([1, 2, 3], None)]
+    monkeypatch.setattr(heads, "_host", lambda *a: False)
+    rounds = [run([3, 7, 11], d2t), run([3, 7, 11], d2t), run([1, 2, 3], None)]
+    for a, c in zip(host, rounds):
+        np.testing.assert_array_equal(a.tokens, c.tokens)
+        np.testing.assert_allclose(a.logits, c.logits, rtol=1e-5, atol=1e-6 * float(np.abs(c.logits).max()))
+        np.testing.assert_allclose(a.conf, c.conf, rtol=1e-5)
+        np.testing.assert_array_equal(a.prev_emb, c.prev_emb)
+
+
+def test_host_chain_argmax_is_numpys():
+    """Ties go to the first index and a NaN wins, as numpy's argmax decides (the chain's next prev too)."""
+    from plinth_dspark.heads import markov_chain
+
+    w1 = np.zeros((6, 2), np.float32)
+    w2 = np.zeros((6, 2), np.float32)
+    z = np.array([[0, 2, 2, 1, 0, 0], [0, 1, np.nan, 3, np.nan, 0], [5, 0, 0, 0, 0, 0]], np.float32)
+    w1[2] = [1, 0]  # prev 2 (row 0's tied second maximum) would add 4 to column 5 of row 1; prev 1 adds nothing
+    w2[5] = [4, 0]
+    out = markov_chain(z, np.zeros((3, 1), np.float32), [0], 1, w1=w1, w2=w2, xp=np)
+    assert out.tokens[0].tolist() == [1, 2, 0]
+    assert out.logits[0, 1, 5] == 0.0  # prev of row 1 is row 0's first maximum (1), not the tied 2
+
+
 def test_no_confidence_head_with_p_min_is_refused(targets, dspark_file):
     from plinth_dspark.drafter import make_dspark
     from plinth_dspark.format import DSparkFormatError
