@@ -69,7 +69,8 @@ def make_generator(args: argparse.Namespace, model: Any) -> Any:
                "seed": args.seed}
     drafters = [args.registry.make_drafter(n, model, options) for n in names]
     config = SpecConfig(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min,
-                        verifier=args.spec_verify, synthetic_accept=args.spec_synthetic, seed=args.seed)
+                        verifier=args.spec_verify, synthetic_accept=args.spec_synthetic, seed=args.seed,
+                        policy=args.spec_policy)
     return SpeculativeGenerator(model, drafters, config=config, sampler=sampler, registry=args.registry)
 
 

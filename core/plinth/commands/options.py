@@ -45,6 +45,14 @@ def spec_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: longest suffix to look up (default 3)")
     g.add_argument("--spec-ngram-min", type=int_range(1), default=2,
                    help="ngram: shortest suffix to look up (default 2)")
+    g.add_argument("--spec-policy", default="auto", choices=["auto", "always"],
+                   help="when and how long to draft: auto (default) drafts only where the drafter's measured "
+                        "acceptance pays for the verify rows and the drafter's own time, decoding plainly otherwise "
+                        "and re-trying a draft now and then; alone (generate, chat, bench) it also picks the draft "
+                        "length expected to give the most tokens a second, in a server it stops drafting under a "
+                        "full batch (/metrics counts the decisions: plinth_spec_policy_decisions_total). always: "
+                        "every step drafts up to --spec-n-max tokens. Greedy output is the same either way; seeded "
+                        "sampled output keeps its distribution, its exact tokens follow the steps that drafted")
     g.add_argument("--spec-synthetic", type=float_range(0.0, 1.0), default=None, metavar="RATE",
                    help="benchmark only: accept each drafted position with this probability instead of "
                    "verifying (the text is then NOT the model's output)")

@@ -64,13 +64,6 @@ def register(sub: Any) -> None:
                    help="uvicorn's log level (default warning)")
     cache_type_args(p)
     spec_args(p)
-    p.add_argument("--spec-policy", default="auto", choices=["auto", "always"],
-                   help="when a sequence drafts (with --spec): auto (default) drafts only where the drafter's "
-                        "measured acceptance pays for the verify rows and the drafter's time at the batch's current "
-                        "size, decoding plainly otherwise and re-trying a draft now and then (with many concurrent "
-                        "requests or a poor drafter it stops drafting); always drafts every step. Greedy output is "
-                        "the same either way; seeded sampled output keeps its distribution, its exact tokens follow "
-                        "the steps that drafted. /metrics counts the decisions (plinth_spec_policy_decisions_total)")
     g = p.add_argument_group("Ray Serve", "run replicas of this server on a Ray cluster behind Ray Serve's HTTP "
                              "proxy (needs `pip install 'plinth[ray]'`; see docs/scale-out.md)")
     g.add_argument("--ray", type=_int_in(1), default=None, metavar="REPLICAS",

@@ -44,11 +44,11 @@ import numpy as np
 from ..batch import Batch
 from ..errors import UserError
 from ..generate import TextStream
-from ..ops import array_module
 from ..sampling import Sampler
 from ..speculative.base import Draft, TargetOutput, check_compatible, target_kv_views
 from ..speculative.engine import SpecConfig, SpecStats, propose
-from ..speculative.step import decide, make_step_verifier, rollback, target_batch, verifier_name
+from ..speculative.step import (chunk_bytes, decide, defer_chunk, deferred_output, make_step_verifier, rollback,
+                               target_batch, verifier_name)
 from .emission import Emitter, log_softmax, token_info
 from .metrics import Metrics
 from .prompt_cache import PromptCache
@@ -56,11 +56,6 @@ from .request import Event, QueueFull, Request, ShuttingDown, TokenInfo
 from .spec_policy import DraftPolicy, SeqDraftState
 
 __all__ = ["Event", "Metrics", "QueueFull", "Request", "Scheduler", "ShuttingDown", "TokenInfo", "log_softmax"]
-
-
-def _chunk_bytes(chunk: tuple[Any, Any, dict[int, Any]]) -> int:
-    """What a request's deferred rows (tokens, positions, the taps' features: :meth:`Scheduler._defer`) hold."""
-    return sum(int(f.nbytes) for f in chunk[2].values()) + 16 * len(chunk[0])
 
 
 class Scheduler:
@@ -227,7 +222,7 @@ class Scheduler:
         lg, rows = hit
         if req.speculative:  # (its drafters see the prompt's rows before its first draft, as after a prefill)
             req.deferred = list(rows)
-            req.deferred_bytes = sum(_chunk_bytes(c) for c in rows)
+            req.deferred_bytes = sum(chunk_bytes(c) for c in rows)
         req.n_prefilled = len(req.prompt_ids)
         self._first_token(req, lg)
         return True
@@ -490,10 +485,9 @@ class Scheduler:
         The drafters see them together before the request's next draft (one ``process`` call instead of one a
         step: a DSpark drafter's layers over one row cost a plain step a good part of its time, and a request
         that never drafts never pays for its prompt's either), or once they hold :attr:`defer_bytes`."""
-        feats = {t: out.features[t][first:first + n].copy() for t in self._taps if t in out.features}
-        chunk = (batch.tokens[first:first + n].copy(), batch.positions[first:first + n].copy(), feats)
+        chunk = defer_chunk(batch, out, first, n, self._taps)
         req.deferred.append(chunk)
-        req.deferred_bytes += _chunk_bytes(chunk)
+        req.deferred_bytes += chunk_bytes(chunk)
         if req.deferred_bytes >= self.defer_bytes:
             self._show_deferred(req)
 
@@ -502,17 +496,8 @@ class Scheduler:
         if not req.deferred:
             return
         chunks, req.deferred, req.deferred_bytes = req.deferred, [], 0
-        tokens = np.concatenate([c[0] for c in chunks])
-        positions = np.concatenate([c[1] for c in chunks])
         for drafter, r in zip(self.drafters, self.requirements):
-            feats = {}
-            for t in r.taps:
-                parts = [c[2][t] for c in chunks if t in c[2]]
-                if parts:
-                    feats[t] = array_module(parts[0]).concatenate(parts)  # (a copy: chunks may be kept)
-            drafter.process(TargetOutput(seq=req.seq, phase="prefill", tokens=tokens, positions=positions,
-                                         features=feats, has_embeddings=False, logits=None,
-                                         kv=target_kv_views(self.ctx.cache, r, req.seq)))
+            drafter.process(deferred_output(req.seq, chunks, r.taps, target_kv_views(self.ctx.cache, r, req.seq)))
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
                 first: int, pos: int, who: int, draft: Draft, snap: Any, decision: str = "") -> None:

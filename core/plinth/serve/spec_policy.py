@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-POLICIES = ("auto", "always")
+from ..speculative.policy import POLICIES, StepCost, _ema
 
 
 @attrs.define
@@ -47,46 +47,6 @@ class SeqDraftState:
 
     accepted: float | None = None  # moving average of drafted tokens kept a draft (None: no draft yet)
     drafts: int = 0
-
-
-@attrs.define
-class StepCost:
-    """The forward's time against its rows, ``a + b * rows``, fitted by least squares over recent steps
-    (each older step weighing ``decay`` times less)."""
-
-    decay: float = 0.97
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        d = self.decay
-        x, y = float(rows), float(seconds)
-        self.n = d * self.n + 1.0
-        self.sx = d * self.sx + x
-        self.sy = d * self.sy + y
-        self.sxx = d * self.sxx + x * x
-        self.sxy = d * self.sxy + x * y
-
-    def per_row(self) -> float | None:
-        """``b``, the seconds one more row adds (None before any step). Where the recent steps had (nearly)
-        the same rows the fit is undetermined: then the step's time is split as if its fixed part were
-        worth 4 rows (a CPU decode step's weight read; an overestimate on accelerators, where rows are
-        cheaper, errs toward not drafting)."""
-        if self.n <= 0.0:
-            return None
-        mx, my = self.sx / self.n, self.sy / self.n
-        var = self.sxx / self.n - mx * mx
-        if var > 0.25:
-            b = (self.sxy / self.n - mx * my) / var
-            return min(max(b, 0.0), my / max(mx, 1.0))
-        return my / (mx + 4.0)
-
-
-def _ema(old: float | None, new: float, w: float) -> float:
-    return new if old is None else (1.0 - w) * old + w * new
 
 
 @attrs.define

@@ -26,7 +26,7 @@ quality would make the engine; never use it for output.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -36,7 +36,8 @@ from ..errors import UserError
 from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible, target_kv_views
-from .step import decide, make_step_verifier, rollback, target_batch
+from .policy import POLICIES, LengthPolicy
+from .step import chunk_bytes, decide, defer_chunk, deferred_output, make_step_verifier, rollback, target_batch
 
 
 def _nonneg_int(_inst: Any, attr: Any, value: int) -> None:
@@ -56,6 +57,9 @@ class SpecConfig:
     synthetic_accept: None, or a per-position acceptance rate in [0, 1] for
         benchmarking the verify path (output is then not the model's).
     seed: seed of the verifier's random draws (rejection, synthetic).
+    policy: "always" (every drafter asked every step for up to ``n_max`` tokens) or "auto"
+        (:mod:`.policy`: the length expected to give the most tokens a second, none where no
+        draft is expected to beat a plain step; ``--spec-policy``, the CLI's default).
     """
 
     n_max: int = attrs.field(default=16, converter=int, validator=_nonneg_int)
@@ -64,8 +68,11 @@ class SpecConfig:
     verifier: str = "auto"
     synthetic_accept: float | None = None
     seed: int | None = 0
+    policy: str = "always"
 
     def __attrs_post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
         if self.synthetic_accept is not None and not 0.0 <= self.synthetic_accept <= 1.0:
@@ -96,6 +103,8 @@ class SpecStats(GenerationStats):
     synthetic: bool = False
     # name -> extra figures a drafter reports through an optional ``figures() -> dict[str, float]``
     drafter_figures: dict[str, dict[str, float]] = attrs.field(factory=dict)
+    # ``--spec-policy auto``: the drafters' decisions this generation (drafted / probed / skipped), else {}
+    policy: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -131,7 +140,7 @@ class SpecStats(GenerationStats):
             "n_drafts": self.n_drafts, "n_drafted": self.n_drafted, "n_accepted": self.n_accepted,
             "acceptance_rate": self.acceptance_rate, "tau": self.tau, "per_position": self.per_position,
             "histogram": dict(sorted(self.histogram.items())), "by_drafter": dict(self.by_drafter),
-            "synthetic": self.synthetic, "drafter_figures": dict(self.drafter_figures),
+            "synthetic": self.synthetic, "drafter_figures": dict(self.drafter_figures), "policy": dict(self.policy),
         }
 
     def summary(self) -> str:
@@ -144,7 +153,13 @@ class SpecStats(GenerationStats):
                 f"per position [{per}]; accepted-length histogram {{{hist}}}; time draft {self.draft_s:.2f} s, "
                 f"verify {self.verify_s:.2f} s, rollback {self.rollback_s:.2f} s"
                 + "".join(f"\n{name}: " + ", ".join(f"{k} {v:.3g}" for k, v in figs.items())
-                          for name, figs in self.drafter_figures.items()))
+                          for name, figs in self.drafter_figures.items())
+                + ("\nspec policy auto: " + ", ".join(f"{k} {v}" for k, v in self.policy.items()) if self.policy else ""))
+
+
+def has_embeddings(batch: Batch) -> bool:
+    """Whether a batch carries embedding rows (shown at once: deferred rows are tokens)."""
+    return batch.is_embd is not None and bool(np.any(batch.is_embd))
 
 
 def drafter_names(spec: str | None, registry: Any) -> list[str]:
@@ -158,16 +173,24 @@ def drafter_names(spec: str | None, registry: Any) -> list[str]:
 
 
 def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecConfig, seq: int,
-            history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
+            history: list[int], pos: int, n_max: int, policy: LengthPolicy | None = None,
+            before: Callable[[], None] | None = None) -> tuple[int, Draft]:
     """One draft for ``seq``: the first drafter's non-empty draft after ``config``'s controls.
 
     Returns (index of the drafter, its draft), or (-1, an empty draft) when none drafts. The
-    speculative loop and the server's batched scheduler both draft through it.
+    speculative loop and the server's batched scheduler both draft through it; the loop's ``policy``
+    sets each drafter's length (0: the drafter is not asked), and ``before`` runs before the first
+    drafter is asked (the loop shows its deferred rows then).
     """
     for i, (drafter, req) in enumerate(zip(drafters, requirements)):
         n = min(n_max, req.max_draft) if req.max_draft is not None else n_max
+        if n > 0 and policy is not None:
+            n = policy.length(i, n)
         if n <= 0:
             continue
+        if before is not None:
+            before()
+            before = None
         d = drafter.draft(seq, n, history=history, pos=pos)
         if d is None:
             continue
@@ -182,6 +205,8 @@ def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecCo
                 low = np.nonzero(conf < config.p_min)[0]
                 if low.size:
                     d = d.truncated(int(low[0]))
+        if len(d) and policy is not None:
+            d = d.truncated(policy.cut(i, len(d)))
         if len(d) == 0 or len(d) < config.n_min:
             continue
         return i, d
@@ -208,6 +233,11 @@ class SpeculativeGenerator(Generator):
         self.verifier = make_step_verifier(self.config.verifier, self.sampler.config.temperature, registry)
         self.rng = np.random.default_rng(self.config.seed)
         self.taps = tuple(sorted({int(t) for r in self.requirements for t in r.taps}))
+        self.policy = LengthPolicy(self.config.policy)  # (its measurements carry over from one generation to the next)
+        self.deferred: list[Any] = []  # rows kept for the drafters (--spec-policy auto: plain steps, the prompt)
+        self.deferred_bytes = 0
+        self.defer_bytes = 8 << 20  # shown at once beyond this
+        self.deferred_s = 0.0  # seconds the drafters spent on deferred rows (not a draft's own cost)
         self.context: Any = None
         self.seq = 0
 
@@ -220,7 +250,7 @@ class SpeculativeGenerator(Generator):
         """Hand one target forward to every drafter (``process``)."""
         if not self.drafters:
             return
-        has_embd = batch.is_embd is not None and bool(np.any(batch.is_embd))
+        has_embd = has_embeddings(batch)
         rows = np.nonzero(batch.seq_ids == self.seq)[0]
         for drafter, req in zip(self.drafters, self.requirements):
             feats = {t: out.features[t] for t in req.taps if t in out.features}
@@ -229,9 +259,32 @@ class SpeculativeGenerator(Generator):
                                          has_embeddings=has_embd, logits=out.logits,
                                          kv=target_kv_views(self.context.cache, req, self.seq)))
 
+    def _defer(self, batch: Batch, out: Any, n: int) -> None:
+        """Keep the first ``n`` rows of a forward for the drafters instead of showing them now (``--spec-policy
+        auto``: the prompt, a plain step's row); they see them before the next draft (:mod:`.step`)."""
+        if not self.drafters:
+            return
+        chunk = defer_chunk(batch, out, 0, n, self.taps)
+        self.deferred.append(chunk)
+        self.deferred_bytes += chunk_bytes(chunk)
+        if self.deferred_bytes >= self.defer_bytes:
+            self._show_deferred()
+
+    def _show_deferred(self) -> None:
+        """Hand the deferred rows to every drafter, as kept rows."""
+        if not self.deferred:
+            return
+        t0 = time.perf_counter()
+        chunks, self.deferred, self.deferred_bytes = self.deferred, [], 0
+        for drafter, req in zip(self.drafters, self.requirements):
+            drafter.process(deferred_output(self.seq, chunks, req.taps,
+                                            target_kv_views(self.context.cache, req, self.seq)))
+        self.deferred_s += time.perf_counter() - t0
+
     def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
         """The first drafter's non-empty draft after the controls; (-1, empty) when none drafts."""
-        return propose(self.drafters, self.requirements, self.config, self.seq, history, pos, n_max)
+        return propose(self.drafters, self.requirements, self.config, self.seq, history, pos, n_max, self.policy,
+                       before=self._show_deferred)
 
     def _drop_after_eog(self, ctx: Any, history: list[int], step: tuple[Any, int, int] | None) -> None:
         """An accepted draft ran past an end-of-generation token: drop the target rows after it.
@@ -265,11 +318,17 @@ class SpeculativeGenerator(Generator):
         for d in self.drafters:
             d.begin(seq, list(prompt_ids))
         t_start = time.perf_counter()
+        decisions = dict(self.policy.counts)
+        self.policy.begin()
         try:
             t0 = time.perf_counter()
             batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")
             out = ctx.forward(batch)
-            self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time
+            self.deferred, self.deferred_bytes = [], 0
+            if self.policy.mode == "auto" and not has_embeddings(batch):
+                self._defer(batch, out, len(prompt_ids))  # (shown before the first draft: never, if none pays)
+            else:
+                self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time
             stats.prompt_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             token = self._choose(np.asarray(model.backend.to_numpy(out.logits[-1])), history)
@@ -291,13 +350,17 @@ class SpeculativeGenerator(Generator):
                 # a step emits at most k + 1 tokens and fills positions pos..pos+k
                 n_max = min(cfg.n_max, max_tokens - stats.n_generated - 1, model.n_ctx - pos - 1)
                 t0 = time.perf_counter()
+                self.policy.tick()
+                flushed = self.deferred_s
                 who, draft = self._draft(history, pos, n_max) if n_max > 0 else (-1, Draft())
                 t_draft = time.perf_counter() - t0
+                t_call = t_draft - (self.deferred_s - flushed)
                 k = len(draft)
                 t0 = time.perf_counter()
                 batch, snap = target_batch(ctx, seq, last, draft, pos)
                 out = ctx.forward(batch)
                 logits = np.asarray(model.backend.to_numpy(out.logits))
+                self.policy.observe_forward(k + 1, time.perf_counter() - t0)
                 if cfg.synthetic_accept is not None and k:
                     a = 0
                     while a < k and self.rng.random() < cfg.synthetic_accept:
@@ -308,8 +371,16 @@ class SpeculativeGenerator(Generator):
                     a, nxt = decide(self.verifier, self.sampler, draft, logits, history, self.rng, self.grammar)
                 stats.verify_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                self._show("verify", batch, out)
-                t_draft += time.perf_counter() - t0
+                flushed = self.deferred_s
+                if k == 0 and self.policy.mode == "auto":
+                    self._defer(batch, out, 1)
+                else:
+                    self._show_deferred()
+                    self._show("verify", batch, out)
+                t_show = time.perf_counter() - t0
+                t_draft += t_show
+                if k:  # a draft's cost: the drafter's call and the drafters' work on its rows (not the deferred rows)
+                    self.policy.observe_draft(who, t_call, t_show - (self.deferred_s - flushed))
                 stats.draft_s += t_draft
                 t0 = time.perf_counter()
                 if a < k:
@@ -321,10 +392,13 @@ class SpeculativeGenerator(Generator):
                 stats.n_steps += 1
                 if k:
                     stats.record(self.names[who], k, a)
+                    self.policy.record(who, k, a)
                 pending = [*draft.tokens[:a], nxt]
         finally:
             stats.decode_s = stats.draft_s + stats.verify_s + stats.rollback_s
             stats.wall_s = time.perf_counter() - t_start
+            if self.policy.mode == "auto":
+                stats.policy = {k: v - decisions[k] for k, v in self.policy.counts.items()}
             for name, d in zip(self.names, self.drafters):
                 figures = getattr(d, "figures", None)
                 if figures is not None:

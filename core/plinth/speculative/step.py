@@ -21,7 +21,8 @@ import numpy as np
 
 from ..batch import Batch
 from ..errors import UserError
-from .base import Draft
+from ..ops import array_module
+from .base import Draft, TargetOutput
 from .verify import make_verifier, verify_draft
 
 
@@ -76,3 +77,32 @@ def rollback(ctx: Any, seq: int, pos: int, kept: Sequence[int], snap: Any) -> No
         return
     ctx.cache.restore(snap)
     ctx.forward(Batch.from_tokens(list(kept), start=pos, seq=seq, output="none"))
+
+
+# Rows kept for the drafters instead of shown at once: a plain step's row (and a server request's prompt) under
+# ``--spec-policy auto``. The drafters see them together before the sequence's next draft, in one ``process``
+# call instead of one a step (a DSpark drafter's layers over one row cost a plain step a good part of its time,
+# and a sequence that never drafts never pays for them). A chunk: (tokens, positions, {tap: features}).
+
+def defer_chunk(batch: Batch, out: Any, first: int, n: int, taps: Sequence[int]) -> tuple[Any, Any, dict[int, Any]]:
+    """Rows ``first .. first + n`` of a target forward, as a chunk (copies: the forward's buffers are reused)."""
+    feats = {t: out.features[t][first:first + n].copy() for t in taps if t in out.features}
+    return batch.tokens[first:first + n].copy(), batch.positions[first:first + n].copy(), feats
+
+
+def chunk_bytes(chunk: tuple[Any, Any, dict[int, Any]]) -> int:
+    """What a chunk holds (features, tokens and positions)."""
+    return sum(int(f.nbytes) for f in chunk[2].values()) + 16 * len(chunk[0])
+
+
+def deferred_output(seq: int, chunks: Sequence[tuple[Any, Any, dict[int, Any]]], taps: Sequence[int],
+                    kv: Any) -> TargetOutput:
+    """The chunks as one target output for a drafter reading ``taps``: kept rows (phase "prefill")."""
+    feats = {}
+    for t in taps:
+        parts = [c[2][t] for c in chunks if t in c[2]]
+        if parts:
+            feats[t] = array_module(parts[0]).concatenate(parts)  # (a copy: chunks may be kept)
+    return TargetOutput(seq=seq, phase="prefill", tokens=np.concatenate([c[0] for c in chunks]),
+                        positions=np.concatenate([c[1] for c in chunks]), features=feats, has_embeddings=False,
+                        logits=None, kv=kv)
