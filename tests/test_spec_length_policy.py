@@ -54,6 +54,7 @@ def test_acceptance_and_row_times():
     assert t.at(6) == pytest.approx(5.0 * 10 / 5)  # one count known: its fixed part taken as 4 rows
     t.observe(9, 9.0)
     assert t.at(5) == pytest.approx(7.0) and t.at(13) == pytest.approx(11.0) and t.at(9) == 9.0
+    assert t.at(5, optimistic=True) == 5.0 and t.at(12, optimistic=True) == 9.0  # not seen: the count below's
 
 
 def test_length_is_the_best_rate_and_none_where_plain_wins():

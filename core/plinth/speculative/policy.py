@@ -8,8 +8,8 @@ kept one time in three makes decoding slower, and even a good one pays only up t
 
 :class:`LengthPolicy` (``--spec-policy auto``) measures as the loop runs:
 
-* the **forward's time by its rows**: a moving average per row count, interpolated between the counts seen
-  (one known count: its time split as if its fixed part were worth 4 rows, a CPU step's weight read);
+* the **forward's time by its rows**: a moving average per row count; a count not seen yet is taken to cost
+  what the largest count below it did, so a length that may pay is tried once and its cost learnt;
 * each drafter's **call time** (moving average);
 * each drafter's **acceptance by draft position**: of the drafts that reached position ``j``, the share that
   had it kept (``r_j``; decayed counts, recent drafts weighing more). ``E_k = sum_j prod_{i <= j} r_i``.
@@ -85,14 +85,19 @@ class RowTimes:
     def observe(self, rows: int, seconds: float) -> None:
         self.times[rows] = _ema(self.times.get(rows), seconds, self.weight)
 
-    def at(self, rows: int) -> float | None:
-        """The expected seconds of a ``rows``-row forward (None before any forward)."""
+    def at(self, rows: int, optimistic: bool = False) -> float | None:
+        """The expected seconds of a ``rows``-row forward (None before any forward). ``optimistic``: a count
+        not seen yet costs what the largest count below it did (the policy then tries it and learns its time;
+        the kernels' row tiles make the curve a staircase that interpolation would hide)."""
         t = self.times
         if not t:
             return None
         if rows in t:
             return t[rows]
         known = sorted(t)
+        if optimistic:
+            lower = [r for r in known if r < rows]
+            return t[lower[-1]] if lower else t[known[0]]
         if len(known) == 1:
             r0 = known[0]
             return t[r0] * (rows + FIXED_ROWS) / (r0 + FIXED_ROWS)
@@ -156,6 +161,7 @@ class LengthPolicy:
     probe_every: dict[int, int] = attrs.field(factory=dict)
     next_probe: dict[int, int] = attrs.field(factory=dict)
     probing: set[int] = attrs.field(factory=set)
+    warm: set[int] = attrs.field(factory=set)  # drafters whose first call was seen
     step: int = 0
     #: decisions so far: "drafted" (expected to pay), "probed", "skipped" (not asked, or its draft dropped)
     counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
@@ -183,7 +189,7 @@ class LengthPolicy:
         extra = self.show_s[i] + (0.0 if sunk else self.call_s[i])
         best_k, best_rate = 0, 0.0
         for k, e in enumerate(acc.expected(n_max), start=1):
-            rate = (1.0 + e) / max(self.forward.at(k + 1) + extra, 1e-9)
+            rate = (1.0 + e) / max(self.forward.at(k + 1, optimistic=True) + extra, 1e-9)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate, 1.0 / max(plain, 1e-9)
@@ -224,7 +230,11 @@ class LengthPolicy:
         self.forward.observe(rows, seconds)
 
     def observe_draft(self, i: int, call_s: float, show_s: float) -> None:
-        """Drafter ``i``'s call took ``call_s``; the drafters' work on the drafted step's rows ``show_s``."""
+        """Drafter ``i``'s call took ``call_s``; the drafters' work on the drafted step's rows ``show_s``. A
+        drafter's first call is not counted (it loads its compiled kernels: tens of milliseconds, once)."""
+        if i not in self.warm:
+            self.warm.add(i)
+            return
         self.call_s[i] = _ema(self.call_s.get(i), call_s, self.weight)
         self.show_s[i] = _ema(self.show_s.get(i), show_s, self.weight)
 
