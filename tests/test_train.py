@@ -343,6 +343,12 @@ def test_bench_spec_reports_acceptance_on_held_out_prompts(tiny, capsys):
     assert [ln.split()[0] for ln in lines] == ["chat", "code"]
     for ln in lines:
         assert "identical 2/2" in ln and "speed-up" in ln and "per position" in ln
+        assert "| policy drafted " in ln and "skipped" in ln  # --spec-policy auto's decisions (the default)
+    assert "policy auto;" in out
+    assert main(["bench", "-m", str(model.path), "--spec", "ngram", "--prompts", "chat", "--n-prompts", "1",
+                 "--decode-tokens", "8", "--threads", "1", "--spec-policy", "always"]) == 0
+    out = capsys.readouterr().out
+    assert "policy always;" in out and "| policy" not in out
     with pytest.raises(SystemExit):
         main(["bench", "-m", str(model.path), "--spec", "nosuchdrafter"])
     assert main(["bench", "-m", str(model.path), "--spec", "ngram", "--prompts", "poems"]) != 0

@@ -92,7 +92,8 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     model = _load(args)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"model:  {model.path.name}; --spec {args.spec}{' --draft ' + args.draft if args.draft else ''}, "
-          f"n_max {args.spec_n_max}, p_min {args.spec_p_min}; {args.n_prompts} held-out prompts a kind, at most "
+          f"n_max {args.spec_n_max}, p_min {args.spec_p_min}, policy {args.spec_policy}; {args.n_prompts} held-out "
+          f"prompts a kind, at most "
           f"{args.decode_tokens} tokens, greedy, batch 1, {args.clock} clock", flush=True)
     bad = 0
     for kind in kinds:

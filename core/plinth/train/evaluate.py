@@ -28,13 +28,15 @@ class KindResult:
     spec_tps: float
     speedup: float  # total plain time / total speculative time (0 without plain runs)
     same: int  # prompts whose speculative output equals the plain one (token ids and text)
+    policy: dict[str, int] = attrs.field(factory=dict)  # --spec-policy auto's decisions over the prompts ({}: always)
 
     def line(self) -> str:
         pos = " ".join(f"{x:.2f}" for x in self.per_pos) or "-"
         plain = (f"plain {self.plain_tps:.1f} tok/s, spec {self.spec_tps:.1f} tok/s, speed-up {self.speedup:.2f}x | "
                  f"identical {self.same}/{self.n}" if self.plain_tps else f"spec {self.spec_tps:.1f} tok/s")
+        steps = (" | policy " + ", ".join(f"{k} {v}" for k, v in self.policy.items())) if self.policy else ""
         return (f"{self.kind:10s} {self.label:8s} tau {self.tau:.2f} | per position {pos} | {plain} "
-                f"({self.tokens} tokens)")
+                f"({self.tokens} tokens){steps}")
 
 
 def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], max_tokens: int, *,
@@ -49,6 +51,7 @@ def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], 
     plain_t = spec_t = 0.0
     n_plain = n_spec = drafts = accepted = same = 0
     per_pos: list[int] = []
+    policy: dict[str, int] = {}
     spec = make_spec()
     for text in texts:
         ids = prompt_ids(tok, text)
@@ -68,6 +71,8 @@ def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], 
         same += int(a == b and tok.decode(a) == tok.decode(b))
         drafts += st.n_drafts
         accepted += st.n_accepted
+        for k, v in getattr(st, "policy", {}).items():
+            policy[k] = policy.get(k, 0) + v
         for k, v in enumerate(st.accepted_per_pos):
             if k >= len(per_pos):
                 per_pos.append(0)
@@ -77,7 +82,7 @@ def run_prompts(model: Any, texts: Sequence[str], make_spec: Callable[[], Any], 
                       per_pos=[v / drafts if drafts else 0.0 for v in per_pos],
                       plain_tps=n_plain / plain_t if plain and plain_t else 0.0,
                       spec_tps=n_spec / spec_t if spec_t else 0.0,
-                      speedup=plain_t / spec_t if plain and spec_t else 0.0, same=same)
+                      speedup=plain_t / spec_t if plain and spec_t else 0.0, same=same, policy=policy)
 
 
 def held_out(kind: str, n: int) -> list[str]:
