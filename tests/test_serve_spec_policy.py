@@ -66,6 +66,25 @@ def test_a_good_drafter_drafts_alone_and_not_in_a_full_batch():
     assert full.counts == {"drafted": 0, "probed": 1, "skipped": 2}
 
 
+def test_the_drafted_length_follows_the_acceptance_by_position():
+    """With the batch's acceptance by position known, a drafting sequence drafts the length with the most kept tokens
+    a second of the extra cost, scaled by how its own drafts fared; a probe drafts the longest allowed."""
+    alone = measured(1, step_s=0.0075)
+    s = SeqDraftState()
+    for _ in range(30):  # the first drafted token always kept, the second never: one token is the length that pays
+        alone.record(s, 7, 1)
+    assert alone.best_length(s, 7)[0] == 1
+    assert alone.decide(s, 7) == "drafted" and alone.length(s, 7, "drafted") == 1
+    assert alone.length(s, 7, "probed") == 7 and DraftPolicy("always").length(s, 7, "drafted") == 7
+    weak = SeqDraftState(ratio=0.05)  # a sequence whose drafts keep a twentieth of what the batch's do
+    assert alone.pays(weak, 7) is False and alone.pays(SeqDraftState(), 7) is True
+    long = measured(1, step_s=0.0075)
+    t = SeqDraftState()
+    for _ in range(30):
+        long.record(t, 7, 7)
+    assert long.best_length(t, 7)[0] == 7 and t.ratio == pytest.approx(1.0)
+
+
 def test_a_poor_drafter_does_not_draft_even_alone():
     poor = SeqDraftState(accepted=0.05, drafts=5)
     assert measured(1, step_s=0.0075).pays(poor, 7) is False

@@ -12,14 +12,15 @@ server measures as it runs:
 * the **step's cost**: a straight-line fit of the forward's time against its rows (``a + b * rows``,
   recent steps weighing more), so ``b`` is what one more row costs now; the drafter's time a call and the
   verification's time a row, as moving averages;
-* each sequence's **acceptance**: a moving average of the drafted tokens kept a draft (a new sequence
-  starts from the average over all sequences);
+* the **acceptance by draft position** over all sequences (of the drafts that reached position ``j``, the
+  share that kept it: ``E_k`` kept tokens expected of a draft of ``k``), and how each sequence's drafts fared
+  against it (a moving ratio; a new sequence starts at 1);
 * the **step's rate**: tokens a second of recent steps.
 
-A sequence drafts ``k`` tokens when its expected kept tokens per second of the extra cost,
-``accepted / (k * (b + verify) + draft)``, is above the step's rate: the draft then raises the
-throughput of the batch. Otherwise it decodes plainly this step (exactly as a request without a drafter
-does: its sampler's own draw). So that the estimates do not freeze, a sequence that is not drafting is
+A sequence drafts when, at the length ``k`` with the most expected kept tokens per second of the extra
+cost, ``ratio * E_k / (k * (b + verify) + draft)``, that figure is above the step's rate: the draft then
+raises the throughput of the batch. It drafts that length (a probe drafts the longest allowed). Otherwise
+it decodes plainly this step (exactly as a request without a drafter does: its sampler's own draw). So that the estimates do not freeze, a sequence that is not drafting is
 probed now and then: one probe a step at most over the batch, after 16 steps, then after twice as many
 each time a probe confirms the decision, back to 16 once a probe pays. Before anything is measured (a new
 server), the first drafts are such probes too: one sequence at a time, not the whole batch at once.
@@ -38,7 +39,7 @@ from typing import Any
 
 import attrs
 
-from ..speculative.policy import POLICIES, StepCost, _ema
+from ..speculative.policy import POLICIES, Acceptance, StepCost, _ema
 
 
 @attrs.define
@@ -47,6 +48,7 @@ class SeqDraftState:
 
     accepted: float | None = None  # moving average of drafted tokens kept a draft (None: no draft yet)
     drafts: int = 0
+    ratio: float | None = None  # moving average of its kept tokens over what the batch's curve expected
 
 
 @attrs.define
@@ -63,6 +65,7 @@ class DraftPolicy:
     accepted: float | None = None  # drafted tokens kept a draft, over all sequences
     step_s: float | None = None  # a decode step's seconds, the whole step
     step_tokens: float | None = None  # tokens a decode step gives
+    curve: Acceptance = attrs.field(factory=lambda: Acceptance(decay=0.99))  # kept by draft position, all sequences
     probe_every: int = 16
     next_probe: int = 0  # the step at which the next probe may run
     step: int = 0
@@ -102,19 +105,50 @@ class DraftPolicy:
         state.accepted = _ema(state.accepted, float(accepted), self.weight)
         state.drafts += 1
         self.accepted = _ema(self.accepted, float(accepted), self.weight)
+        expected = self.curve.expected(drafted)[-1] if self.curve.drafts else 0.0
+        if expected > 0.0:
+            state.ratio = _ema(state.ratio, accepted / expected, self.weight)
+        self.curve.record(drafted, accepted)
 
     # ------------------------------------------------------------------ decision
 
-    def pays(self, state: SeqDraftState, k: int) -> bool | None:
-        """Whether a draft of ``k`` tokens by this sequence is expected to raise the step's throughput (None:
-        nothing measured yet to tell)."""
-        acc = state.accepted if state.accepted is not None else self.accepted
+    def best_length(self, state: SeqDraftState, k: int) -> tuple[int, float] | None:
+        """The draft length up to ``k`` with the most kept tokens a second of the extra cost it adds, and that
+        figure: the batch's acceptance by position (:class:`plinth.speculative.policy.Acceptance`), scaled by
+        how this sequence's drafts fared against it; without that curve, the sequence's (or the batch's) mean kept
+        tokens a draft, at ``k`` (None before any draft or cost)."""
         b = self.cost.per_row()
-        if acc is None or b is None or self.step_s is None or not self.step_tokens:
+        if b is None:
             return None
-        extra = k * (b + (self.verify_s or 0.0)) + (self.draft_s or 0.0)
+        extra = lambda j: max(j * (b + (self.verify_s or 0.0)) + (self.draft_s or 0.0), 1e-12)  # noqa: E731
+        if not self.curve.drafts:
+            acc = state.accepted if state.accepted is not None else self.accepted
+            return None if acc is None else (k, acc / extra(k))
+        scale = state.ratio if state.ratio is not None else 1.0
+        best = (0, 0.0)
+        for j, e in enumerate(self.curve.expected(k), start=1):
+            if scale * e / extra(j) > best[1]:
+                best = (j, scale * e / extra(j))
+        return best
+
+    def pays(self, state: SeqDraftState, k: int) -> bool | None:
+        """Whether a draft of up to ``k`` tokens by this sequence is expected to raise the step's throughput (at
+        its :meth:`best_length`; None: nothing measured yet to tell)."""
+        if self.step_s is None or not self.step_tokens:
+            return None
         rate = self.step_tokens / max(self.step_s, 1e-9)
-        return acc > rate * extra
+        best = self.best_length(state, k)
+        if best is None:
+            return None
+        return best[0] > 0 and best[1] > rate
+
+    def length(self, state: SeqDraftState, k: int, decision: str) -> int:
+        """How many tokens a step decided ``decision`` drafts: its :meth:`best_length` where drafting pays, all
+        ``k`` for a probe (every position measured) and under ``always``."""
+        if self.mode == "always" or decision != "drafted":
+            return k
+        best = self.best_length(state, k)
+        return best[0] if best is not None and best[0] > 0 else k
 
     def decide(self, state: SeqDraftState, k: int) -> str:
         """This step's decision for a sequence that may draft ``k`` tokens: "drafted" (expected to pay),
