@@ -82,12 +82,16 @@ def test_greedy_output_is_plain_decoding(smollm2):
 
     reg = default_registry()
     accepted = 0
+    auto = SpeculativeGenerator(smollm2, [reg.make_drafter("dspark", smollm2, {})],
+                                config=SpecConfig(n_max=8, policy="auto"))  # (kept over the prompts, as bench does)
     for p in eval_prompts("chat", 2) + eval_prompts("code", 1) + eval_prompts("summarise", 1):
         ids = chat_ids(smollm2, p.text)
         plain = Generator(smollm2).generate(ids, 40)
         gen = SpeculativeGenerator(smollm2, [reg.make_drafter("dspark", smollm2, {})], config=SpecConfig(n_max=8))
         assert gen.generate(ids, 40) == plain, p.text[:60]
         accepted += gen.stats.n_accepted
+        assert auto.generate(ids, 40) == plain, p.text[:60]  # --spec-policy auto: cut drafts, deferred rows
+        assert sum(auto.stats.policy.values()) > 0
     assert accepted > 0  # the trained drafter is right some of the time
 
 
