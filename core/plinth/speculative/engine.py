@@ -335,6 +335,7 @@ class SpeculativeGenerator(Generator):
             stats.sample_s += time.perf_counter() - t1
             pending = [token]  # tokens decided but not yet yielded (the last one not yet run)
             step: tuple[Any, int, int] | None = None  # (snapshot, last token, its position) of the last step
+            asked_last = False  # whether the last step called a drafter
             while True:
                 # emit what the last step decided, stopping at end of generation or the budget
                 for t in pending:
@@ -360,7 +361,9 @@ class SpeculativeGenerator(Generator):
                 batch, snap = target_batch(ctx, seq, last, draft, pos)
                 out = ctx.forward(batch)
                 logits = np.asarray(model.backend.to_numpy(out.logits))
-                self.policy.observe_forward(k + 1, time.perf_counter() - t0)
+                if k or not (self.policy.asked or asked_last):  # (a plain step's forward just after a drafter's
+                    self.policy.observe_forward(k + 1, time.perf_counter() - t0)  # call reads weights it evicted)
+                asked_last = self.policy.asked
                 if cfg.synthetic_accept is not None and k:
                     a = 0
                     while a < k and self.rng.random() < cfg.synthetic_accept:

@@ -9,7 +9,9 @@ kept one time in three makes decoding slower, and even a good one pays only up t
 :class:`LengthPolicy` (``--spec-policy auto``) measures as the loop runs:
 
 * the **forward's time by its rows**: a moving average per row count; a count not seen yet is taken to cost
-  what the largest count below it did, so a length that may pay is tried once and its cost learnt;
+  what the largest count below it did, so a length that may pay is tried once and its cost learnt. A plain
+  step's forward right after a drafter's call is not counted: it reads weights the drafter's own evicted from
+  the caches, and counting it would make plain decoding look slower than it is;
 * each drafter's **call time** (moving average);
 * each drafter's **acceptance by draft position**: of the drafts that reached position ``j``, the share that
   had it kept (``r_j``; decayed counts, recent drafts weighing more). ``E_k = sum_j prod_{i <= j} r_i``.
@@ -162,6 +164,7 @@ class LengthPolicy:
     next_probe: dict[int, int] = attrs.field(factory=dict)
     probing: set[int] = attrs.field(factory=set)
     warm: set[int] = attrs.field(factory=set)  # drafters whose first call was seen
+    asked: bool = False  # whether a drafter was asked this step
     step: int = 0
     #: decisions so far: "drafted" (expected to pay), "probed", "skipped" (not asked, or its draft dropped)
     counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
@@ -179,6 +182,7 @@ class LengthPolicy:
         """A step begins."""
         self.step += 1
         self.probing.clear()
+        self.asked = False
 
     def best(self, i: int, n_max: int, sunk: bool = False) -> tuple[int, float, float]:
         """(the length with the most expected tokens a second for drafter ``i``, that rate, the plain step's
@@ -200,12 +204,15 @@ class LengthPolicy:
     def length(self, i: int, n_max: int) -> int:
         """How many tokens to ask drafter ``i`` for this step (0: do not ask it)."""
         if self.mode == "always" or n_max <= 0:
+            self.asked = self.asked or n_max > 0
             return n_max
         plain = self.forward.at(1)
         if i not in self.call_s or plain is None or self.call_s[i] < self.cheap * plain or self._probe_due(i):
+            self.asked = True
             return n_max  # (cut to length once drafted)
         k, rate, plain_rate = self.best(i, n_max)
         if k and rate > plain_rate:
+            self.asked = True
             return k
         self.counts["skipped"] += 1
         return 0
