@@ -55,6 +55,12 @@ def test_acceptance_and_row_times():
     t.observe(9, 9.0)
     assert t.at(5) == pytest.approx(7.0) and t.at(13) == pytest.approx(11.0) and t.at(9) == 9.0
     assert t.at(5, optimistic=True) == 5.0 and t.at(12, optimistic=True) == 9.0  # not seen: the count below's
+    t.observe(1, 10.0)  # the one-row time (plain decoding's) follows a slower step eight times more slowly
+    assert t.at(1) == pytest.approx(5.0 + 0.025 * 5.0)
+    t.observe(1, 4.0)
+    assert t.at(1) == pytest.approx(0.8 * 5.125 + 0.2 * 4.0)
+    t.observe(9, 19.0)
+    assert t.at(9) == pytest.approx(0.8 * 9.0 + 0.2 * 19.0)
 
 
 def test_length_is_the_best_rate_and_none_where_plain_wins():

@@ -79,13 +79,21 @@ FIXED_ROWS = 4.0  # a forward's fixed part, in rows, where nothing tells it apar
 
 @attrs.define
 class RowTimes:
-    """A forward's seconds by its row count: a moving average per count, interpolated between counts."""
+    """A forward's seconds by its row count: a moving average per count, interpolated between counts.
+
+    The one-row time stands for plain decoding, which runs undisturbed; a plain step among drafted ones runs
+    slower (the drafter's calls evict the target's weights from the caches and let the thread pool idle), so
+    that average follows a faster step at once and a slower one eight times more slowly."""
 
     weight: float = 0.2
     times: dict[int, float] = attrs.field(factory=dict)
 
     def observe(self, rows: int, seconds: float) -> None:
-        self.times[rows] = _ema(self.times.get(rows), seconds, self.weight)
+        old = self.times.get(rows)
+        w = self.weight
+        if rows == 1 and old is not None and seconds > old:
+            w = self.weight / 8  # (below)
+        self.times[rows] = _ema(old, seconds, w)
 
     def at(self, rows: int, optimistic: bool = False) -> float | None:
         """The expected seconds of a ``rows``-row forward (None before any forward). ``optimistic``: a count
