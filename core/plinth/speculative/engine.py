@@ -319,7 +319,6 @@ class SpeculativeGenerator(Generator):
             d.begin(seq, list(prompt_ids))
         t_start = time.perf_counter()
         decisions = dict(self.policy.counts)
-        self.policy.begin()
         try:
             t0 = time.perf_counter()
             batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")

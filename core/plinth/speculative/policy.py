@@ -12,7 +12,8 @@ kept one time in three makes decoding slower, and even a good one pays only up t
   what the largest count below it did, so a length that may pay is tried once and its cost learnt. A plain
   step's forward right after a drafter's call is not counted: it reads weights the drafter's own evicted from
   the caches, and counting it would make plain decoding look slower than it is;
-* each drafter's **call time** (moving average);
+* each drafter's **call time**, and the drafters' work on a drafted step's rows (moving averages; ``D`` their
+  sum);
 * each drafter's **acceptance by draft position**: of the drafts that reached position ``j``, the share that
   had it kept (``r_j``; decayed counts, recent drafts weighing more). ``E_k = sum_j prod_{i <= j} r_i``.
 
@@ -20,7 +21,10 @@ Before drafting it asks each drafter for the length ``k`` that maximises ``(1 + 
 where no length beats the plain step's ``1 / T(1)`` the drafter is not asked (its call is saved), except for
 a probe now and then (after 16 steps, then twice as long each time a probe confirms it, back to 16 once one
 pays), which drafts the longest allowed length so every position keeps being measured. A drafter that has
-not drafted yet drafts the longest length (its first draft is a probe).
+not drafted yet drafts the longest length (its first draft is a probe). The measurements and the probe
+schedule carry over from one generation to the next (a probe per short answer would cost more than it tells).
+A drafter whose call costs next to nothing (under 5% of a plain step: ``ngram``) is asked every step and its
+draft cut afterwards (:meth:`LengthPolicy.cut`, with its call already paid).
 
 The choice never changes greedy output (a verified draft keeps exactly the target's own tokens; a plain
 step is the target's own token). Sampled output keeps its distribution; with a seed its exact tokens follow
@@ -181,10 +185,6 @@ class LengthPolicy:
     def _check_mode(self, _attr: object, value: str) -> None:
         if value not in POLICIES:
             raise ValueError(f"spec policy {value!r}: one of {', '.join(POLICIES)}")
-
-    def begin(self) -> None:
-        """A generation begins: every drafter may be probed at once (a new prompt may suit it better)."""
-        self.next_probe = {i: self.step for i in self.next_probe}
 
     def tick(self) -> None:
         """A step begins."""
