@@ -392,8 +392,7 @@ class Scheduler:
                     if decision != "skipped":
                         self._show_deferred(req)
                         t0 = time.perf_counter()
-                        n = n_max if decision != "drafted" else \
-                            min(n_max, self.policy.length(req.draft_state, min(n_max, self._draft_cap), decision))
+                        n = self.policy.length(req.draft_state, min(n_max, self._draft_cap), decision)
                         who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history,
                                              pos, n)
                         dt = time.perf_counter() - t0

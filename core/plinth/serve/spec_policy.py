@@ -35,11 +35,9 @@ with a seed, its tokens depend on which steps drafted (as they already depend on
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from ..speculative.policy import POLICIES, Acceptance, StepCost, _ema
+from ..speculative.policy import Acceptance, StepCost, _ema, check_mode
 
 
 @attrs.define
@@ -55,7 +53,7 @@ class SeqDraftState:
 class DraftPolicy:
     """The per-sequence drafting decision of a server's batch (module docstring)."""
 
-    mode: str = attrs.field(default="auto")
+    mode: str = attrs.field(default="auto", validator=check_mode)
     weight: float = 0.25  # of the newest observation in every moving average
     probe_min: int = 16
     probe_max: int = 1024
@@ -71,11 +69,6 @@ class DraftPolicy:
     step: int = 0
     #: decisions so far: "drafted" (the estimate said it pays), "probed" (a probe), "skipped"
     counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
-
-    @mode.validator
-    def _check_mode(self, _attr: Any, value: str) -> None:
-        if value not in POLICIES:
-            raise ValueError(f"spec policy {value!r}: one of {', '.join(POLICIES)}")
 
     # ------------------------------------------------------------------ observations
 

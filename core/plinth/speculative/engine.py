@@ -157,11 +157,6 @@ class SpecStats(GenerationStats):
                 + ("\nspec policy auto: " + ", ".join(f"{k} {v}" for k, v in self.policy.items()) if self.policy else ""))
 
 
-def has_embeddings(batch: Batch) -> bool:
-    """Whether a batch carries embedding rows (shown at once: deferred rows are tokens)."""
-    return batch.is_embd is not None and bool(np.any(batch.is_embd))
-
-
 def drafter_names(spec: str | None, registry: Any) -> list[str]:
     """The drafter names of a comma-separated ``--spec`` value, each checked against ``registry`` (an unknown
     or ambiguous name raises :class:`plinth.plugins.PluginError` listing the available drafters)."""
@@ -250,7 +245,7 @@ class SpeculativeGenerator(Generator):
         """Hand one target forward to every drafter (``process``)."""
         if not self.drafters:
             return
-        has_embd = has_embeddings(batch)
+        has_embd = batch.is_embd is not None and bool(np.any(batch.is_embd))
         rows = np.nonzero(batch.seq_ids == self.seq)[0]
         for drafter, req in zip(self.drafters, self.requirements):
             feats = {t: out.features[t] for t in req.taps if t in out.features}
@@ -324,7 +319,7 @@ class SpeculativeGenerator(Generator):
             batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")
             out = ctx.forward(batch)
             self.deferred, self.deferred_bytes = [], 0
-            if self.policy.mode == "auto" and not has_embeddings(batch):
+            if self.policy.mode == "auto":
                 self._defer(batch, out, len(prompt_ids))  # (shown before the first draft: never, if none pays)
             else:
                 self._show("prefill", batch, out)  # the drafters' share of the prompt counts as prompt time

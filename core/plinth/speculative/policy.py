@@ -38,6 +38,12 @@ import attrs
 POLICIES = ("auto", "always")
 
 
+def check_mode(_inst: object, _attr: object, value: str) -> None:
+    """attrs validator of a policy's ``mode`` (the solo loop's and the server's)."""
+    if value not in POLICIES:
+        raise ValueError(f"spec policy {value!r}: one of {', '.join(POLICIES)}")
+
+
 def _ema(old: float | None, new: float, w: float) -> float:
     return new if old is None else (1.0 - w) * old + w * new
 
@@ -163,7 +169,7 @@ class Acceptance:
 class LengthPolicy:
     """The solo loop's draft length, per drafter and step (module docstring)."""
 
-    mode: str = attrs.field(default="auto")
+    mode: str = attrs.field(default="auto", validator=check_mode)
     weight: float = 0.2
     probe_min: int = 16
     probe_max: int = 256
@@ -180,11 +186,6 @@ class LengthPolicy:
     step: int = 0
     #: decisions so far: "drafted" (expected to pay), "probed", "skipped" (not asked, or its draft dropped)
     counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
-
-    @mode.validator
-    def _check_mode(self, _attr: object, value: str) -> None:
-        if value not in POLICIES:
-            raise ValueError(f"spec policy {value!r}: one of {', '.join(POLICIES)}")
 
     def tick(self) -> None:
         """A step begins."""
