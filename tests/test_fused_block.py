@@ -1,8 +1,8 @@
 """The fused host block (plinth.graph.DenseBlocks, plinth.ops.fused.dense_block) gives the general
 path's bits: the same logits, bit for bit, with the fast path on and off, over a prompt, decode steps, a
 verify batch and its rollback (stale rows left in the cache buffers), several sequences in one step
-(a server's) and a pipeline stage; and it really ran. A graph it does not fit (biases on Q / K / V, a
-typed cache, the int8 kernels off) takes the general path."""
+(a server's), a pipeline stage and typed caches; and it really ran. A graph it does not fit (the int8
+kernels off) takes the general path."""
 
 from __future__ import annotations
 
@@ -122,13 +122,46 @@ def test_general_path_where_the_block_does_not_fit(tiny, calls, monkeypatch):
     assert len(calls) == 0
 
 
-def test_typed_cache_takes_the_general_path(tmp_path, calls):
-    path = write_quantized_llama(tmp_path / "q.gguf", **SHAPE)
-    model = plinth.load_model(str(path), cache_type_k="q8_0", cache_type_v="q8_0")
-    ctx = model.new_context()
-    ctx.decode([1, 2, 3])
-    assert np.isfinite(ctx.decode([4]).logits).all()
-    assert len(calls) == 0
+@pytest.mark.parametrize("ctk,ctv", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "f16"), ("f32", "q5_1"),
+                                     ("bf16", "q4_1")])
+def test_typed_cache_gives_the_general_paths_bits(tiny, calls, ctk, ctv):
+    """A typed cache (f16 / bf16 rows; q8_0 ... blocks, the Hadamard rotation on their K and V at head size 64,
+    float32 on one side only) inside the fused call: the general path's bits, and the call ran."""
+    from plinth.kvtypes import CacheTypes
+
+    assert SHAPE["n_embd"] // SHAPE["n_head"] % 64 == 0, "the rotation applies at this head size"
+    types = tiny.cache_types
+    try:
+        tiny.cache_types = CacheTypes(k=ctk, v=ctv)
+        on, off = _both(tiny, SHAPE["n_vocab"])
+    finally:
+        tiny.cache_types = types
+    assert len(calls) >= 10 * SHAPE["n_layer"], f"the fused block ran {len(calls)} times"
+    _same(on, off)
+
+
+def test_contexts_of_two_cache_types_on_one_model(tiny, calls):
+    """One model, a float32 context and a q8_0 one stepped in turn: each keeps its own storage in the call
+    (the call's storage arguments are per cache type, not per model)."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(1, SHAPE["n_vocab"], 12).tolist()
+    out = {}
+    for fused in (True, False):
+        g, fast = tiny.graph, tiny.graph.fused
+        g.fused = fast if fused else None
+        try:
+            ctxs = [tiny.new_context(), tiny.new_context(cache_type_k="q8_0", cache_type_v="q8_0")]
+            got = [[c.decode(prompt).logits] for c in ctxs]
+            for step in range(4):
+                for c, acc in zip(ctxs, got):
+                    acc.append(c.decode([3 + step]).logits)
+        finally:
+            g.fused = fast
+        out[fused] = [np.concatenate([np.asarray(a) for a in acc]) for acc in got]
+    assert len(calls) >= 8 * SHAPE["n_layer"]
+    for on, off in zip(out[True], out[False]):
+        assert np.array_equal(on.view(np.uint32), off.view(np.uint32))
+    assert not np.array_equal(out[True][0], out[True][1]), "the two cache types gave the same logits"
 
 
 @pytest.mark.real

@@ -183,6 +183,11 @@ class Rows(CacheKind):
                                     for role, shape in zip(self.roles, shapes))
         return self.codecs
 
+    def stored_codecs(self, shapes: Sequence[tuple[int, ...]]) -> tuple[Any, ...]:
+        """Per field of row shapes ``shapes``, the :class:`plinth.kvtypes.Codec` its rows are stored with (None:
+        float32); settled by the first call or the first rows, then fixed."""
+        return self._codecs(shapes)
+
     def holds(self, seq: int) -> bool:
         return self._len.get(seq, 0) > 0
 

@@ -498,6 +498,12 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
     return int(b.ctypes.data)
 
 
+def _rot_scale(n: int) -> float:
+    """The float32 ``1 / sqrt(n)`` that :func:`plinth.kvtypes.rotate` scales a Hadamard transform of size n by
+    (1.0: none)."""
+    return float(np.float32(1.0 / float(np.sqrt(np.float32(n))))) if n else 1.0
+
+
 class DenseBlocks:
     """The host fast path of a llama-style block: the whole layer in one compiled call
     (:func:`plinth.ops.fused.dense_block`) instead of a dozen calls with Python between them.
@@ -507,13 +513,15 @@ class DenseBlocks:
     (a :class:`Rope`), ``attn_scale``, ``hp.norm_eps`` and ``hp.n_ff``; its layer is ``x1 = x +
     attention(rms_norm(x))`` with plain RoPE on Q and K and a causal attention without a window or
     soft-cap, then ``x1 + down(silu(gate) * up)`` of ``rms_norm(x1)``. :meth:`block` returns None wherever the general path would not run
-    the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a typed or shared
-    cache, more rows than the kernels take...): the caller then takes that path, which gives the
-    same bits where both apply."""
+    the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a shared cache, a
+    typed cache of head sizes its vector kernel does not take, more rows than the kernels take...): the
+    caller then takes that path, which gives the same bits where both apply. A typed cache
+    (:mod:`plinth.kvtypes`) runs inside the call as :func:`plinth.ops.attend_q.attend_rows_typed` runs it."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
         self._weights: dict[int, Any] = {}  # per layer: the four products' kernel arguments, or False
+        self._stored: dict[tuple, Any] = {}  # per head size and K / V codecs: _stored_args', or False
 
     def _layer_args(self, il: int) -> Any:
         """Layer ``il``'s four products' kernel arguments (remembered), or False where a product is not a
@@ -537,7 +545,14 @@ class DenseBlocks:
         if not args:
             return None
         kv = step.cache.kv(il)
-        if kv.layer != il or (kv.roles and not kv.cache.types.plain):
+        if kv.layer != il:
+            return None
+        n_head, n_head_kv, hd = self.graph.heads[il]
+        codecs = kv.stored_codecs(((n_head_kv, hd), (n_head_kv, hd))) if kv.roles else (None, None)
+        stored = self._stored.get((hd, codecs))  # (contexts of one model may store their caches differently)
+        if stored is None:
+            stored = self._stored[(hd, codecs)] = self._stored_args(hd, codecs)
+        if not stored:
             return None
         g = self.graph
         table = g.rope.tables[il]
@@ -547,7 +562,6 @@ class DenseBlocks:
         if not per_step:
             return None
         cos, sin, pos = per_step
-        n_head, n_head_kv, hd = g.heads[il]
         if quant.blas._state["current"] != 1:
             quant.blas.use(1)
         rows = kv.reserve_rows(step.groups, ((n_head_kv, hd), (n_head_kv, hd)))
@@ -560,8 +574,28 @@ class DenseBlocks:
             col = step.once(key, lambda: _bias_column(step, kv, n_kv, 0))
         attn_norm, ffn_norm = g.norms[il]
         eps, neox, task, vector, scale, threads = self._consts
+        if stored[0] or stored[1]:
+            task = self._typed_task
         return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, g.hp.n_ff[il], cos, sin, neox,
-                            pos, rows, col, task, vector, scale, threads)
+                            pos, rows, col, task, vector, scale, threads, *stored)
+
+    def _stored_args(self, hd: int, codecs: tuple[Any, Any]) -> Any:
+        """A cache's storage as the call takes it, for head size ``hd`` and the K / V :class:`plinth.kvtypes.Codec`
+        s (None: float32): (K code, V code, K / V Hadamard sizes and their ``1 / sqrt(n)``, K / V bytes a stored
+        row), or False where the call cannot take it (a typed cache whose head size the typed vector kernel
+        does not take: the general path's plain loops)."""
+        from .kvtypes import CACHE_TYPES
+
+        if all(c is None for c in codecs):
+            return (0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4)
+        from .ops import attend_q, compiled
+
+        if not compiled.vector_suits(hd, hd, None):
+            return False
+        self._typed_task = attend_q.task_address()
+        kt, vt = (CACHE_TYPES["f32"] if c is None else c.type for c in codecs)
+        kr, vr = (0 if c is None else c.rot for c in codecs)
+        return (kt.code, vt.code, kr, vr, _rot_scale(kr), _rot_scale(vr), kt.row_bytes(hd), vt.row_bytes(hd))
 
     def _per_step(self, kv: Any, step: Step, table: Any, m: int) -> Any:
         """(cos, sin, positions) of ``step``'s rows for layers with RoPE ``table``, or False where the

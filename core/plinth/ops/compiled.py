@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import address_call, cfunc_address, drop_stale, f32_at, f32_from_bits, i64_at, prefetch_write
+from ..quant.jitcache import (address_call, cfunc_address, drop_stale, f32_at, f32_from_bits, i64_at, prefetch_write,
+                              u8_at)
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -199,6 +200,38 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
                 for d in range(hd):
                     kb[h * kh + j * krs + d] = k[r, h, d]
                 for d in range(hd_v):
+                    vb[h * vh + j * vrs + d] = v[r, h, d]
+            pb[j] = positions[r]
+
+
+@njit(cache=True, nogil=True)
+def scatter_stored(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.ndarray) -> None:
+    """:func:`scatter_rows` for rows already in a typed cache's stored form: k uint8 ``[rows, n_head_kv,
+    kbytes]``, v ``[rows, n_head_kv, vbytes]`` (C order, :func:`plinth.kvtypes.encode`'s bytes) into the
+    uint8 buffers ``table`` addresses (ten columns: :meth:`plinth.cache.Rows.reserve_rows`, strides in bytes)."""
+    n_head_kv, kbytes, vbytes = k.shape[1], k.shape[2], v.shape[2]
+    for g in range(table.shape[0]):  # (every destination line asked for first, as scatter_rows does)
+        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
+        for r in range(s0, s1):
+            j = n0 + r - s0
+            for h in range(n_head_kv):
+                for at, nb in ((table[g, 3] + h * table[g, 6] + j * table[g, 8], kbytes),
+                               (table[g, 4] + h * table[g, 7] + j * table[g, 9], vbytes)):
+                    for b in range(0, nb + 63, 64):
+                        prefetch_write(at + min(b, nb - 1))
+    for g in range(table.shape[0]):
+        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
+        n = n0 + s1 - s0
+        kh, vh, krs, vrs = table[g, 6], table[g, 7], table[g, 8], table[g, 9]
+        kb = carray(u8_at(table[g, 3]), ((n_head_kv - 1) * kh + n * krs,))
+        vb = carray(u8_at(table[g, 4]), ((n_head_kv - 1) * vh + n * vrs,))
+        pb = carray(i64_at(table[g, 5]), (n,))
+        for r in range(s0, s1):
+            j = n0 + r - s0
+            for h in range(n_head_kv):
+                for d in range(kbytes):
+                    kb[h * kh + j * krs + d] = k[r, h, d]
+                for d in range(vbytes):
                     vb[h * vh + j * vrs + d] = v[r, h, d]
             pb[j] = positions[r]
 

@@ -25,9 +25,11 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
+from ..kvtypes import _encode_rows, _fwht_rows
 from ..quant.jitcache import drop_stale
 from ..quant.kernels_i8 import linear
-from .compiled import attention_table, rms_norm_rows, rope_rows, scatter_rows, silu_mul_rows
+from .attend_q import attention_table_qv
+from .compiled import attention_table, rms_norm_rows, rope_rows, scatter_rows, scatter_stored, silu_mul_rows
 
 
 @njit(cache=True, nogil=True)
@@ -38,7 +40,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
                 dn_fns: np.ndarray, dn_grps: tuple, dn_gstarts: np.ndarray, dn_starts: np.ndarray,
                 n_head: int, n_head_kv: int, hd: int, n_ff: int, cos: np.ndarray, sin: np.ndarray, neox: bool,
                 positions: np.ndarray, table: np.ndarray, bias_col: np.ndarray, task: int, vector: bool,
-                scale: float, n_threads: int) -> np.ndarray:
+                scale: float, n_threads: int, kcode: int, vcode: int, krot: int, vrot: int, krot_scale: float,
+                vrot_scale: float, kbytes: int, vbytes: int) -> np.ndarray:
     """A dense block for the rows x float32 ``[m, n_embd]`` (C order): returns its output ``[m, n_embd]``.
 
     The four products' arguments are :func:`plinth.quant.kernels_i8.linear`'s (Q | K | V stacked, the
@@ -46,7 +49,13 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     pairs, or halves where ``neox``); ``positions`` int64 ``[m]``. ``table`` int64 ``[n_groups, 10]`` is
     :meth:`plinth.cache.Rows.reserve_rows`' (room made for every group's rows); after the rows are written
     its key counts are advanced and its column 5 becomes ``bias_col`` (each group's bias address, 0: none),
-    as :func:`plinth.graph.attend` does. ``task`` / ``vector``: :func:`plinth.ops.compiled.task_address`'s."""
+    as :func:`plinth.graph.attend` does. ``task`` / ``vector``: :func:`plinth.ops.compiled.task_address`'s.
+
+    A typed cache (``kcode`` / ``vcode`` not both 0: :mod:`plinth.kvtypes`' codes, ``kbytes`` / ``vbytes`` a
+    stored row's bytes, ``krot`` / ``vrot`` the Hadamard sizes, 0: none, with their ``1 / sqrt(n)`` as
+    float32) takes :func:`plinth.ops.attend_q.attend_rows_typed`'s steps instead: K / V rows turned and
+    packed (:meth:`plinth.kvtypes.Codec.encode`), the queries turned, the typed vector kernel
+    (:func:`plinth.ops.attend_q.attention_table_qv`, ``task`` its task's address), the outputs turned back."""
     m = x.shape[0]
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, True, False, eps, h)
@@ -55,13 +64,26 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     linear(qkv_fns, qkv_grps, qkv_gstarts, qkv_starts, h, qkv.reshape(m, (n_qk + n_head_kv) * hd))
     qk = np.empty((m, n_qk, hd), np.float32)
     rope_rows(qkv[:, :n_qk], cos, sin, 0, neox, False, qk)
-    scatter_rows(qk[:, n_head:], qkv[:, n_qk:], positions, table)
-    for g in range(table.shape[0]):
-        table[g, 2] += table[g, 1] - table[g, 0]
-        table[g, 5] = bias_col[g]
-    q = np.ascontiguousarray(qk[:, :n_head])
     att = np.empty((m, n_head, hd), np.float32)
-    attention_table(task, vector, q, table, n_head_kv, hd, scale, 0.0, att, n_threads)
+    if kcode == 0 and vcode == 0:
+        scatter_rows(qk[:, n_head:], qkv[:, n_qk:], positions, table)
+        _advance(table, bias_col)
+        q = np.ascontiguousarray(qk[:, :n_head])
+        attention_table(task, vector, q, table, n_head_kv, hd, scale, 0.0, att, n_threads)
+    else:
+        kr = _turned(np.ascontiguousarray(qk[:, n_head:]).reshape(m * n_head_kv, hd), krot, krot_scale)
+        vr = _turned(np.ascontiguousarray(qkv[:, n_qk:]).reshape(m * n_head_kv, hd), vrot, vrot_scale)
+        ke = np.empty((m * n_head_kv, kbytes), np.uint8)
+        ve = np.empty((m * n_head_kv, vbytes), np.uint8)
+        _stored(kr, kcode, ke)
+        _stored(vr, vcode, ve)
+        scatter_stored(ke.reshape(m, n_head_kv, kbytes), ve.reshape(m, n_head_kv, vbytes), positions, table)
+        _advance(table, bias_col)
+        q = _turned(np.ascontiguousarray(qk[:, :n_head]).reshape(m * n_head, hd), krot, krot_scale)
+        attention_table_qv(task, q.reshape(m, n_head, hd), table, n_head_kv, hd, kcode, vcode, kbytes, vbytes, scale,
+                           att, n_threads)
+        if vrot:
+            att = _turned(att.reshape(m * n_head, hd), vrot, vrot_scale).reshape(m, n_head, hd)
     x1 = np.empty_like(x)
     linear(ao_fns, ao_grps, ao_gstarts, ao_starts, att.reshape(m, n_head * hd), x1)
     for r in range(m):
@@ -80,8 +102,36 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     return out
 
 
+@njit(cache=True, nogil=True)
+def _advance(table: np.ndarray, bias_col: np.ndarray) -> None:
+    """The table's key counts past this call's rows, and its bias column (:func:`dense_block`)."""
+    for g in range(table.shape[0]):
+        table[g, 2] += table[g, 1] - table[g, 0]
+        table[g, 5] = bias_col[g]
+
+
+@njit(cache=True, nogil=True)
+def _turned(x: np.ndarray, n: int, scale: float) -> np.ndarray:
+    """:func:`plinth.kvtypes.rotate` of the C-order rows ``x`` [r, w] (n = 0: ``x`` itself)."""
+    if n == 0:
+        return x
+    out = np.empty_like(x)
+    _fwht_rows(x, n, np.float32(scale), out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _stored(x: np.ndarray, code: int, out: np.ndarray) -> None:
+    """:meth:`plinth.kvtypes.Codec.encode`'s packing of the rows ``x`` (already turned) into ``out``."""
+    if code == 0:
+        out[...] = x.view(np.uint8)
+    else:
+        _encode_rows(x, code, out, True)
+
+
 drop_stale(dense_block, [Path(__file__).parents[1] / "quant" / n for n in ("kernels_i8.py", "simd.py", "jitcache.py")]
-           + [Path(__file__).with_name(n) for n in ("compiled.py", "attend_simd.py")])
+           + [Path(__file__).with_name(n) for n in ("compiled.py", "attend_simd.py", "attend_q.py", "attend_qsimd.py")]
+           + [Path(__file__).parents[1] / "kvtypes.py"])
 
 
 def warm_up() -> None:
@@ -117,4 +167,4 @@ def warm_up() -> None:
     dense_block(np.zeros((1, e), np.float32), norm, norm, 1e-6, *args([weight(hd, e)] * 3), *args([weight(e, hd)]),
                 *args([weight(ff, e)] * 2), *args([weight(e, ff)]), 1, 1, hd, ff, cos, cos, False,
                 np.zeros(1, np.int64), table, np.zeros(1, np.int64), compiled.task_address(vector), vector,
-                1.0 / hd ** 0.5, _threads())
+                1.0 / hd ** 0.5, _threads(), 0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4)
