@@ -312,7 +312,14 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the CLI's 
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--taps", default="", help="record these feature taps with the answers (comma-separated)")
     a = ap.parse_args(argv)
-    generate(a.target, a.data_dir, answer_tokens=a.tokens, max_tokens=a.max_tokens, shard_prompts=a.shard_prompts,
+    from ..errors import UserError
+    from ..hub import resolve_model
+
+    try:  # (a known model name, as `plinth train-drafter` takes it, or a file)
+        target = str(resolve_model(a.target))
+    except UserError as e:
+        ap.error(str(e))
+    generate(target, a.data_dir, answer_tokens=a.tokens, max_tokens=a.max_tokens, shard_prompts=a.shard_prompts,
              max_batch=a.max_batch, taps=tuple(int(t) for t in a.taps.split(",") if t.strip()))
     return 0
 
