@@ -154,7 +154,7 @@ def rotate(x: Any, n: int) -> Any:
         out = np.empty_like(a)
         _fwht_rows(a, n, F32(1.0 / float(np.sqrt(F32(n)))), out)
         return out.reshape(shape)
-    from .ops import array_module
+    from .ops._xp import array_module
 
     xp = array_module(x)
     h = xp.asarray(hadamard(n))
