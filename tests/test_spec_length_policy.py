@@ -111,6 +111,38 @@ def test_cheap_drafters_are_asked_and_their_drafts_cut():
     assert p.next_probe[0] == 50 + 2 * every  # the probe confirmed it: the next one twice as late
 
 
+def test_plain_probes_measure_plain_decoding_again():
+    """A loop that drafts every step still measures plain decoding now and then (two plain steps after 16
+    drafted ones, then twice as late), and a probe's faster plain step replaces a slow early estimate at once:
+    one slow plain step at the start must not keep the loop drafting where plain decoding is faster."""
+    p = LengthPolicy("auto")
+    p.forward = RowTimes(times={1: 3.0, 2: 1.4})  # the one-row time measured slow once, early
+    p.call_s, p.show_s = {0: 0.1}, {0: 0.0}
+    for _ in range(10):
+        p.record(0, 1, 1)  # one-token drafts, one in four kept
+        for _ in range(3):
+            p.record(0, 1, 0)
+    p.next_probe = {0: 10 ** 6}
+    asked = []
+    for _ in range(16):
+        p.tick()
+        asked.append(p.length(0, 1))
+    assert asked == [1] * 15 + [0], "drafting pays on the slow estimate; the 16th step is a plain probe"
+    assert p.step < p.plain_until
+    p.tick()
+    assert p.length(0, 1) == 0, "a plain probe is two steps (the first after a drafter's call is not counted)"
+    p.observe_forward(1, 1.0)
+    assert p.forward.at(1) == 1.0 and p.plain_every == 32 and p.plain_until == 0
+    p.tick()
+    assert p.length(0, 1) == 0, "measured again, plain decoding (1.0 s a token) beats a draft (~1.25 / 1.5 s)"
+    q = LengthPolicy("auto")  # no one-row forward measured at all: a plain probe after the first steps
+    q.tick()
+    q.tick()
+    assert q.length(0, 4) == 4
+    q.tick()
+    assert q.length(0, 4) == 0 and q.step < q.plain_until
+
+
 class RowsSeen(BaseDrafter):
     """Checks that before every draft it has been shown exactly the sequence's committed rows, in order."""
 

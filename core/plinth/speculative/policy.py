@@ -24,7 +24,9 @@ pays), which drafts the longest allowed length so every position keeps being mea
 not drafted yet drafts the longest length (its first draft is a probe). The measurements and the probe
 schedule carry over from one generation to the next (a probe per short answer would cost more than it tells).
 A drafter whose call costs next to nothing (under 5% of a plain step: ``ngram``) is asked every step and its
-draft cut afterwards (:meth:`LengthPolicy.cut`, with its call already paid).
+draft cut afterwards (:meth:`LengthPolicy.cut`, with its call already paid). Plain decoding is measured again
+now and then too: where the loop has drafted for 16 steps in a row (then twice as long each time), two plain
+steps (a plain probe, :meth:`LengthPolicy.tick`).
 
 The choice never changes greedy output (a verified draft keeps exactly the target's own tokens; a plain
 step is the target's own token). Sampled output keeps its distribution; with a seed its exact tokens follow
@@ -182,16 +184,26 @@ class LengthPolicy:
     next_probe: dict[int, int] = attrs.field(factory=dict)
     probing: set[int] = attrs.field(factory=set)
     warm: set[int] = attrs.field(factory=set)  # drafters whose first call was seen
-    asked: bool = False  # whether a drafter was asked this step
+    asked: bool = False  # whether a drafter whose call is not cheap was asked this step
     step: int = 0
+    last_plain: int = 0  # the step of the last one-row forward counted
+    plain_every: int = 16  # steps without one before a plain probe
+    plain_until: int = 0  # steps before this one decode plainly (a plain probe)
     #: decisions so far: "drafted" (expected to pay), "probed", "skipped" (not asked, or its draft dropped)
     counts: dict[str, int] = attrs.field(factory=lambda: {"drafted": 0, "probed": 0, "skipped": 0})
 
     def tick(self) -> None:
-        """A step begins."""
+        """A step begins. Where no one-row forward was counted for ``plain_every`` steps (the loop drafted each
+        of them), or none yet after the first steps, the next two steps decode plainly: a plain probe, which
+        measures plain decoding again (the first plain step after a drafter's call is not counted). Without it
+        a one-row time measured slow once, early, would keep the loop drafting where plain decoding is faster."""
         self.step += 1
         self.probing.clear()
         self.asked = False
+        if self.mode == "auto" and self.step >= self.plain_until:
+            unknown = self.forward.at(1) is None and self.step > 2
+            if unknown or self.step - self.last_plain >= self.plain_every:
+                self.plain_until = self.step + 2
 
     def best(self, i: int, n_max: int, sunk: bool = False) -> tuple[int, float, float]:
         """(the length with the most expected tokens a second for drafter ``i``, that rate, the plain step's
@@ -215,8 +227,13 @@ class LengthPolicy:
         if self.mode == "always" or n_max <= 0:
             self.asked = self.asked or n_max > 0
             return n_max
+        if self.step < self.plain_until:
+            self.counts["skipped"] += 1
+            return 0
         plain = self.forward.at(1)
-        if i not in self.call_s or plain is None or self.call_s[i] < self.cheap * plain or self._probe_due(i):
+        if i in self.call_s and plain is not None and self.call_s[i] < self.cheap * plain:
+            return n_max  # (a cheap drafter: asked, its draft cut to length; its call evicts nothing)
+        if i not in self.call_s or plain is None or self._probe_due(i):
             self.asked = True
             return n_max  # (cut to length once drafted)
         k, rate, plain_rate = self.best(i, n_max)
@@ -243,7 +260,20 @@ class LengthPolicy:
         return 0
 
     def observe_forward(self, rows: int, seconds: float) -> None:
-        self.forward.observe(rows, seconds)
+        """A target forward of ``rows`` rows took ``seconds`` (the loop leaves out a plain step's forward just
+        after a costly drafter's call). A one-row forward counted in a plain probe replaces a slower estimate at
+        once and spaces the next probe twice as far (up to ``probe_max`` steps); one counted otherwise (the loop
+        is decoding plainly) resets that."""
+        probe = rows == 1 and self.step < self.plain_until
+        old = self.forward.at(1) if probe else None
+        if old is not None and seconds < old:  # (a probe's faster plain step is taken at once: the estimate it
+            self.forward.times[1] = seconds   # corrects kept the loop drafting, so no other step would)
+        else:
+            self.forward.observe(rows, seconds)
+        if rows == 1:
+            self.plain_every = min(2 * self.plain_every, self.probe_max) if probe else self.probe_min
+            self.plain_until = 0
+            self.last_plain = self.step
 
     def observe_draft(self, i: int, call_s: float, show_s: float) -> None:
         """Drafter ``i``'s call took ``call_s``; the drafters' work on the drafted step's rows ``show_s``. A
