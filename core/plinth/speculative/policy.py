@@ -95,7 +95,8 @@ class RowTimes:
 
     The one-row time stands for plain decoding, which runs undisturbed; a plain step among drafted ones runs
     slower (the drafter's calls evict the target's weights from the caches and let the thread pool idle), so
-    that average follows a faster step at once and a slower one eight times more slowly."""
+    that average follows a faster step at the usual weight and a slower one eight times more slowly (a plain
+    probe's faster step is taken at once: :meth:`LengthPolicy.observe_forward`)."""
 
     weight: float = 0.2
     times: dict[int, float] = attrs.field(factory=dict)
