@@ -498,12 +498,6 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
     return int(b.ctypes.data)
 
 
-def _rot_scale(n: int) -> float:
-    """The float32 ``1 / sqrt(n)`` that :func:`plinth.kvtypes.rotate` scales a Hadamard transform of size n by
-    (1.0: none)."""
-    return float(np.float32(1.0 / float(np.sqrt(np.float32(n))))) if n else 1.0
-
-
 class DenseBlocks:
     """The host fast path of a llama-style block: the whole layer in one compiled call
     (:func:`plinth.ops.fused.dense_block`) instead of a dozen calls with Python between them.
@@ -548,12 +542,14 @@ class DenseBlocks:
         if kv.layer != il:
             return None
         n_head, n_head_kv, hd = self.graph.heads[il]
-        codecs = kv.stored_codecs(((n_head_kv, hd), (n_head_kv, hd))) if kv.roles else (None, None)
-        stored = self._stored.get((hd, codecs))  # (contexts of one model may store their caches differently)
-        if stored is None:
-            stored = self._stored[(hd, codecs)] = self._stored_args(hd, codecs)
-        if not stored:
+        shapes = ((n_head_kv, hd), (n_head_kv, hd))
+        codecs = kv.stored_codecs(shapes) if kv.roles else (None, None)
+        typed = self._stored.get((hd, codecs))  # (contexts of one model may store their caches differently)
+        if typed is None:
+            typed = self._stored[(hd, codecs)] = self._stored_args(hd, codecs)
+        if not typed:
             return None
+        typed_task, stored = typed
         g = self.graph
         table = g.rope.tables[il]
         per_step = step.memo.get((DenseBlocks, id(table)))
@@ -564,7 +560,7 @@ class DenseBlocks:
         cos, sin, pos = per_step
         if quant.blas._state["current"] != 1:
             quant.blas.use(1)
-        rows = kv.reserve_rows(step.groups, ((n_head_kv, hd), (n_head_kv, hd)))
+        rows = kv.reserve_rows(step.groups, shapes)
         n_kv = rows[:, 2] + (rows[:, 1] - rows[:, 0])
         key = _bias_column_key(n_kv, 0)
         col = step.memo.get(key)
@@ -574,28 +570,27 @@ class DenseBlocks:
             col = step.once(key, lambda: _bias_column(step, kv, n_kv, 0))
         attn_norm, ffn_norm = g.norms[il]
         eps, neox, task, vector, scale, threads = self._consts
-        if stored[0] or stored[1]:
-            task = self._typed_task
         return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, g.hp.n_ff[il], cos, sin, neox,
-                            pos, rows, col, task, vector, scale, threads, *stored)
+                            pos, rows, col, typed_task or task, vector, scale, threads, *stored)
 
     def _stored_args(self, hd: int, codecs: tuple[Any, Any]) -> Any:
         """A cache's storage as the call takes it, for head size ``hd`` and the K / V :class:`plinth.kvtypes.Codec`
-        s (None: float32): (K code, V code, K / V Hadamard sizes and their ``1 / sqrt(n)``, K / V bytes a stored
-        row), or False where the call cannot take it (a typed cache whose head size the typed vector kernel
-        does not take: the general path's plain loops)."""
-        from .kvtypes import CACHE_TYPES
+        s (None: float32): (the typed attention task's address, 0 for a float32 cache; the call's K code, V code,
+        K / V Hadamard sizes and their ``1 / sqrt(n)``, K / V bytes a stored row), or False where the call cannot
+        take it (a typed cache whose head size the typed vector kernel does not take: the general path's plain
+        loops)."""
+        from .kvtypes import CACHE_TYPES, rotation_scale
 
         if all(c is None for c in codecs):
-            return (0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4)
+            return 0, (0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4)
         from .ops import attend_q, compiled
 
         if not compiled.vector_suits(hd, hd, None):
             return False
-        self._typed_task = attend_q.task_address()
         kt, vt = (CACHE_TYPES["f32"] if c is None else c.type for c in codecs)
         kr, vr = (0 if c is None else c.rot for c in codecs)
-        return (kt.code, vt.code, kr, vr, _rot_scale(kr), _rot_scale(vr), kt.row_bytes(hd), vt.row_bytes(hd))
+        scales = (float(rotation_scale(n)) if n else 1.0 for n in (kr, vr))
+        return attend_q.task_address(), (kt.code, vt.code, kr, vr, *scales, kt.row_bytes(hd), vt.row_bytes(hd))
 
     def _per_step(self, kv: Any, step: Step, table: Any, m: int) -> Any:
         """(cos, sin, positions) of ``step``'s rows for layers with RoPE ``table``, or False where the

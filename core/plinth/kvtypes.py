@@ -142,6 +142,12 @@ def _fwht_rows(x: np.ndarray, n: int, scale: np.float32, out: np.ndarray) -> Non
                 out[r, c0 + i] = out[r, c0 + i] * scale
 
 
+def rotation_scale(n: int) -> np.float32:
+    """The float32 ``1 / sqrt(n)`` a Hadamard transform of size n is scaled by (:func:`rotate`; the fused block
+    takes it too, so both give the same bits)."""
+    return F32(1.0 / float(np.sqrt(F32(n))))
+
+
 def rotate(x: Any, n: int) -> Any:
     """``x`` [..., w] with every chunk of ``n`` values of its last axis multiplied by :func:`hadamard` (n)
     (H is symmetric and H H = I, so this also undoes itself). n = 0: ``x`` itself. Host float32 arrays
@@ -152,7 +158,7 @@ def rotate(x: Any, n: int) -> Any:
         shape = x.shape
         a = np.ascontiguousarray(x, dtype=F32).reshape(-1, shape[-1])
         out = np.empty_like(a)
-        _fwht_rows(a, n, F32(1.0 / float(np.sqrt(F32(n)))), out)
+        _fwht_rows(a, n, rotation_scale(n), out)
         return out.reshape(shape)
     from .ops._xp import array_module
 

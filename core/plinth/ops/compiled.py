@@ -169,6 +169,22 @@ def task_address(vector: bool) -> int:
 
 
 @njit(cache=True, nogil=True)
+def _ask_for_rows(table: np.ndarray, n_head_kv: int, kbytes: int, vbytes: int) -> None:
+    """Prefetch for writing every cache line the rows of ``table`` (ten columns) will land on, ``kbytes`` /
+    ``vbytes`` a kv head's K / V row: a server step's rows land in as many cold places as it has sequences x kv
+    heads (x K and V), and copying into them one after another waited on each in turn."""
+    for g in range(table.shape[0]):
+        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
+        for r in range(s0, s1):
+            j = n0 + r - s0
+            for h in range(n_head_kv):
+                for at, nb in ((table[g, 3] + h * table[g, 6] + j * table[g, 8], kbytes),
+                               (table[g, 4] + h * table[g, 7] + j * table[g, 9], vbytes)):
+                    for b in range(0, nb + 63, 64):
+                        prefetch_write(at + min(b, nb - 1))
+
+
+@njit(cache=True, nogil=True)
 def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.ndarray) -> None:
     """Write this forward's K / V rows and positions into their sequences' cache buffers: per row g of
     ``table`` (int64 ``[n, 6]``, or ``[n, 10]`` with the buffers' strides: :meth:`plinth.cache.Rows.reserve_rows`)
@@ -178,15 +194,7 @@ def scatter_rows(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: np.
     address, then the strides); the caller made the room (:meth:`plinth.cache.Rows.reserve`)."""
     n_head_kv, hd, hd_v = k.shape[1], k.shape[2], v.shape[2]
     table = full_table(table, n_head_kv, hd * 4, hd_v * 4)
-    for g in range(table.shape[0]):  # every destination line asked for first: a server step's rows land in
-        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]  # as many cold places as it has sequences x kv heads
-        for r in range(s0, s1):  # (x K and V), and copying into them one after another waited on each in turn
-            j = n0 + r - s0
-            for h in range(n_head_kv):
-                for at, nb in ((table[g, 3] + h * table[g, 6] + j * table[g, 8], hd * 4),
-                               (table[g, 4] + h * table[g, 7] + j * table[g, 9], hd_v * 4)):
-                    for b in range(0, nb + 63, 64):
-                        prefetch_write(at + min(b, nb - 1))
+    _ask_for_rows(table, n_head_kv, hd * 4, hd_v * 4)
     for g in range(table.shape[0]):
         s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
         n = n0 + s1 - s0
@@ -210,15 +218,7 @@ def scatter_stored(k: np.ndarray, v: np.ndarray, positions: np.ndarray, table: n
     kbytes]``, v ``[rows, n_head_kv, vbytes]`` (C order, :func:`plinth.kvtypes.encode`'s bytes) into the
     uint8 buffers ``table`` addresses (ten columns: :meth:`plinth.cache.Rows.reserve_rows`, strides in bytes)."""
     n_head_kv, kbytes, vbytes = k.shape[1], k.shape[2], v.shape[2]
-    for g in range(table.shape[0]):  # (every destination line asked for first, as scatter_rows does)
-        s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
-        for r in range(s0, s1):
-            j = n0 + r - s0
-            for h in range(n_head_kv):
-                for at, nb in ((table[g, 3] + h * table[g, 6] + j * table[g, 8], kbytes),
-                               (table[g, 4] + h * table[g, 7] + j * table[g, 9], vbytes)):
-                    for b in range(0, nb + 63, 64):
-                        prefetch_write(at + min(b, nb - 1))
+    _ask_for_rows(table, n_head_kv, kbytes, vbytes)
     for g in range(table.shape[0]):
         s0, s1, n0 = table[g, 0], table[g, 1], table[g, 2]
         n = n0 + s1 - s0
