@@ -96,16 +96,19 @@ class RowTimes:
     The one-row time stands for plain decoding, which runs undisturbed; a plain step among drafted ones runs
     slower (the drafter's calls evict the target's weights from the caches and let the thread pool idle), so
     that average follows a faster step at the usual weight and a slower one eight times more slowly (a plain
-    probe's faster step is taken at once: :meth:`LengthPolicy.observe_forward`)."""
+    probe's faster step is taken at once: ``faster_at_once``, :meth:`LengthPolicy.observe_forward`)."""
 
     weight: float = 0.2
     times: dict[int, float] = attrs.field(factory=dict)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, faster_at_once: bool = False) -> None:
+        """A ``rows``-row forward took ``seconds``; ``faster_at_once``: a time below the average replaces it."""
         old = self.times.get(rows)
         w = self.weight
         if rows == 1 and old is not None and seconds > old:
-            w = self.weight / 8  # (below)
+            w = self.weight / 8  # (above)
+        elif faster_at_once and old is not None and seconds < old:
+            w = 1.0
         self.times[rows] = _ema(old, seconds, w)
 
     def at(self, rows: int, optimistic: bool = False) -> float | None:
@@ -266,11 +269,9 @@ class LengthPolicy:
         once and spaces the next probe twice as far (up to ``probe_max`` steps); one counted otherwise (the loop
         is decoding plainly) resets that."""
         probe = rows == 1 and self.step < self.plain_until
-        old = self.forward.at(1) if probe else None
-        if old is not None and seconds < old:  # (a probe's faster plain step is taken at once: the estimate it
-            self.forward.times[1] = seconds   # corrects kept the loop drafting, so no other step would)
-        else:
-            self.forward.observe(rows, seconds)
+        # (a probe's faster plain step is taken at once: the estimate it corrects kept the loop drafting, so no
+        # other step would correct it)
+        self.forward.observe(rows, seconds, faster_at_once=probe)
         if rows == 1:
             self.plain_every = min(2 * self.plain_every, self.probe_max) if probe else self.probe_min
             self.plain_until = 0
