@@ -330,3 +330,59 @@ def test_a_block_drafter_behind_skipped_steps_stays_lossless(tmp_path):
     for p, toks in zip(prompts, got):
         assert toks == Generator(model).generate(p, 60)
     assert sched.policy.counts["probed"] >= 10 and sched.metrics.spec["dflash"][0] >= 10
+
+
+class AlwaysPays(DraftPolicy):
+    """A policy for which every draft is expected to pay."""
+
+    def pays(self, state, k):
+        return True
+
+
+class OwnRows(CoverageDrafter):
+    """A coverage oracle that also checks that the only verify rows it is shown are its own drafts' (a drafter
+    that did not draft a step sees its kept rows before its own next draft); ``every``: it drafts only where
+    the position is a multiple of it."""
+
+    def __init__(self, model, taps, every: int = 1) -> None:
+        super().__init__(model, taps)
+        self.every = every
+        self.mine: dict[int, bool] = {}
+        self.drafted = 0
+        self.others: list[int] = []  # positions of verify rows of another drafter's drafts it was shown
+
+    def process(self, target_output) -> None:
+        if target_output.phase == "verify" and not self.mine.get(target_output.seq):
+            self.others.append(int(target_output.positions[0]))
+        super().process(target_output)
+
+    def draft(self, seq, n_max, *, history, pos) -> Draft:
+        d = super().draft(seq, n_max, history=history, pos=pos) if pos % self.every == 0 else Draft()
+        self.mine[seq] = bool(len(d))
+        self.drafted += bool(len(d))
+        return d
+
+    def accept(self, seq, n_accepted) -> None:
+        super().accept(seq, n_accepted)
+        self.mine[seq] = False
+
+
+def test_a_drafted_steps_rows_go_to_its_drafter_now_and_to_the_others_before_they_draft(tiny):
+    """Two drafters under ``auto``: a step's verify rows go at once only to the drafter that drafted it; the
+    other is shown the kept rows before its own next draft (so an n-gram draft does not pay for DSpark's layers
+    over its rows). Greedy output equals lone plain runs."""
+    from plinth.serve.scheduler import Scheduler
+
+    first, second = OwnRows(tiny, taps=(0, 1), every=3), OwnRows(tiny, taps=(1,))
+    sched = Scheduler(tiny, drafters=[first, second], spec=SpecConfig(n_max=4), max_batch=4)
+    sched.policy = AlwaysPays()
+    sched.start()
+    try:
+        prompts = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
+        got = run_greedy(sched, prompts, 60)
+    finally:
+        sched.stop()
+    for p, toks in zip(prompts, got):
+        assert toks == Generator(tiny).generate(p, 60)
+    assert first.drafted >= 8 and second.drafted >= 8
+    assert first.gaps == second.gaps == [] and first.others == second.others == []

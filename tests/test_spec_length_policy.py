@@ -144,42 +144,63 @@ def test_plain_probes_measure_plain_decoding_again():
 
 
 class RowsSeen(BaseDrafter):
-    """Checks that before every draft it has been shown exactly the sequence's committed rows, in order."""
+    """Checks that before every draft it has been shown exactly the sequence's committed rows, in order, with
+    their tokens; ``own_rows``: that the only verify rows it is shown are its own drafts' (its non-empty drafts:
+    ``drafted``)."""
 
     name = "rows-seen"
 
-    def __init__(self, inner: BaseDrafter, taps: Sequence[int] = (1,)) -> None:
+    def __init__(self, inner: BaseDrafter, taps: Sequence[int] = (1,), own_rows: bool = False) -> None:
         self.inner = inner
         self.taps = tuple(taps)
+        self.own_rows = own_rows
         self.known: list[int] = []
+        self.tokens: dict[int, int] = {}
         self.pending: list[int] = []
         self.drafts = 0
+        self.drafted = 0
+        self.mine = False  # whether its last draft is the one being verified
 
     def requirements(self) -> DrafterRequirements:
         return DrafterRequirements(taps=self.taps, max_draft=self.inner.requirements().max_draft)
 
     def begin(self, seq: int, prompt_ids: Sequence[int]) -> None:
-        self.known, self.pending = [], []
+        self.known, self.pending, self.tokens, self.mine = [], [], {}, False
         self.inner.begin(seq, prompt_ids)
 
     def process(self, out: Any) -> None:
         pos = [int(p) for p in out.positions]
         for t in self.taps:
             assert out.features[t].shape[0] == len(pos)
+        self.tokens.update(zip(pos, (int(t) for t in out.tokens)))
         if out.phase == "verify":
+            assert self.mine or not self.own_rows, "shown the verify rows of another drafter's draft"
             self.pending = pos
         else:
             self.known += pos
 
     def accept(self, seq: int, n_accepted: int) -> None:
         self.known += self.pending[:n_accepted + 1]
-        self.pending = []
+        self.pending, self.mine = [], False
         self.inner.accept(seq, n_accepted)
 
     def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
         assert self.known == list(range(pos)), (self.known[-5:], pos)
+        assert [self.tokens[p] for p in range(pos)] == list(history[:pos])
         self.drafts += 1
-        return self.inner.draft(seq, n_max, history=history, pos=pos)
+        d = self.inner.draft(seq, n_max, history=history, pos=pos)
+        self.mine = bool(len(d))
+        self.drafted += self.mine
+        return d
+
+
+class EveryThird(OracleDrafter):
+    """The oracle's draft where the position is a multiple of 3, none elsewhere."""
+
+    name = "every-third"
+
+    def draft(self, seq: int, n_max: int, *, history: Sequence[int], pos: int) -> Draft:
+        return super().draft(seq, n_max, history=history, pos=pos) if pos % 3 == 0 else Draft()
 
 
 @pytest.mark.parametrize("good", [True, False])
@@ -209,3 +230,20 @@ def test_always_drafts_every_step(tiny):
     out = gen.generate(PROMPTS[0], 20)
     assert out == Generator(tiny).generate(PROMPTS[0], 20)
     assert drafter.drafts == gen.stats.n_steps - 1 and gen.stats.policy == {}  # (the last step has no budget left)
+
+
+def test_a_drafted_steps_rows_go_to_its_drafter_now_and_to_the_others_before_they_draft(tiny):
+    """``auto`` with two drafters: a step's verify rows are shown at once only to the drafter that drafted it (its
+    work on them is that draft's cost); the other sees the kept rows, with every earlier row, just before it next
+    drafts (with ``ngram,dspark``, an n-gram draft used to pay for DSpark's layers over its rows). Output equals
+    plain decoding."""
+    plain = [Generator(tiny).generate(p, 40) for p in PROMPTS]
+    first = RowsSeen(EveryThird(tiny, horizon=64, n_draft=4), own_rows=True)
+    second = RowsSeen(OracleDrafter(tiny, horizon=64, n_draft=4), own_rows=True)
+    gen = SpeculativeGenerator(tiny, [first, second], config=SpecConfig(n_max=4, policy="auto"))
+    fixed_costs(gen.policy, per_row=0.15, call=0.2)
+    gen.policy.call_s[0] = 0.0  # (the first is cheap: asked every step, as ngram is)
+    outs = [gen.generate(p, 40) for p in PROMPTS]
+    assert outs == plain
+    assert first.drafted >= 5 and second.drafted >= 5
+    assert second.drafts == second.drafted  # (asked only where the first had nothing: each time it drafted)

@@ -87,8 +87,7 @@ class Request:
     rng: Any = None
     verifier: Any = None
     draft_state: Any = None  # its drafting policy's state (plinth.serve.spec_policy.SeqDraftState), speculative
-    deferred: list = attrs.field(factory=list)  # (tokens, positions, features) its drafters have not seen yet
-    deferred_bytes: int = 0
+    unseen: Any = None  # the rows its drafters have not seen yet (plinth.speculative.step.Unseen), speculative
     text: Any = None  # the TextStream (plinth.generate) of the generated tokens
     stats: SpecStats = attrs.field(factory=SpecStats)
     t_submit: float = attrs.field(factory=time.perf_counter)

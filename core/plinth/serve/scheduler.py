@@ -47,7 +47,7 @@ from ..generate import TextStream
 from ..sampling import Sampler
 from ..speculative.base import Draft, TargetOutput, check_compatible, target_kv_views
 from ..speculative.engine import SpecConfig, SpecStats, propose
-from ..speculative.step import (chunk_bytes, decide, defer_chunk, deferred_output, make_step_verifier, rollback,
+from ..speculative.step import (Unseen, decide, defer_chunk, deferred_output, make_step_verifier, rollback,
                                target_batch, verifier_name)
 from .emission import Emitter, log_softmax, token_info
 from .metrics import Metrics
@@ -100,6 +100,7 @@ class Scheduler:
         self._taps = taps
         #: the most bytes of rows a request keeps for its drafters before showing them (:meth:`_defer`)
         self.defer_bytes = 8 << 20
+        self._deferred_s = 0.0  # seconds the drafters spent on kept rows (not a draft's own cost)
         self.ctx = model.new_context(taps=taps)
         self.max_batch = int(max_batch)
         self.max_queue = int(max_queue)
@@ -221,8 +222,7 @@ class Scheduler:
         self.metrics.prompt_cache_hits += 1
         lg, rows = hit
         if req.speculative:  # (its drafters see the prompt's rows before its first draft, as after a prefill)
-            req.deferred = list(rows)
-            req.deferred_bytes = sum(chunk_bytes(c) for c in rows)
+            req.unseen.put(rows)
         req.n_prefilled = len(req.prompt_ids)
         self._first_token(req, lg)
         return True
@@ -267,9 +267,11 @@ class Scheduler:
         if req.prompt_logprobs is None:
             if not req.speculative:
                 self.prompt_cache.keep(req.prompt_ids, req.seq, lg)
-            elif self.policy.mode == "auto" and sum(len(c[0]) for c in req.deferred) == len(req.prompt_ids):
-                # (every prompt row still deferred: what a later request's drafters are to be shown)
-                self.prompt_cache.keep(req.prompt_ids, req.seq, lg, drafter_rows=tuple(req.deferred))
+            elif self.policy.mode == "auto":
+                rows = req.unseen.common()
+                if rows is not None and sum(len(c[0]) for c in rows) == len(req.prompt_ids):
+                    # (every prompt row still deferred: what a later request's drafters are to be shown)
+                    self.prompt_cache.keep(req.prompt_ids, req.seq, lg, drafter_rows=tuple(rows))
         self._first_token(req, lg)
 
     # ------------------------------------------------------------------ loop
@@ -337,6 +339,7 @@ class Scheduler:
             if use_spec:
                 req.verifier = make_step_verifier(self.spec.verifier, req.sampling.temperature, self.registry)
                 req.draft_state = SeqDraftState()
+                req.unseen = Unseen(len(self.drafters), self.defer_bytes)
                 for d in self.drafters:
                     d.begin(req.seq, list(req.prompt_ids))
             self.metrics.tokens_in += len(req.prompt_ids)
@@ -390,12 +393,11 @@ class Scheduler:
                 if req.speculative and n_max > 0:
                     decision = self.policy.decide(req.draft_state, min(n_max, self._draft_cap))
                     if decision != "skipped":
-                        self._show_deferred(req)
-                        t0 = time.perf_counter()
+                        t0, shown = time.perf_counter(), self._deferred_s
                         n = self.policy.length(req.draft_state, min(n_max, self._draft_cap), decision)
                         who, draft = propose(self.drafters, self.requirements, self.spec, req.seq, req.history,
-                                             pos, n)
-                        dt = time.perf_counter() - t0
+                                             pos, n, before=lambda i, req=req: self._show_deferred(req, i))
+                        dt = time.perf_counter() - t0 - (self._deferred_s - shown)  # (not the kept rows' showing)
                         req.stats.draft_s += dt
                         if len(draft):
                             self.policy.observe_draft(dt)
@@ -466,39 +468,44 @@ class Scheduler:
         return min(self.prefill_chunk, cap - decoding)
 
     def _show(self, req: Request, kind: str, batch: Batch, out: Any, first: int, n: int,
-              where: dict[int, int]) -> None:
-        """Hand ``req``'s rows of this forward to every drafter (``process``), with their logits."""
+              where: dict[int, int], only: int = -1) -> None:
+        """Hand ``req``'s rows of this forward to every drafter (``process``), or to drafter ``only``, with their
+        logits."""
         if not req.speculative:
             return
         rows = slice(first, first + n)
         mine = [where[r] for r in range(first, first + n) if r in where]
         logits = out.logits[mine] if mine and out.logits is not None else None
-        for drafter, r in zip(self.drafters, self.requirements):
+        for i, (drafter, r) in enumerate(zip(self.drafters, self.requirements)):
+            if only >= 0 and i != only:
+                continue
             feats = {t: out.features[t][rows] for t in r.taps if t in out.features}
             drafter.process(TargetOutput(seq=req.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
                                          has_embeddings=False, logits=logits,
                                          kv=target_kv_views(self.ctx.cache, r, req.seq)))
 
-    def _defer(self, req: Request, batch: Batch, out: Any, first: int, n: int = 1) -> None:
+    def _defer(self, req: Request, batch: Batch, out: Any, first: int, n: int = 1, skip: int = -1) -> None:
         """Keep ``n`` rows of ``req`` from this step (tokens, positions and the taps' features) for its drafters
-        instead of showing them now (``--spec-policy auto``): its prompt's rows and those of its plain steps.
-        The drafters see them together before the request's next draft (one ``process`` call instead of one a
-        step: a DSpark drafter's layers over one row cost a plain step a good part of its time, and a request
-        that never drafts never pays for its prompt's either), or once they hold :attr:`defer_bytes`."""
-        chunk = defer_chunk(batch, out, first, n, self._taps)
-        req.deferred.append(chunk)
-        req.deferred_bytes += chunk_bytes(chunk)
-        if req.deferred_bytes >= self.defer_bytes:
-            self._show_deferred(req)
+        (all but ``skip``) instead of showing them now (``--spec-policy auto``): its prompt's rows, those of its
+        plain steps, a drafted step's kept rows for the drafters that did not draft it. Each drafter sees them
+        together before it next drafts for the request (one ``process`` call instead of one a step: a DSpark
+        drafter's layers over one row cost a plain step a good part of its time, and a request that never
+        drafts never pays for its prompt's either), or once they hold :attr:`defer_bytes`
+        (:class:`plinth.speculative.step.Unseen`)."""
+        for i in req.unseen.add(defer_chunk(batch, out, first, n, self._taps), skip):
+            self._show_deferred(req, i)
 
-    def _show_deferred(self, req: Request) -> None:
-        """Hand ``req``'s deferred rows (:meth:`_defer`) to every drafter, as kept rows (phase "prefill")."""
-        if not req.deferred:
-            return
-        chunks, req.deferred, req.deferred_bytes = req.deferred, [], 0
-        for drafter, r in zip(self.drafters, self.requirements):
-            drafter.process(deferred_output(req.seq, chunks, r.taps, target_kv_views(self.ctx.cache, r, req.seq)))
+    def _show_deferred(self, req: Request, i: int = -1) -> None:
+        """Hand drafter ``i`` (-1: every drafter) the rows of ``req`` kept for it (:meth:`_defer`), as kept rows
+        (phase "prefill")."""
+        t0 = time.perf_counter()
+        for j, (drafter, r) in enumerate(zip(self.drafters, self.requirements)):
+            chunks = req.unseen.take(j) if i < 0 or i == j else None
+            if chunks:
+                drafter.process(deferred_output(req.seq, chunks, r.taps,
+                                                target_kv_views(self.ctx.cache, r, req.seq)))
+        self._deferred_s += time.perf_counter() - t0
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],
                 first: int, pos: int, who: int, draft: Draft, snap: Any, decision: str = "") -> None:
@@ -528,7 +535,12 @@ class Scheduler:
             self.policy.record(req.draft_state, k, a)
             if decision == "probed":
                 self.policy.probed(req.draft_state, min(k, self._draft_cap))
-        self._show(req, "verify", batch, out, first, k + 1, where)
+        if self.policy.mode == "auto":  # (the drafter that drafted sees its rows now, the others the kept rows
+            if k:  # before they next draft)
+                self._show(req, "verify", batch, out, first, k + 1, where, only=who)
+            self._defer(req, batch, out, first, a + 1, skip=who if k else -1)
+        else:
+            self._show(req, "verify", batch, out, first, k + 1, where)
         t0 = time.perf_counter()
         if a < k:
             rollback(self.ctx, req.seq, pos, [req.history[-1], *draft.tokens[:a]], snap)

@@ -37,7 +37,7 @@ from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible, target_kv_views
 from .policy import POLICIES, LengthPolicy
-from .step import chunk_bytes, decide, defer_chunk, deferred_output, make_step_verifier, rollback, target_batch
+from .step import Unseen, decide, defer_chunk, deferred_output, make_step_verifier, rollback, target_batch
 
 
 def _nonneg_int(_inst: Any, attr: Any, value: int) -> None:
@@ -169,13 +169,13 @@ def drafter_names(spec: str | None, registry: Any) -> list[str]:
 
 def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecConfig, seq: int,
             history: list[int], pos: int, n_max: int, policy: LengthPolicy | None = None,
-            before: Callable[[], None] | None = None) -> tuple[int, Draft]:
+            before: Callable[[int], None] | None = None) -> tuple[int, Draft]:
     """One draft for ``seq``: the first drafter's non-empty draft after ``config``'s controls.
 
     Returns (index of the drafter, its draft), or (-1, an empty draft) when none drafts. The
     speculative loop and the server's batched scheduler both draft through it; the loop's ``policy``
-    sets each drafter's length (0: the drafter is not asked), and ``before`` runs before the first
-    drafter is asked (the loop shows its deferred rows then).
+    sets each drafter's length (0: the drafter is not asked), and ``before(i)`` runs before drafter ``i`` is
+    asked (the loop and the scheduler show it the rows kept for it then).
     """
     for i, (drafter, req) in enumerate(zip(drafters, requirements)):
         n = min(n_max, req.max_draft) if req.max_draft is not None else n_max
@@ -184,8 +184,7 @@ def propose(drafters: Sequence[Any], requirements: Sequence[Any], config: SpecCo
         if n <= 0:
             continue
         if before is not None:
-            before()
-            before = None
+            before(i)
         d = drafter.draft(seq, n, history=history, pos=pos)
         if d is None:
             continue
@@ -229,9 +228,7 @@ class SpeculativeGenerator(Generator):
         self.rng = np.random.default_rng(self.config.seed)
         self.taps = tuple(sorted({int(t) for r in self.requirements for t in r.taps}))
         self.policy = LengthPolicy(self.config.policy)  # (its measurements carry over from one generation to the next)
-        self.deferred: list[Any] = []  # rows kept for the drafters (--spec-policy auto: plain steps, the prompt)
-        self.deferred_bytes = 0
-        self.defer_bytes = 8 << 20  # shown at once beyond this
+        self.unseen = Unseen(len(self.drafters))  # rows kept for the drafters (--spec-policy auto)
         self.deferred_s = 0.0  # seconds the drafters spent on deferred rows (not a draft's own cost)
         self.context: Any = None
         self.seq = 0
@@ -241,39 +238,38 @@ class SpeculativeGenerator(Generator):
 
     # ------------------------------------------------------------------ pieces
 
-    def _show(self, kind: str, batch: Batch, out: Any) -> None:
-        """Hand one target forward to every drafter (``process``)."""
+    def _show(self, kind: str, batch: Batch, out: Any, only: int = -1) -> None:
+        """Hand one target forward to every drafter (``process``), or to drafter ``only``."""
         if not self.drafters:
             return
         has_embd = batch.is_embd is not None and bool(np.any(batch.is_embd))
         rows = np.nonzero(batch.seq_ids == self.seq)[0]
-        for drafter, req in zip(self.drafters, self.requirements):
+        for i, (drafter, req) in enumerate(zip(self.drafters, self.requirements)):
+            if only >= 0 and i != only:
+                continue
             feats = {t: out.features[t] for t in req.taps if t in out.features}
             drafter.process(TargetOutput(seq=self.seq, phase=kind, tokens=batch.tokens[rows],
                                          positions=batch.positions[rows], features=feats,
                                          has_embeddings=has_embd, logits=out.logits,
                                          kv=target_kv_views(self.context.cache, req, self.seq)))
 
-    def _defer(self, batch: Batch, out: Any, n: int) -> None:
-        """Keep the first ``n`` rows of a forward for the drafters instead of showing them now (``--spec-policy
-        auto``: the prompt, a plain step's row); they see them before the next draft (:mod:`.step`)."""
+    def _defer(self, batch: Batch, out: Any, n: int, skip: int = -1) -> None:
+        """Keep the first ``n`` rows of a forward for the drafters (all but ``skip``) instead of showing them now
+        (``--spec-policy auto``: the prompt, a step's kept rows); each sees them before it next drafts
+        (:class:`.step.Unseen`)."""
         if not self.drafters:
             return
-        chunk = defer_chunk(batch, out, 0, n, self.taps)
-        self.deferred.append(chunk)
-        self.deferred_bytes += chunk_bytes(chunk)
-        if self.deferred_bytes >= self.defer_bytes:
-            self._show_deferred()
+        for i in self.unseen.add(defer_chunk(batch, out, 0, n, self.taps), skip):
+            self._show_deferred(i)
 
-    def _show_deferred(self) -> None:
-        """Hand the deferred rows to every drafter, as kept rows."""
-        if not self.deferred:
-            return
+    def _show_deferred(self, i: int = -1) -> None:
+        """Hand drafter ``i`` (-1: every drafter) the rows kept for it, as kept rows."""
         t0 = time.perf_counter()
-        chunks, self.deferred, self.deferred_bytes = self.deferred, [], 0
-        for drafter, req in zip(self.drafters, self.requirements):
-            drafter.process(deferred_output(self.seq, chunks, req.taps,
-                                            target_kv_views(self.context.cache, req, self.seq)))
+        for j, (drafter, req) in enumerate(zip(self.drafters, self.requirements)):
+            chunks = self.unseen.take(j) if i < 0 or i == j else None
+            if chunks:
+                drafter.process(deferred_output(self.seq, chunks, req.taps,
+                                                target_kv_views(self.context.cache, req, self.seq)))
         self.deferred_s += time.perf_counter() - t0
 
     def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:
@@ -318,7 +314,7 @@ class SpeculativeGenerator(Generator):
             t0 = time.perf_counter()
             batch = Batch.from_tokens(prompt_ids, start=0, seq=seq, output="last")
             out = ctx.forward(batch)
-            self.deferred, self.deferred_bytes = [], 0
+            self.unseen = Unseen(len(self.drafters))
             if self.policy.mode == "auto":
                 self._defer(batch, out, len(prompt_ids))  # (shown before the first draft: never, if none pays)
             else:
@@ -369,8 +365,10 @@ class SpeculativeGenerator(Generator):
                 stats.verify_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 flushed = self.deferred_s
-                if k == 0 and self.policy.mode == "auto":
-                    self._defer(batch, out, 1)
+                if self.policy.mode == "auto":  # (the drafter that drafted sees its rows now; the others the kept
+                    if k:  # rows before they next draft)
+                        self._show("verify", batch, out, only=who)
+                    self._defer(batch, out, a + 1, skip=who if k else -1)
                 else:
                     self._show_deferred()
                     self._show("verify", batch, out)

@@ -95,6 +95,51 @@ def chunk_bytes(chunk: tuple[Any, Any, dict[int, Any]]) -> int:
     return sum(int(f.nbytes) for f in chunk[2].values()) + 16 * len(chunk[0])
 
 
+class Unseen:
+    """The rows each drafter has not been shown yet, kept as chunks (:func:`defer_chunk`) per drafter.
+
+    Under ``--spec-policy auto`` a drafter sees its rows together just before it is asked for a draft (one
+    ``process`` call instead of one a step), or once they hold ``limit`` bytes. A drafted step's rows go at
+    once to the drafter that drafted it (its work on them is part of that draft's cost) and its kept rows to the
+    others' chunks: with ``ngram,dspark`` an n-gram draft no longer pays for DSpark's layers over its rows, which
+    DSpark takes in one call at its next draft. Every drafter's chunks hold the same rows, in order, less those
+    it was shown as they came.
+    """
+
+    def __init__(self, n: int, limit: int = 8 << 20) -> None:
+        self.chunks: list[list[Any]] = [[] for _ in range(n)]
+        self.nbytes = [0] * n
+        self.limit = limit
+
+    def add(self, chunk: tuple[Any, Any, dict[int, Any]], skip: int = -1) -> list[int]:
+        """Keep ``chunk`` for every drafter but ``skip``; returns the drafters whose rows now reach the limit."""
+        size, full = chunk_bytes(chunk), []
+        for i, kept in enumerate(self.chunks):
+            if i != skip:
+                kept.append(chunk)
+                self.nbytes[i] += size
+                if self.nbytes[i] >= self.limit:
+                    full.append(i)
+        return full
+
+    def take(self, i: int) -> list[Any]:
+        """Drafter ``i``'s chunks, which it is now to be shown (none kept after)."""
+        chunks, self.chunks[i], self.nbytes[i] = self.chunks[i], [], 0
+        return chunks
+
+    def put(self, chunks: Sequence[Any]) -> None:
+        """Every drafter's rows are ``chunks`` (a reused prompt's), none others."""
+        for i in range(len(self.chunks)):
+            self.chunks[i] = list(chunks)
+            self.nbytes[i] = sum(chunk_bytes(c) for c in chunks)
+
+    def common(self) -> list[Any] | None:
+        """The chunks every drafter holds (each was shown none of its rows yet), or None where they differ."""
+        first = self.chunks[0] if self.chunks else []
+        same = all(len(c) == len(first) and all(a is b for a, b in zip(c, first)) for c in self.chunks)
+        return list(first) if same else None
+
+
 def deferred_output(seq: int, chunks: Sequence[tuple[Any, Any, dict[int, Any]]], taps: Sequence[int],
                     kv: Any) -> TargetOutput:
     """The chunks as one target output for a drafter reading ``taps``: kept rows (phase "prefill")."""
