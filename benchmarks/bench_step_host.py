@@ -3,7 +3,7 @@
 Usage::
 
     PLINTH_THREADS=1 python benchmarks/bench_step_host.py [-m MODEL] [--requests 1,16] [--tokens 48]
-        [--temperature 0.7] [--top-p 1.0] [--reps 3] [--profile]
+        [--temperature 0.7] [--top-p 1.0] [--reps 3] [--profile] [--spec NAME[,NAME...]]
 
 In process and single-threaded, without HTTP: N chat requests (seeded sampling at ``--temperature``)
 are admitted into one :class:`plinth.serve.scheduler.Scheduler`, prefilled, then decoded step by step
@@ -12,6 +12,8 @@ is split into the forward's and the rest: sampling, the sampler's filters, gramm
 emission, the step's planning. Printed per level: the rest in ms a step (each run and the best), the
 forward's ms a step, and a hash of every request's tokens (the same tokens before and after a change
 of the host code: the draws are unchanged). ``--profile`` prints cProfile's view of the last run.
+``--spec`` makes the requests speculative with those drafters (``--spec-policy auto``, as ``plinth serve``):
+the rest then holds the policy's decisions, the drafters' calls and their work on the rows.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--spec", default="", metavar="NAME[,NAME...]", help="speculative requests with these drafters")
     args = ap.parse_args()
 
     import plinth
@@ -46,7 +49,16 @@ def main() -> None:
 
     model = plinth.load_model(args.model)
     tok = model.tokenizer
-    sched = Scheduler(model, max_batch=max(int(x) for x in args.requests.split(",")), prompt_cache=0)
+    drafters, spec = [], None
+    if args.spec:
+        from plinth.plugins import default_registry
+        from plinth.speculative.engine import SpecConfig
+
+        reg = default_registry()
+        drafters = [reg.make_drafter(name, model, {"draft": None}) for name in args.spec.split(",")]
+        spec = SpecConfig(n_max=8)
+    sched = Scheduler(model, drafters=drafters, spec=spec, max_batch=max(int(x) for x in args.requests.split(",")),
+                      prompt_cache=0)
     model.prepare()
     forward = sched.ctx.forward
     spent = {"forward": 0.0}
@@ -63,7 +75,7 @@ def main() -> None:
         outs: dict[int, list[int]] = {}
         for i in range(n):
             ids = question_ids(tok, i)
-            sched.submit(Request(prompt_ids=ids, max_tokens=args.tokens, speculative=False,
+            sched.submit(Request(prompt_ids=ids, max_tokens=args.tokens, speculative=bool(drafters),
                                  emit=lambda ev, i=i: outs.setdefault(i, []).extend(t.token for t in ev.tokens),
                                  sampling=SamplerConfig(temperature=args.temperature, top_p=args.top_p, seed=i)))
         with sched._cond:
