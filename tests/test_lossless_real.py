@@ -19,9 +19,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import sys
 
+import numpy as np
 import pytest
 
 import plinth
+from plinth.errors import UserError
 from plinth.generate import Generator
 from plinth.sampling import Sampler, SamplerConfig
 from plinth.speculative.draft_model import DraftModelDrafter
@@ -59,7 +61,7 @@ CHAT = [
     "Explain what a hash table is in two sentences.",
     "Write a haiku about the sea.",
 ]
-DRAFTERS = ["ngram", "draft", "dflash", "dflash2", "dspark"]
+DRAFTERS = ["ngram", "ngram-cache", "draft", "dflash", "dflash2", "dspark"]
 N_MAX = [2, 4, 8, 16]
 PAIRS = [(d, n) for d in DRAFTERS for n in N_MAX]
 N_TOKENS = 40
@@ -127,6 +129,8 @@ def drafts(model, tmp_path_factory):
 def make_drafter(model, name: str, drafts):
     if name == "ngram":
         return NgramDrafter()
+    if name == "ngram-cache":
+        return ngram_cache_drafter(model, drafts)
     if name == "draft":
         return DraftModelDrafter(model)  # the target as its own draft model: long accepted runs
     if name == "dspark":
@@ -136,6 +140,22 @@ def make_drafter(model, name: str, drafts):
     from plinth_dflash.drafter import make_dflash
 
     return make_dflash(model, {"draft": str(drafts[name])})
+
+
+def ngram_cache_drafter(model, drafts):
+    """The shipped cache of the model's own answers where there is one (SmolLM2); else a cache of the prompts'
+    own n-grams (drafts that copy them)."""
+    from plinth.speculative import ngram_cache as nc
+
+    try:
+        return nc.make_ngram_cache(model, {})
+    except UserError:
+        pass
+    path = drafts["dspark"].parent / "prompts-ngram.npz"
+    if not path.exists():
+        seqs = [(np.array(prompt_ids(model, t, chat), np.int32), 0) for t, chat in PROMPTS]
+        nc.save(path, nc.build(seqs, min_count=1, min_share=0.5), {"target": "test", "n_vocab": model.n_vocab})
+    return nc.make_ngram_cache(model, {"draft": str(path)})
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ plugin = ManifestPlugin(
         },
         drafters={
             "ngram": "plinth.speculative.ngram:make_ngram",
+            "ngram-cache": "plinth.speculative.ngram_cache:make_ngram_cache",
             "draft": "plinth.speculative.draft_model:make_draft_model",
         },
         verifiers={
             "greedy": "plinth.speculative.verify:GreedyVerifier",
             "rejection": "plinth.speculative.verify:RejectionVerifier",
         },
-        description="core backends, the ngram and draft-model drafters, greedy and rejection verification",
+        description="core backends, the ngram, ngram-cache and draft-model drafters, greedy and rejection verification",
     )
 )
