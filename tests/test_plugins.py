@@ -178,7 +178,8 @@ def test_test_kit_registry_is_isolated(plinth_registry, monkeypatch):
 
 def test_manifest_provides_and_builtin():
     reg = discover(entry_points=[], plugins=None, disable=())
-    assert reg.record("plinth").manifest.provides() == {"backends": ["cupy", "numpy"], "drafters": ["draft", "ngram"],
+    assert reg.record("plinth").manifest.provides() == {"backends": ["cupy", "numpy"],
+                                                        "drafters": ["draft", "ngram", "ngram-cache"],
                                                         "verifiers": ["greedy", "rejection"]}
 
 
