@@ -47,7 +47,7 @@ from ..generate import TextStream
 from ..sampling import Sampler
 from ..speculative.base import Draft, TargetOutput, check_compatible, target_kv_views
 from ..speculative.engine import SpecConfig, SpecStats, propose
-from ..speculative.step import (Unseen, decide, defer_chunk, deferred_output, make_step_verifier, rollback,
+from ..speculative.step import (Unseen, decide, defer_chunk, make_step_verifier, rollback,
                                target_batch, verifier_name)
 from .emission import Emitter, log_softmax, token_info
 from .metrics import Metrics
@@ -500,11 +500,7 @@ class Scheduler:
         """Hand drafter ``i`` (-1: every drafter) the rows of ``req`` kept for it (:meth:`_defer`), as kept rows
         (phase "prefill")."""
         t0 = time.perf_counter()
-        for j, (drafter, r) in enumerate(zip(self.drafters, self.requirements)):
-            chunks = req.unseen.take(j) if i < 0 or i == j else None
-            if chunks:
-                drafter.process(deferred_output(req.seq, chunks, r.taps,
-                                                target_kv_views(self.ctx.cache, r, req.seq)))
+        req.unseen.show(i, self.drafters, self.requirements, req.seq, self.ctx.cache)
         self._deferred_s += time.perf_counter() - t0
 
     def _verify(self, req: Request, batch: Batch, out: Any, logits: np.ndarray, where: dict[int, int],

@@ -37,7 +37,7 @@ from ..generate import GenerationStats, Generator
 from ..sampling import Sampler, SamplerConfig
 from .base import Draft, TargetOutput, check_compatible, target_kv_views
 from .policy import POLICIES, LengthPolicy
-from .step import Unseen, decide, defer_chunk, deferred_output, make_step_verifier, rollback, target_batch
+from .step import Unseen, decide, defer_chunk, make_step_verifier, rollback, target_batch
 
 
 def _nonneg_int(_inst: Any, attr: Any, value: int) -> None:
@@ -265,11 +265,7 @@ class SpeculativeGenerator(Generator):
     def _show_deferred(self, i: int = -1) -> None:
         """Hand drafter ``i`` (-1: every drafter) the rows kept for it, as kept rows."""
         t0 = time.perf_counter()
-        for j, (drafter, req) in enumerate(zip(self.drafters, self.requirements)):
-            chunks = self.unseen.take(j) if i < 0 or i == j else None
-            if chunks:
-                drafter.process(deferred_output(self.seq, chunks, req.taps,
-                                                target_kv_views(self.context.cache, req, self.seq)))
+        self.unseen.show(i, self.drafters, self.requirements, self.seq, self.context.cache)
         self.deferred_s += time.perf_counter() - t0
 
     def _draft(self, history: list[int], pos: int, n_max: int) -> tuple[int, Draft]:

@@ -22,7 +22,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import UserError
 from ..ops import array_module
-from .base import Draft, TargetOutput
+from .base import Draft, TargetOutput, target_kv_views
 from .verify import make_verifier, verify_draft
 
 
@@ -126,6 +126,14 @@ class Unseen:
         """Drafter ``i``'s chunks, which it is now to be shown (none kept after)."""
         chunks, self.chunks[i], self.nbytes[i] = self.chunks[i], [], 0
         return chunks
+
+    def show(self, i: int, drafters: Sequence[Any], requirements: Sequence[Any], seq: int, cache: Any) -> None:
+        """Hand drafter ``i`` (-1: every drafter) the rows kept for it in one ``process`` call, as kept rows
+        (:func:`deferred_output`), with ``seq``'s K / V views of the target ``cache`` it reads."""
+        for j, (drafter, req) in enumerate(zip(drafters, requirements)):
+            chunks = self.take(j) if i < 0 or i == j else None
+            if chunks:
+                drafter.process(deferred_output(seq, chunks, req.taps, target_kv_views(cache, req, seq)))
 
     def put(self, chunks: Sequence[Any]) -> None:
         """Every drafter's rows are ``chunks`` (a reused prompt's), none others."""
