@@ -36,10 +36,18 @@ def test_step_cost_fits_the_forward_against_its_rows():
     for _ in range(5):
         flat.observe(16, 0.030)
     assert flat.per_row() == pytest.approx(0.030 / 20)
-    noisy = StepCost()  # never more than the step's time a row, never negative
+    noisy = StepCost()  # a slope below zero: the step's time split over its rows and 4 more
     for rows, s in ((1, 0.010), (16, 0.002), (1, 0.011), (16, 0.001)):
         noisy.observe(rows, s)
-    assert noisy.per_row() == 0.0
+    assert noisy.per_row() == pytest.approx(noisy.sy / noisy.n / (noisy.sx / noisy.n + 4))
+    full = StepCost()  # a full batch: rows 16-18, a noisy slope far below what a row costs -> the split
+    for rows, s in ((16, 0.023), (17, 0.022), (16, 0.024), (18, 0.0235), (16, 0.0228), (17, 0.0231)):
+        full.observe(rows, s)
+    assert full.per_row() == pytest.approx(full.sy / full.n / (full.sx / full.n + 4)) and full.per_row() > 0.001
+    steep = StepCost()  # never more than the step's time a row
+    for rows, s in ((1, 0.001), (4, 0.060), (1, 0.001), (4, 0.061)):
+        steep.observe(rows, s)
+    assert steep.per_row() == pytest.approx(steep.sy / steep.n / (steep.sx / steep.n))
 
 
 def measured(rows: int, *, step_s: float, draft_s: float = 0.002) -> DraftPolicy:
@@ -52,6 +60,22 @@ def measured(rows: int, *, step_s: float, draft_s: float = 0.002) -> DraftPolicy
     p.observe_draft(draft_s)
     p.observe_verify(0.0001, 8)
     return p
+
+
+def test_a_draft_must_beat_the_steps_rate_by_the_margin():
+    """The estimates err towards drafting (the first verify rows cost more than the fit's b; a sequence's recent
+    acceptance overstates its next draft's): a draft pays only above the step's rate times ``margin``."""
+
+    class Fixed(DraftPolicy):
+        def best_length(self, state, k):
+            return 1, self.rate_of_draft
+
+    for factor, pays in ((1.1, False), (1.3, True)):
+        p = Fixed()
+        for _ in range(20):
+            p.observe_step(0.030, 16)
+        Fixed.rate_of_draft = factor * 16 / 0.030
+        assert p.margin == 1.25 and p.pays(SeqDraftState(), 4) is pays
 
 
 def test_a_good_drafter_drafts_alone_and_not_in_a_full_batch():
