@@ -219,24 +219,25 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from ..gguf import GGUFFile
     from ..hub import resolve_model
-    from ..train.data import RECIPE, file_digest, iter_sequences, list_shards
+    from ..train.data import file_digest, iter_sequences, list_shards, read_recipe
 
     try:
         model = resolve_model(a.model)
         md = GGUFFile(model).metadata
         if not list_shards(a.data):
             raise UserError(f"{a.data}: no shards (shard-*.npz); make them with python -m plinth.train.data")
-        recipe = json.loads((Path(a.data) / RECIPE).read_text()) if (Path(a.data) / RECIPE).is_file() else {}
+        recipe = read_recipe(a.data)
         if recipe.get("target_digest") not in (None, file_digest(model)):
             raise UserError(f"{a.data}: its answers were made by another model file than {model}")
         tokens = md.get("tokenizer.ggml.tokens")
         if tokens is None:
             raise UserError(f"{model}: no tokenizer.ggml.tokens: the vocabulary size is unknown")
         seqs = [(t, n_prompt) for t, n_prompt, _ in iter_sequences(a.data)]
-        print(f"ngram-cache: {len(seqs)} answers, {sum(len(t) - p for t, p in seqs)} answer tokens", file=sys.stderr)
+        n_answer = int(sum(len(t) - p for t, p in seqs))
+        print(f"ngram-cache: {len(seqs)} answers, {n_answer} answer tokens", file=sys.stderr)
         table = build(seqs, a.n_min, a.n_max, a.min_count, a.min_share)
         meta = {"target": md.get("general.name"), "n_vocab": len(tokens), "min_count": a.min_count,
-                "min_share": a.min_share, "answers": len(seqs), "answer_tokens": int(sum(len(t) - p for t, p in seqs)),
+                "min_share": a.min_share, "answers": len(seqs), "answer_tokens": n_answer,
                 "data_recipe": recipe}
         save(a.output, table, meta)
     except (UserError, ValueError, OSError) as exc:

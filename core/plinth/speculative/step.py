@@ -137,9 +137,10 @@ class Unseen:
 
     def put(self, chunks: Sequence[Any]) -> None:
         """Every drafter's rows are ``chunks`` (a reused prompt's), none others."""
+        size = sum(chunk_bytes(c) for c in chunks)
         for i in range(len(self.chunks)):
             self.chunks[i] = list(chunks)
-            self.nbytes[i] = sum(chunk_bytes(c) for c in chunks)
+            self.nbytes[i] = size
 
     def common(self) -> list[Any] | None:
         """The chunks every drafter holds (each was shown none of its rows yet), or None where they differ."""

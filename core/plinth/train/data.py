@@ -68,6 +68,12 @@ def data_tokens(data_dir: str | os.PathLike[str]) -> tuple[int, int, int]:
     return n, a, t
 
 
+def read_recipe(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The recipe the shards in ``data_dir`` were made with (``recipe.json``), or {} where there is none."""
+    path = Path(data_dir) / RECIPE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def check_recipe(data_dir: Path, recipe: dict[str, Any]) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / RECIPE

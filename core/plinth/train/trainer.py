@@ -232,10 +232,9 @@ def train(opt: TrainOptions, log: Callable[[str], None] | None = None, progress:
     feats_of = FT.TargetFeatures(model, taps, d2t)
     t2d = torch.full((n_vocab,), -1, dtype=torch.long)
     t2d[torch.from_numpy(d2t)] = torch.arange(d2t.size)
-    from .data import RECIPE
+    from .data import read_recipe
 
-    rpath = Path(opt.data) / RECIPE
-    recorded_taps = tuple(json.loads(rpath.read_text()).get("taps", ())) if rpath.is_file() else ()
+    recorded_taps = tuple(read_recipe(opt.data).get("taps", ()))
     if recorded_taps and recorded_taps != tuple(taps):
         log(f"train: the data recorded taps {list(recorded_taps)}, this draft reads {list(taps)}: features are "
             "computed again for every sequence")
@@ -529,11 +528,10 @@ def init_from_target(net: Any, model: Any, n_layer_t: int) -> None:
 
 def recipe_metadata(opt: TrainOptions, step: int, tokens: int, positions: int, history: list[dict[str, Any]],
                     seconds: float) -> dict[str, Any]:
-    from .data import RECIPE, data_tokens
+    from .data import data_tokens, read_recipe
 
-    d = Path(opt.data)
-    data_recipe = json.loads((d / RECIPE).read_text()) if (d / RECIPE).is_file() else {}
-    n_seq, n_ans, _ = data_tokens(d)
+    data_recipe = read_recipe(opt.data)
+    n_seq, n_ans, _ = data_tokens(opt.data)
     return {
         "plinth.train.recipe": json.dumps(opt.recipe(), sort_keys=True),
         "plinth.train.data": json.dumps(dict(data_recipe, sequences=n_seq, answer_tokens=n_ans), sort_keys=True),
