@@ -281,6 +281,20 @@ def run_greedy(sched, prompts, n):
     return run_requests(sched, [dict(prompt_ids=p, max_tokens=n) for p in prompts])
 
 
+PROMPTS = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
+
+
+def served_as_plain(sched, model, prompts, n):
+    """Run ``prompts`` greedily through ``sched`` (started and stopped here): each reply equals a lone plain run."""
+    sched.start()
+    try:
+        got = run_greedy(sched, prompts, n)
+    finally:
+        sched.stop()
+    for p, toks in zip(prompts, got):
+        assert toks == Generator(model).generate(p, n)
+
+
 def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny):
     """Steps the policy skips are plain; their rows go to the drafters together before the sequence's next
     draft (a probe here) or every 64 rows, so a drafter never drafts without every earlier row's features.
@@ -291,14 +305,7 @@ def test_the_rows_of_skipped_steps_reach_the_drafter_before_its_next_draft(tiny)
     sched = Scheduler(tiny, drafters=[drafter], spec=SpecConfig(n_max=4), max_batch=4)
     sched.policy = NeverPays(probe_max=32)  # plain steps and probes only
     sched.defer_bytes = 64 * (2 * 4 * int(tiny.hparams.n_embd) + 16)  # 64 rows of two taps
-    sched.start()
-    try:
-        prompts = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
-        got = run_greedy(sched, prompts, 150)
-    finally:
-        sched.stop()
-    for p, toks in zip(prompts, got):
-        assert toks == Generator(tiny).generate(p, 150)
+    served_as_plain(sched, tiny, PROMPTS, 150)
     assert drafter.gaps == []
     counts = sched.policy.counts
     assert counts["drafted"] == 0 and 4 <= counts["probed"] and counts["skipped"] > 10 * counts["probed"]
@@ -345,14 +352,7 @@ def test_a_block_drafter_behind_skipped_steps_stays_lossless(tmp_path):
     sched = Scheduler(model, drafters=[make_dflash(model, {"draft": str(path)})], spec=SpecConfig(n_max=5),
                       max_batch=3)
     sched.policy = NeverPays(probe_min=3, probe_max=6, probe_every=3)  # probe often: many flushes of deferred rows
-    sched.start()
-    try:
-        prompts = [list(b"Hello there"), list(b"abcabcabcabc"), list(b"1 2 3 1 2 3")]
-        got = run_greedy(sched, prompts, 60)
-    finally:
-        sched.stop()
-    for p, toks in zip(prompts, got):
-        assert toks == Generator(model).generate(p, 60)
+    served_as_plain(sched, model, [list(b"Hello there"), list(b"abcabcabcabc"), list(b"1 2 3 1 2 3")], 60)
     assert sched.policy.counts["probed"] >= 10 and sched.metrics.spec["dflash"][0] >= 10
 
 
@@ -400,13 +400,6 @@ def test_a_drafted_steps_rows_go_to_its_drafter_now_and_to_the_others_before_the
     first, second = OwnRows(tiny, taps=(0, 1), every=3), OwnRows(tiny, taps=(1,))
     sched = Scheduler(tiny, drafters=[first, second], spec=SpecConfig(n_max=4), max_batch=4)
     sched.policy = AlwaysPays()
-    sched.start()
-    try:
-        prompts = [[5, 6, 7], [9, 9, 9, 9, 1], [200, 3], [40, 41, 42, 43, 44, 45]]
-        got = run_greedy(sched, prompts, 60)
-    finally:
-        sched.stop()
-    for p, toks in zip(prompts, got):
-        assert toks == Generator(tiny).generate(p, 60)
+    served_as_plain(sched, tiny, PROMPTS, 60)
     assert first.drafted >= 8 and second.drafted >= 8
     assert first.gaps == second.gaps == [] and first.others == second.others == []
