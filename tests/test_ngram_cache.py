@@ -66,6 +66,9 @@ def test_a_file_round_trips_and_a_bad_one_is_refused_by_name(tmp_path):
     (tmp_path / "x.npz").write_bytes(b"not a zip")
     with pytest.raises(nc.NgramCacheError, match="not an n-gram cache file"):
         nc.load(tmp_path / "x.npz")
+    np.save(tmp_path / "one.npy", np.arange(3))
+    with pytest.raises(nc.NgramCacheError, match="one array, not an .npz archive"):
+        nc.load(tmp_path / "one.npy")
     nc.save(tmp_path / "small.npz", table, tiny_meta(n_vocab=3))  # token 3 is outside a 3-token vocabulary
     with pytest.raises(nc.NgramCacheError, match="outside 0..2"):
         nc.load(tmp_path / "small.npz")

@@ -98,21 +98,43 @@ def save(path: str | os.PathLike[str], table: Mapping[int, tuple[np.ndarray, np.
         np.savez_compressed(f, meta=np.asarray(json.dumps(info, sort_keys=True)), **arrays)
 
 
+def _open(p: Path) -> tuple[Any, dict[str, Any]]:
+    """(the open archive, its meta) of a cache file, its format and version checked."""
+    try:
+        z = np.load(p, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise NgramCacheError(f"{p}: not an n-gram cache file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise NgramCacheError(f"{p}: not an n-gram cache file (one array, not an .npz archive)")
+    try:
+        info = json.loads(str(z["meta"]))
+    except (KeyError, ValueError) as exc:
+        z.close()
+        raise NgramCacheError(f"{p}: not an n-gram cache file ({type(exc).__name__}: {exc})") from None
+    problem = None
+    if not isinstance(info, dict):
+        problem = f"{p}: 'meta' is not an object"
+    elif info.get("format") != FORMAT:
+        problem = f"{p}: not an n-gram cache file (meta 'format' is {info.get('format')!r}, expected {FORMAT!r})"
+    elif info.get("version") != VERSION:
+        problem = f"{p}: n-gram cache version {info.get('version')!r}; this plinth reads {VERSION}"
+    if problem:
+        z.close()
+        raise NgramCacheError(problem)
+    return z, info
+
+
 def load(path: str | os.PathLike[str], n_vocab: int | None = None) -> tuple[dict[int, dict[tuple[int, ...], int]],
                                                                            dict[str, Any]]:
     """({n: {context: next token}}, meta) of a cache file, checked: its format, its arrays, its tokens against
     ``n_vocab`` (the target's)."""
     p = Path(path)
-    try:
-        z = np.load(p, allow_pickle=False)
-        info = json.loads(str(z["meta"]))
-    except (OSError, ValueError, KeyError) as exc:
-        raise NgramCacheError(f"{p}: not an n-gram cache file ({type(exc).__name__}: {exc})") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        raise NgramCacheError(f"{p}: not an n-gram cache file (meta 'format' is {info.get('format')!r}, "
-                              f"expected {FORMAT!r})" if isinstance(info, dict) else f"{p}: 'meta' is not an object")
-    if info.get("version") != VERSION:
-        raise NgramCacheError(f"{p}: n-gram cache version {info.get('version')!r}; this plinth reads {VERSION}")
+    z, info = _open(p)
+    with z:
+        return _table(p, z, info, n_vocab), info
+
+
+def _table(p: Path, z: Any, info: dict[str, Any], n_vocab: int | None) -> dict[int, dict[tuple[int, ...], int]]:
     if n_vocab is not None and int(info.get("n_vocab", -1)) != int(n_vocab):
         raise NgramCacheError(f"{p}: made for a vocabulary of {info.get('n_vocab')} tokens "
                               f"({info.get('target', 'unnamed target')}), the target has {n_vocab}")
@@ -132,7 +154,7 @@ def load(path: str | os.PathLike[str], n_vocab: int | None = None) -> tuple[dict
         table[int(n)] = dict(zip(map(tuple, ctx.tolist()), nxt.tolist()))
     if not table:
         raise NgramCacheError(f"{p}: the cache holds no contexts")
-    return table, info
+    return table
 
 
 def shipped() -> list[Path]:
@@ -154,8 +176,8 @@ def resolve(draft: str | None, target: Any) -> Path:
                               f"(shipped: {', '.join(names) or 'none'})")
     name = getattr(target, "metadata", {}).get("general.name")
     for p in shipped():
-        with np.load(p, allow_pickle=False) as z:
-            info = json.loads(str(z["meta"]))
+        z, info = _open(p)
+        z.close()
         if info.get("target") == name and int(info.get("n_vocab", -1)) == int(target.n_vocab):
             return p
     raise UserError(f"the ngram-cache drafter needs a cache made for this model ({name!r}): pass --draft FILE.npz "
