@@ -250,3 +250,31 @@ def test_nested_and_counted_arrays_are_refused_before_allocation(tmp_path, files
     path.write_bytes(lay.with_extra_kv(fuzz._gguf_string("x.big") + struct.pack("<IIQ", 9, 6, 2**40)))
     with pytest.raises(UserError, match="truncated file"):
         GGUFFile(path)
+
+
+def test_chat_template_compiled_once_and_errors_name_their_file():
+    """render_chat compiles a template once (a server renders every request's messages with it), and a template
+    shared by two files still names the file it is rendered for when it refuses or does not compile."""
+    from types import SimpleNamespace
+
+    from plinth.generate import _chat_template
+
+    def tok(source):
+        return SimpleNamespace(source=source, tokens=["<s>", "</s>"], bos_id=0, eos_id=1)
+
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}{{ eos_token }}"
+    _chat_template.cache_clear()
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render_chat(template, msgs, tok("a.gguf")) == "<s>[user] hi</s>"
+    assert render_chat(template, msgs + [{"role": "assistant", "content": "yo"}], tok("a.gguf")) == \
+        "<s>[user] hi[assistant] yo</s>"
+    info = _chat_template.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    refuse = "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}ok"
+    assert render_chat(refuse, msgs, tok("a.gguf")) == "ok"
+    for source in ("a.gguf", "b.gguf"):
+        with pytest.raises(UserError, match=rf"^{source}: key 'tokenizer.chat_template': the template refused the "
+                                            r"messages: one message only$"):
+            render_chat(refuse, msgs * 2, tok(source))
+        with pytest.raises(UserError, match=rf"^{source}: key 'tokenizer.chat_template': template syntax error"):
+            render_chat("{% for m in messages %}", msgs, tok(source))
