@@ -164,14 +164,122 @@ def test_contexts_of_two_cache_types_on_one_model(tiny, calls):
     assert not np.array_equal(out[True][0], out[True][1]), "the two cache types gave the same logits"
 
 
+def _synthetic(tmp_path, arch: str, **extra) -> "plinth.Model":
+    """A random ``arch`` model of SHAPE whose products are Q8_0 (the int8 kernels' type), norms near 1."""
+    from plinth.plugins import default_registry
+    from plinth.testing.synthetic import tiny_metadata, write_synthetic_gguf
+
+    md = tiny_metadata(arch, **SHAPE, **extra)
+    md[f"{arch}.rope.dimension_count"] = SHAPE["n_embd"] // SHAPE["n_head"]
+    reg = default_registry()
+    hp = reg.arch_hparams(arch, md, arch)
+    from plinth.testing.synthetic import synthetic_specs
+
+    import gguf
+
+    q8 = {s.name: gguf.GGMLQuantizationType.Q8_0 for s in synthetic_specs(reg, arch, hp) if len(s.shape) == 2 and s.name != "token_embd.weight"}
+    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, md, reg, seed=4, scale=0.1, qtypes=q8)
+    return plinth.load_model(str(path), registry=reg)
+
+
+def _window_script(model, vocab: int) -> list[np.ndarray]:
+    """Decode steps and a verify batch past a sliding window of 16 and past WINDOW_SKIP keys (whole runs of
+    keys left out of the rows' tables), for two sequences stepped together."""
+    rng = np.random.default_rng(8)
+    ctx = model.new_context()
+    out = [ctx.decode(rng.integers(1, vocab, 60).tolist(), output="all").logits,
+           ctx.decode(rng.integers(1, vocab, 50).tolist(), seq=1, output="all").logits]
+    for i in range(45):
+        starts = {s: ctx.cache.next_position(s) for s in (0, 1)}
+        rows = {0: [3 + i % 7], 1: [5, 9 + i % 5]} if i % 9 == 4 else {0: [3 + i % 7], 1: [11 + i % 3]}
+        out.append(ctx.forward(_multi(rows, starts)).logits)
+    return [np.array(model.backend.to_numpy(o), copy=True) for o in out]
+
+
+@pytest.mark.parametrize("arch,form", [("qwen3", (True, False, False)), ("gemma3", (True, True, True))])
+def test_other_layer_forms_give_the_general_paths_bits(tmp_path, calls, arch, form):
+    """Qwen3's layer (Q / K norms) and Gemma-3's (Q / K norms, post-norms, GELU, sliding-window layers) in the
+    fused call: the general path's bits over the run of the llama test and, for Gemma-3, over steps past a
+    sliding window of 16 keys (two of four layers slide), where whole runs of keys are skipped."""
+    import plinth.graph as graph
+
+    extra = {"attention__sliding_window": 16, "attention__sliding_window_pattern": 2} if arch == "gemma3" else {}
+    model = _synthetic(tmp_path, arch, **extra)
+    assert model.graph.fused is not None and model.graph.fused.form == form
+    _same(*_both(model, SHAPE["n_vocab"]))
+    assert len(calls) >= 10 * SHAPE["n_layer"], f"the fused block ran {len(calls)} times"
+    if arch != "gemma3":
+        return
+    assert model.graph.fused.windows == [16, 0, 16, 0]
+    skips = []
+    real = graph._window_columns
+
+    def watch(*a):
+        got = real(*a)
+        skips.append(int(got[0].max()))
+        return got
+
+    g, fast = model.graph, model.graph.fused
+    n_calls = len(calls)
+    try:
+        graph._window_columns = watch
+        on = _window_script(model, SHAPE["n_vocab"])
+        g.fused = None
+        off = _window_script(model, SHAPE["n_vocab"])
+    finally:
+        g.fused = fast
+        graph._window_columns = real
+    assert len(calls) - n_calls >= 45 * SHAPE["n_layer"]
+    assert max(skips) >= graph.WINDOW_SKIP, "no keys were skipped: the window test did not reach its case"
+    _same(on, off)
+
+
+def test_gelu_rows_is_the_tanh_gelu_and_ops_gelu_takes_it():
+    """The host GELU (x / (1 + exp(-2 c u)), the compiled exp) against the function computed in float64: relative
+    error at most 2e-6 from x = -4 up, 5e-5 in the tail, 2e-37 absolute where the result is subnormal or 0; and
+    plinth.ops.gelu of a
+    float32 host array gives its bits, alone and through gelu_mul_rows."""
+    from plinth import ops
+    from plinth.ops.compiled import gelu_mul_rows, gelu_rows
+
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.uniform(-12, 12, 300_000), rng.standard_normal(300_000),
+                        [0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 3e38, -3e38]]).astype(np.float32)
+    got = np.empty((1, x.size), np.float32)
+    gelu_rows(x[None], got)
+    d = x.astype(np.float64)
+    t = np.sqrt(2.0 / np.pi) * (d + 0.044715 * d ** 3)
+    with np.errstate(over="ignore"):  # (1 + tanh t = 2 / (1 + e^-2t): float64's tanh rounds to -1 below t ~ -19)
+        ref = d / (1.0 + np.exp(-2.0 * t))
+    easy = x > -3  # (where the tanh form itself is well conditioned in float64: the two forms agree)
+    assert np.allclose(ref[easy], 0.5 * d[easy] * (1.0 + np.tanh(t[easy])), rtol=1e-12, atol=1e-300)
+    err = np.abs(got[0] - ref)
+    normal = np.abs(ref) > 1e-36  # (float32's normal range, with room for the exp's clamp at -87.3)
+    rel = err[normal] / np.abs(ref[normal])
+    # (the argument's float32 rounding, times |2 c u| where the result is a tail of the logistic: 1e-6 down to
+    # x = -4, ~1e-5 in the far tail, 4e-5 at the edge of float32's normal range; float32's tanh form, numpy's, is 3e-5 off at x = -3 and all wrong below -4)
+    assert rel[x[normal] >= -4].max() <= 2e-6 and rel.max() <= 5e-5
+    assert err[~normal].max() <= 2e-37
+    assert np.array_equal(ops.gelu(x).view(np.uint32), got[0].view(np.uint32))
+    gu = rng.standard_normal((5, 64)).astype(np.float32)
+    out = np.empty((5, 32), np.float32)
+    gelu_mul_rows(gu, 32, out)
+    h = ops.gelu(gu[:, :32])
+    h *= gu[:, 32:]
+    assert np.array_equal(out.view(np.uint32), h.view(np.uint32))
+
+
 @pytest.mark.real
 @pytest.mark.network
 def test_fused_block_real_model(calls):
-    """SmolLM2-135M (Q4_1 / Q8_0 in its file): the same bits with and without the fused block."""
-    model = plinth.load_model("smollm2-135m-instruct")
-    on, off = _both(model, model.n_vocab)
-    assert len(calls) > 0
-    _same(on, off)
+    """SmolLM2-135M (Q4_1 / Q8_0 in its file) and Gemma-3-270M (Q4_K_M: Q / K norms, post-norms, GELU, sliding
+    layers): the same bits with and without the fused block."""
+    for name in ("smollm2-135m-instruct", "gemma-3-270m"):
+        model = plinth.load_model(name)
+        n = len(calls)
+        on, off = _both(model, model.n_vocab)
+        assert len(calls) > n, name
+        _same(on, off)
 
 
 def test_compiled_exp_within_2_ulp():

@@ -498,6 +498,21 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
     return int(b.ctypes.data)
 
 
+#: the call's stand-in for a norm weight a layer's form does not have (read-only, as a mapped file's weights)
+_NO_NORM = np.ones(1, dtype=np.float32)
+_NO_NORM.flags.writeable = False
+
+
+def _frozen_f32(w: Any) -> np.ndarray:
+    """``w`` as a read-only C-order float32 host array (the argument types of the call's other norm weights:
+    one compiled form for every model)."""
+    a = np.ascontiguousarray(w, dtype=np.float32)
+    if a.flags.writeable:
+        a = a.copy()
+        a.flags.writeable = False
+    return a
+
+
 class DenseBlocks:
     """The host fast path of a llama-style block: the whole layer in one compiled call
     (:func:`plinth.ops.fused.dense_block`) instead of a dozen calls with Python between them.
@@ -506,15 +521,27 @@ class DenseBlocks:
     heads, head size), the :class:`Linear` s ``qkv``, ``attn_out``, ``gate_up``, ``down``, and ``rope``
     (a :class:`Rope`), ``attn_scale``, ``hp.norm_eps`` and ``hp.n_ff``; its layer is ``x1 = x +
     attention(rms_norm(x))`` with plain RoPE on Q and K and a causal attention without a window or
-    soft-cap, then ``x1 + down(silu(gate) * up)`` of ``rms_norm(x1)``. :meth:`block` returns None wherever the general path would not run
+    soft-cap, then ``x1 + down(silu(gate) * up)`` of ``rms_norm(x1)``. Other forms of that layer, as the graph
+    declares them (``form``): ``qk_norm`` (Q and K normed per head before RoPE, Qwen3's), ``post_norms`` (the
+    attention's and the FFN's outputs normed before their residual adds, Gemma-3's), ``act`` "gelu" (GELU's
+    tanh form for SiLU) and ``windows`` (per layer a sliding window, 0: none); the graph's
+    ``fused_norms(il)`` gives the weights of the extra norms (Q, K, post-attention, post-FFN; None where
+    the form has none). :meth:`block` returns None wherever the general path would not run
     the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a shared cache, a
     typed cache of head sizes its vector kernel does not take, more rows than the kernels take...): the
     caller then takes that path, which gives the same bits where both apply. A typed cache
     (:mod:`plinth.kvtypes`) runs inside the call as :func:`plinth.ops.attend_q.attend_rows_typed` runs it."""
 
-    def __init__(self, graph: Any) -> None:
+    def __init__(self, graph: Any, *, qk_norm: bool = False, post_norms: bool = False, act: str = "silu",
+                 windows: Sequence[int] | None = None) -> None:
+        if act not in ("silu", "gelu"):
+            raise ValueError(f"DenseBlocks: act {act!r} is not one the call takes (silu, gelu)")
         self.graph = graph
+        self.form = (bool(qk_norm), bool(post_norms), act == "gelu")
+        self.windows = list(windows) if windows is not None else None
         self._weights: dict[int, Any] = {}  # per layer: the four products' kernel arguments, or False
+        self._norms: dict[int, tuple] = {}  # per layer: the extra norms' weights as the call takes them
+        self._zeros: dict[int, np.ndarray] = {}
         self._stored: dict[tuple, Any] = {}  # per head size and K / V codecs: _stored_args', or False
 
     def _layer_args(self, il: int) -> Any:
@@ -526,6 +553,10 @@ class DenseBlocks:
         got = [lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES) and not lin.w.scaled
                and not lin.w.precise and quant._int8_args(lin.w, getattr(lin.w, "parts", [lin.w])) for lin in lins]
         args = self._weights[il] = all(got) and tuple(a for one in got for a in one)
+        if args:
+            qk_norm, post_norms, _ = self.form
+            weights = self.graph.fused_norms(il) if qk_norm or post_norms else (None,) * 4
+            self._norms[il] = tuple(_NO_NORM if w is None else _frozen_f32(w) for w in weights)
         return args
 
     def block(self, il: int, x: Any, step: Step) -> Any:
@@ -562,16 +593,31 @@ class DenseBlocks:
             quant.blas.use(1)
         rows = kv.reserve_rows(step.groups, shapes)
         n_kv = rows[:, 2] + (rows[:, 1] - rows[:, 0])
-        key = _bias_column_key(n_kv, 0)
-        col = step.memo.get(key)
-        if col is None:  # (once a step: the bias reads the new rows' positions, which the call writes later)
+        window = self.windows[il] if self.windows is not None else 0
+        # (once a step for the layers of these key counts: the bias reads the new rows' positions, which the
+        # call writes later; the keys a sliding window skips and their bias as graph._key_columns has them)
+        key = _bias_column_key(n_kv, 0) if not window else ("attn_window_cols", window, n_kv.tobytes())
+        got = step.memo.get(key)
+        if got is None:
             for (seq, sel), n0 in zip(step.groups, rows[:, 2]):
                 kv.positions(seq)[n0:] = step.batch.positions[sel]
-            col = step.once(key, lambda: _bias_column(step, kv, n_kv, 0))
+            got = step.once(key, lambda: _bias_column(step, kv, n_kv, 0) if not window
+                            else _window_columns(step, kv, n_kv.copy(), window))
+        lo, col = (self._no_skip(len(n_kv)), got) if not window else got
         attn_norm, ffn_norm = g.norms[il]
         eps, neox, task, vector, scale, threads = self._consts
+        qn, kn, pa, pf = self._norms[il]
+        qk_norm, post_norms, gelu = self.form
         return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, g.hp.n_ff[il], cos, sin, neox,
-                            pos, rows, col, typed_task or task, vector, scale, threads, *stored)
+                            pos, rows, col, typed_task or task, vector, scale, threads, *stored, qk_norm, qn, kn,
+                            post_norms, pa, pf, gelu, lo)
+
+    def _no_skip(self, n: int) -> np.ndarray:
+        """int64 zeros [n]: no key skipped (remembered per size)."""
+        got = self._zeros.get(n)
+        if got is None:
+            got = self._zeros[n] = np.zeros(n, dtype=np.int64)
+        return got
 
     def _stored_args(self, hd: int, codecs: tuple[Any, Any]) -> Any:
         """A cache's storage as the call takes it, for head size ``hd`` and the K / V :class:`plinth.kvtypes.Codec`

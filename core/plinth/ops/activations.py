@@ -55,7 +55,19 @@ def _exp_neg(x: Any, xp: Any) -> Any:
 
 def gelu(x: Any, approximate: str = "tanh") -> Any:
     """GELU. ``approximate``: "tanh" (Gemma/GPT-2 form) or "none"/"erf" (exact, through :func:`erf`).
-    ``x``: any shape."""
+    ``x``: any shape.
+
+    The tanh form of a float32 host array goes through the compiled kernel wherever the compiled kernels are
+    on (:func:`plinth.ops.compiled.gelu_rows`: the same function written as ``x / (1 + exp(-2 c u))`` with
+    the kernels' own exp), as :func:`silu` does: one definition for a prompt, a decode step and the fused
+    block."""
+    if approximate == "tanh" and type(x) is numpy.ndarray and x.dtype == F32 and x.ndim and x.size:
+        k = compiled_ops()
+        if k is not None:  # (as silu: one definition of a value's GELU for every host path)
+            x2 = numpy.ascontiguousarray(x)
+            out = numpy.empty_like(x2)
+            k.gelu_rows(x2.reshape(-1, x2.shape[-1]), out.reshape(-1, x2.shape[-1]))
+            return out
     xp = array_module(x)
     x = as_f32(x, xp)
     if approximate == "tanh":

@@ -22,6 +22,7 @@ h // (n_head / n_head_kv)); a row that sees no key yields zeros.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -407,6 +408,36 @@ def silu_rows(x: np.ndarray, out: np.ndarray) -> None:
     for r in range(x.shape[0]):
         for j in range(x.shape[1]):
             out[r, j] = silu_f32(x[r, j])
+
+
+#: GELU's tanh form as a logistic: 0.5 x (1 + tanh(c u)) = x / (1 + exp(-2 c u)), u = x + 0.044715 x^3
+_GELU_K = np.float32(0.044715)
+_GELU_2C = np.float32(2.0 * math.sqrt(2.0 / math.pi))
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def gelu_f32(v: float) -> float:
+    """GELU (the tanh approximation) of a float32 ``v`` as ``v / (1 + exp(-2 sqrt(2 / pi) (v + 0.044715 v^3)))``
+    (:func:`exp_f32`): the same function as ``0.5 v (1 + tanh(...))`` without its cancellation where the tanh
+    nears -1, and the one GELU of the host paths (a call to the C library's tanhf would not vectorise)."""
+    return v / (_ONE + exp_f32(-(_GELU_2C * (v + _GELU_K * (v * v * v)))))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gelu_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """out = gelu(x) (:func:`gelu_f32`) for x float32 [m, n] (C order, as out): every host tanh-GELU of float32
+    arrays (:func:`plinth.ops.gelu`; :func:`gelu_mul_rows` for a GLU)."""
+    for r in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[r, j] = gelu_f32(x[r, j])
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gelu_mul_rows(gate_up: np.ndarray, n: int, out: np.ndarray) -> None:
+    """out = gelu(gate_up[:, :n]) * gate_up[:, n:2n] (C order): the bits of ``h = ops.gelu(gate); h *= up``."""
+    for r in range(gate_up.shape[0]):
+        for j in range(n):
+            out[r, j] = gelu_f32(gate_up[r, j]) * gate_up[r, n + j]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

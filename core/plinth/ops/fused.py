@@ -13,6 +13,11 @@ work beyond the weight reads. :func:`dense_block` runs a whole layer in one call
     gu = (rms_norm(x1) * ffn_norm) @ [Wgate | Wup].T
     out = x1 + (silu(gate) * up) @ Wdown.T     # plinth.ops.compiled.silu_mul_rows
 
+and the forms of Qwen3's and Gemma-3's layers: Q and K normed per head before RoPE (``qk_norm``), the
+attention's and the FFN's outputs normed before their residual adds (``post_norms``), GELU for SiLU
+(``gelu``: :func:`plinth.ops.compiled.gelu_mul_rows`), a sliding window (the keys before a row's window
+left out in whole runs, ``lo``, as :func:`plinth.graph._key_columns` does).
+
 It calls the very kernels the layer's Python calls one by one, on the same values in the same
 order (no float step is reordered, fused or skipped), so a row's result is bit for bit the one
 the general path gives, alone or in any batch; ``tests/test_fused_block.py`` compares the two.
@@ -29,7 +34,8 @@ from ..kvtypes import _encode_rows, _fwht_rows
 from ..quant.jitcache import drop_stale
 from ..quant.kernels_i8 import linear
 from .attend_q import attention_table_qv
-from .compiled import attention_table, rms_norm_rows, rope_rows, scatter_rows, scatter_stored, silu_mul_rows
+from .compiled import (attention_table, gelu_mul_rows, rms_norm_rows, rope_rows, scatter_rows, scatter_stored,
+                       silu_mul_rows)
 
 
 @njit(cache=True, nogil=True)
@@ -41,7 +47,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
                 n_head: int, n_head_kv: int, hd: int, n_ff: int, cos: np.ndarray, sin: np.ndarray, neox: bool,
                 positions: np.ndarray, table: np.ndarray, bias_col: np.ndarray, task: int, vector: bool,
                 scale: float, n_threads: int, kcode: int, vcode: int, krot: int, vrot: int, krot_scale: float,
-                vrot_scale: float, kbytes: int, vbytes: int) -> np.ndarray:
+                vrot_scale: float, kbytes: int, vbytes: int, qk_norm: bool, q_norm: np.ndarray, k_norm: np.ndarray,
+                post_norms: bool, post_attn: np.ndarray, post_ffn: np.ndarray, gelu: bool, lo: np.ndarray) -> np.ndarray:
     """A dense block for the rows x float32 ``[m, n_embd]`` (C order): returns its output ``[m, n_embd]``.
 
     The four products' arguments are :func:`plinth.quant.kernels_i8.linear`'s (Q | K | V stacked, the
@@ -55,7 +62,12 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     stored row's bytes, ``krot`` / ``vrot`` the Hadamard sizes, 0: none, with their ``1 / sqrt(n)`` as
     float32) takes :func:`plinth.ops.attend_q.attend_rows_typed`'s steps instead: K / V rows turned and
     packed (:meth:`plinth.kvtypes.Codec.encode`), the queries turned, the typed vector kernel
-    (:func:`plinth.ops.attend_q.attention_table_qv`, ``task`` its task's address), the outputs turned back."""
+    (:func:`plinth.ops.attend_q.attention_table_qv`, ``task`` its task's address), the outputs turned back.
+
+    ``qk_norm``: Q and K heads RMS-normed without weight, then times ``q_norm`` / ``k_norm`` [hd] (Qwen3's
+    ``qk_norm``); ``post_norms``: the attention output and the FFN output RMS-normed by ``post_attn`` /
+    ``post_ffn`` before their residual adds (Gemma-3); ``gelu``: GELU for SiLU; ``lo`` int64 [n_groups]: keys
+    each group's rows skip (a sliding window's, :func:`plinth.graph._window_columns`; zeros for none)."""
     m = x.shape[0]
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, True, False, eps, h)
@@ -63,11 +75,22 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     qkv = np.empty((m, n_qk + n_head_kv, hd), np.float32)
     linear(qkv_fns, qkv_grps, qkv_gstarts, qkv_starts, h, qkv.reshape(m, (n_qk + n_head_kv) * hd))
     qk = np.empty((m, n_qk, hd), np.float32)
-    rope_rows(qkv[:, :n_qk], cos, sin, 0, neox, False, qk)
+    if qk_norm:  # (ops.head_rms_norm without weight, then the weights: Qwen3Graph.qk_norm's steps)
+        normed = np.empty((m * n_qk, hd), np.float32)
+        rms_norm_rows(np.ascontiguousarray(qkv[:, :n_qk]).reshape(m * n_qk, hd), q_norm, False, False, eps, normed)
+        nqk = normed.reshape(m, n_qk, hd)
+        for r in range(m):
+            for hh in range(n_qk):
+                w = q_norm if hh < n_head else k_norm
+                for j in range(hd):
+                    nqk[r, hh, j] *= w[j]
+        rope_rows(nqk, cos, sin, 0, neox, False, qk)
+    else:
+        rope_rows(qkv[:, :n_qk], cos, sin, 0, neox, False, qk)
     att = np.empty((m, n_head, hd), np.float32)
     if kcode == 0 and vcode == 0:
         scatter_rows(qk[:, n_head:], qkv[:, n_qk:], positions, table)
-        _advance(table, bias_col)
+        _advance(table, bias_col, lo)
         q = np.ascontiguousarray(qk[:, :n_head])
         attention_table(task, vector, q, table, n_head_kv, hd, scale, 0.0, att, n_threads)
     else:
@@ -78,7 +101,7 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
         _stored(kr, kcode, ke)
         _stored(vr, vcode, ve)
         scatter_stored(ke.reshape(m, n_head_kv, kbytes), ve.reshape(m, n_head_kv, vbytes), positions, table)
-        _advance(table, bias_col)
+        _advance(table, bias_col, lo)
         q = _turned(np.ascontiguousarray(qk[:, :n_head]).reshape(m * n_head, hd), krot, krot_scale)
         attention_table_qv(task, q.reshape(m, n_head, hd), table, n_head_kv, hd, kcode, vcode, kbytes, vbytes, scale,
                            att, n_threads)
@@ -86,6 +109,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
             att = _turned(att.reshape(m * n_head, hd), vrot, vrot_scale).reshape(m, n_head, hd)
     x1 = np.empty_like(x)
     linear(ao_fns, ao_grps, ao_gstarts, ao_starts, att.reshape(m, n_head * hd), x1)
+    if post_norms:
+        rms_norm_rows(x1.copy(), post_attn, True, False, eps, x1)
     for r in range(m):
         for j in range(x.shape[1]):
             x1[r, j] += x[r, j]
@@ -93,9 +118,14 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     gu = np.empty((m, 2 * n_ff), np.float32)
     linear(gu_fns, gu_grps, gu_gstarts, gu_starts, h, gu)
     act = np.empty((m, n_ff), np.float32)
-    silu_mul_rows(gu, n_ff, act)
+    if gelu:
+        gelu_mul_rows(gu, n_ff, act)
+    else:
+        silu_mul_rows(gu, n_ff, act)
     out = np.empty_like(x)
     linear(dn_fns, dn_grps, dn_gstarts, dn_starts, act, out)
+    if post_norms:
+        rms_norm_rows(out.copy(), post_ffn, True, False, eps, out)
     for r in range(m):
         for j in range(x.shape[1]):
             out[r, j] += x1[r, j]
@@ -103,10 +133,13 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
 
 
 @njit(cache=True, nogil=True)
-def _advance(table: np.ndarray, bias_col: np.ndarray) -> None:
-    """The table's key counts past this call's rows, and its bias column (:func:`dense_block`)."""
+def _advance(table: np.ndarray, bias_col: np.ndarray, lo: np.ndarray) -> None:
+    """The table's key counts past this call's rows, less the ``lo`` keys a group skips (its K / V addresses
+    moved past them by the row strides of columns 8 and 9), and its bias column (:func:`dense_block`)."""
     for g in range(table.shape[0]):
-        table[g, 2] += table[g, 1] - table[g, 0]
+        table[g, 2] += table[g, 1] - table[g, 0] - lo[g]
+        table[g, 3] += lo[g] * table[g, 8]
+        table[g, 4] += lo[g] * table[g, 9]
         table[g, 5] = bias_col[g]
 
 
@@ -167,4 +200,5 @@ def warm_up() -> None:
     dense_block(np.zeros((1, e), np.float32), norm, norm, 1e-6, *args([weight(hd, e)] * 3), *args([weight(e, hd)]),
                 *args([weight(ff, e)] * 2), *args([weight(e, ff)]), 1, 1, hd, ff, cos, cos, False,
                 np.zeros(1, np.int64), table, np.zeros(1, np.int64), compiled.task_address(vector), vector,
-                1.0 / hd ** 0.5, _threads(), 0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4)
+                1.0 / hd ** 0.5, _threads(), 0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4, False, norm, norm, False, norm, norm,
+                False, np.zeros(1, np.int64))

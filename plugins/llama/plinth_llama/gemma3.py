@@ -26,7 +26,7 @@ import attrs
 from plinth import ops
 from plinth.graph import HParamsError, KeyReader, PerLayer, Rope, Step, TensorSpec, embed_rows
 
-from .llama import LlamaHParams, Qwen3Graph, Qwen3, no_experts, read_hparams, rope_scaling_args
+from .llama import LlamaGraph, LlamaHParams, Qwen3Graph, Qwen3, _own, no_experts, read_hparams, rope_scaling_args
 
 SWA_PERIOD = 6  # without attention.sliding_window_pattern: layers il with il % 6 < 5 use the sliding window
 
@@ -54,7 +54,22 @@ class Gemma3Graph(Qwen3Graph):  # Q/K norms and NeoX RoPE as qwen3
     def embed(self, batch: Any) -> Any:
         return embed_rows(self.embed_table, batch, self.xp, scale=float(self.hp.n_embd) ** 0.5)
 
+    def fused_form(self) -> dict[str, Any] | None:
+        hp = self.hp
+        ok = (type(self).layer is Gemma3Graph.layer and _own(type(self), LlamaGraph, ("attention", "ffn"))
+              and _own(type(self), Qwen3Graph, ("qk_norm",)) and not hp.attn_softcap)
+        return {"qk_norm": True, "post_norms": True, "act": "gelu", "windows": list(hp.sliding_window)} if ok else None
+
+    def fused_norms(self, il: int) -> tuple[Any, Any, Any, Any]:
+        b = f"blk.{il}."
+        return (*super().fused_norms(il)[:2], self.w[b + "post_attention_norm.weight"],
+                self.w[b + "post_ffw_norm.weight"])
+
     def layer(self, il: int, x: Any, step: Step) -> Any:
+        if self.fused is not None:
+            out = self.fused.block(il, x, step)
+            if out is not None:  # (the same bits as the lines below)
+                return out
         hp, w, eps, b = self.hp, self.w, self.hp.norm_eps, f"blk.{il}."
         h = self.attention(il, ops.rms_norm(x, w[b + "attn_norm.weight"], eps), step,
                            window=hp.sliding_window[il], soft_cap=hp.attn_softcap or None)

@@ -30,7 +30,7 @@ stacked :class:`~plinth.graph.Linear`, and so are the FFN gate and up projection
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -246,11 +246,20 @@ class LlamaGraph(BaseGraph):
                                           [(w.get(b + "ffn_gate.bias"), ff), (w.get(b + "ffn_up.bias"), ff)], xp))
             self.down.append(with_bias(Linear.stack(w, [b + "ffn_down.weight"], xp),
                                        [(w.get(b + "ffn_down.bias"), hp.n_embd)], xp))
-        #: the host fast path of a block (one compiled call a layer), for the graphs
-        #: whose layer is this class's own; None for the others (qk-norm, MoE, another layer)
-        cls = type(self)
-        plain = all(getattr(cls, f) is getattr(LlamaGraph, f) for f in ("layer", "attention", "ffn", "qk_norm"))
-        self.fused = DenseBlocks(self) if plain and not hp.n_expert and xp is np else None
+        #: the host fast path of a block (one compiled call a layer), for the graphs whose layer has a form the
+        #: call takes (:meth:`fused_form`); None for the others (MoE, a layer a subclass changed)
+        form = self.fused_form() if not hp.n_expert and xp is np else None
+        self.fused = DenseBlocks(self, **form) if form is not None else None
+
+    def fused_form(self) -> dict[str, Any] | None:
+        """The :class:`plinth.graph.DenseBlocks` form of this graph's layer (its keywords), or None where the
+        call does not compute it: a subclass that changed the layer, its attention, FFN or Q/K norm."""
+        return {} if _own(type(self), LlamaGraph, ("layer", "attention", "ffn", "qk_norm")) else None
+
+    def fused_norms(self, il: int) -> tuple[Any, Any, Any, Any]:
+        """Layer ``il``'s Q-norm, K-norm, post-attention and post-FFN norm weights for the fused call (None:
+        the layer has none)."""
+        return None, None, None, None
 
     def qkv_linear(self, il: int) -> Linear:
         """Q|K|V of layer ``il`` as one Linear: the separate projections stacked, or the fused ``attn_qkv``.
@@ -341,6 +350,11 @@ def rope_scaling_args(hp: Any) -> dict[str, Any]:
                 attn_factor=hp.rope_attn_factor)
 
 
+def _own(cls: type, base: type, names: Sequence[str]) -> bool:
+    """Whether ``cls`` takes each method of ``names`` from ``base`` (no subclass between them replaced it)."""
+    return all(getattr(cls, n) is getattr(base, n) for n in names)
+
+
 def with_bias(lin: Linear, parts: list[tuple[Any, int]], xp: Any) -> Linear:
     """``lin`` with a bias made of ``parts`` ((vector or None, size) per stacked output; None: zeros)."""
     if all(p is None for p, _ in parts):
@@ -363,6 +377,14 @@ class Qwen2Graph(LlamaGraph):
 
 class Qwen3Graph(LlamaGraph):
     rope_mode = "neox"
+
+    def fused_form(self) -> dict[str, Any] | None:
+        ok = _own(type(self), LlamaGraph, ("layer", "attention", "ffn")) and _own(type(self), Qwen3Graph, ("qk_norm",))
+        return {"qk_norm": True} if ok else None
+
+    def fused_norms(self, il: int) -> tuple[Any, Any, Any, Any]:
+        b = f"blk.{il}."
+        return self.w[b + "attn_q_norm.weight"], self.w[b + "attn_k_norm.weight"], None, None
 
     def qk_norm(self, il: int, qk: Any) -> Any:
         """Per-head RMSNorm of Q and K, each with its own weight [head_dim]."""
