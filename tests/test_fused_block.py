@@ -164,21 +164,24 @@ def test_contexts_of_two_cache_types_on_one_model(tiny, calls):
     assert not np.array_equal(out[True][0], out[True][1]), "the two cache types gave the same logits"
 
 
-def _synthetic(tmp_path, arch: str, **extra) -> "plinth.Model":
-    """A random ``arch`` model of SHAPE whose products are Q8_0 (the int8 kernels' type), norms near 1."""
+def _synthetic(tmp_path, arch: str, biases: bool = False, **extra) -> "plinth.Model":
+    """A random ``arch`` model of SHAPE whose products are Q8_0 (the int8 kernels' type), norms near 1; ``biases``:
+    with llama's optional biases on the attention output and the FFN's three products too."""
+    import gguf
+    from plinth_llama.llama import linear_bias_tensors
+
     from plinth.plugins import default_registry
-    from plinth.testing.synthetic import tiny_metadata, write_synthetic_gguf
+    from plinth.testing.synthetic import random_tensors, synthetic_specs, tiny_metadata, write_gguf
 
     md = tiny_metadata(arch, **SHAPE, **extra)
     md[f"{arch}.rope.dimension_count"] = SHAPE["n_embd"] // SHAPE["n_head"]
     reg = default_registry()
     hp = reg.arch_hparams(arch, md, arch)
-    from plinth.testing.synthetic import synthetic_specs
-
-    import gguf
-
-    q8 = {s.name: gguf.GGMLQuantizationType.Q8_0 for s in synthetic_specs(reg, arch, hp) if len(s.shape) == 2 and s.name != "token_embd.weight"}
-    path = write_synthetic_gguf(tmp_path / f"{arch}.gguf", arch, md, reg, seed=4, scale=0.1, qtypes=q8)
+    specs = synthetic_specs(reg, arch, hp)
+    if biases:
+        specs += [s for il in range(SHAPE["n_layer"]) for s in linear_bias_tensors(hp, il)]
+    q8 = {s.name: gguf.GGMLQuantizationType.Q8_0 for s in specs if len(s.shape) == 2 and s.name != "token_embd.weight"}
+    path = write_gguf(tmp_path / f"{arch}.gguf", md, random_tensors(specs, seed=4, scale=0.1), q8)
     return plinth.load_model(str(path), registry=reg)
 
 
@@ -196,16 +199,20 @@ def _window_script(model, vocab: int) -> list[np.ndarray]:
     return [np.array(model.backend.to_numpy(o), copy=True) for o in out]
 
 
-@pytest.mark.parametrize("arch,form", [("qwen3", (True, False, False)), ("gemma3", (True, True, True))])
-def test_other_layer_forms_give_the_general_paths_bits(tmp_path, calls, arch, form):
-    """Qwen3's layer (Q / K norms) and Gemma-3's (Q / K norms, post-norms, GELU, sliding-window layers) in the
-    fused call: the general path's bits over the run of the llama test and, for Gemma-3, over steps past a
-    sliding window of 16 keys (two of four layers slide), where whole runs of keys are skipped."""
+@pytest.mark.parametrize("arch,form,biases", [("qwen3", (True, False, False), 0), ("gemma3", (True, True, True), 0),
+                                              ("qwen2", (False, False, False), 1), ("llama", (False, False, False), 14)])
+def test_other_layer_forms_give_the_general_paths_bits(tmp_path, calls, arch, form, biases):
+    """Qwen3's layer (Q / K norms), Gemma-3's (Q / K norms, post-norms, GELU, sliding-window layers), Qwen2's (Q / K
+    / V biases) and a llama with biases on its other three products in the fused call: the general path's bits over the run
+    of the llama test and, for Gemma-3, over steps past a sliding window of 16 keys (two of four layers slide),
+    where whole runs of keys are skipped."""
     import plinth.graph as graph
 
     extra = {"attention__sliding_window": 16, "attention__sliding_window_pattern": 2} if arch == "gemma3" else {}
-    model = _synthetic(tmp_path, arch, **extra)
+    model = _synthetic(tmp_path, arch, biases=arch == "llama", **extra)
     assert model.graph.fused is not None and model.graph.fused.form == form
+    model.graph.fused._layer_args(0)
+    assert model.graph.fused._biases[0][0] == biases
     _same(*_both(model, SHAPE["n_vocab"]))
     assert len(calls) >= 10 * SHAPE["n_layer"], f"the fused block ran {len(calls)} times"
     if arch != "gemma3":

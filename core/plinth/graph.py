@@ -527,7 +527,7 @@ class DenseBlocks:
     tanh form for SiLU) and ``windows`` (per layer a sliding window, 0: none); the graph's
     ``fused_norms(il)`` gives the weights of the extra norms (Q, K, post-attention, post-FFN; None where
     the form has none). :meth:`block` returns None wherever the general path would not run
-    the very kernels the call runs (a device, kernels off, a bias, a scaled weight, a shared cache, a
+    the very kernels the call runs (a device, kernels off, a scaled weight, a shared cache, a
     typed cache of head sizes its vector kernel does not take, more rows than the kernels take...): the
     caller then takes that path, which gives the same bits where both apply. A typed cache
     (:mod:`plinth.kvtypes`) runs inside the call as :func:`plinth.ops.attend_q.attend_rows_typed` runs it."""
@@ -542,21 +542,26 @@ class DenseBlocks:
         self._weights: dict[int, Any] = {}  # per layer: the four products' kernel arguments, or False
         self._norms: dict[int, tuple] = {}  # per layer: the extra norms' weights as the call takes them
         self._zeros: dict[int, np.ndarray] = {}
+        self._biases: dict[int, tuple] = {}  # per layer: the products' bias mask and biases as the call takes them
         self._stored: dict[tuple, Any] = {}  # per head size and K / V codecs: _stored_args', or False
 
     def _layer_args(self, il: int) -> Any:
         """Layer ``il``'s four products' kernel arguments (remembered), or False where a product is not a
-        plain int8-kernel one (a bias, a scale, a transposed float matrix, a part of another type). Asked
+        plain int8-kernel one (a scale, a transposed float matrix, a part of another type; a bias is added in the
+        call). Asked
         with the int8 kernels on (:meth:`block` checks first), so False is for good."""
         g = self.graph
         lins = (g.qkv[il], g.attn_out[il], g.gate_up[il], g.down[il])
-        got = [lin.bias is None and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES) and not lin.w.scaled
+        got = [(lin.bias is None or (type(lin.bias) is np.ndarray and lin.bias.shape == (lin.w.shape[0],)))
+               and not lin.transposed and isinstance(lin.w, quant.WEIGHT_TYPES) and not lin.w.scaled
                and not lin.w.precise and quant._int8_args(lin.w, getattr(lin.w, "parts", [lin.w])) for lin in lins]
         args = self._weights[il] = all(got) and tuple(a for one in got for a in one)
         if args:
             qk_norm, post_norms, _ = self.form
             weights = self.graph.fused_norms(il) if qk_norm or post_norms else (None,) * 4
             self._norms[il] = tuple(_NO_NORM if w is None else _frozen_f32(w) for w in weights)
+            mask = sum(1 << p for p, lin in enumerate(lins) if lin.bias is not None)
+            self._biases[il] = (mask, *(_NO_NORM if lin.bias is None else _frozen_f32(lin.bias) for lin in lins))
         return args
 
     def block(self, il: int, x: Any, step: Step) -> Any:
@@ -610,7 +615,7 @@ class DenseBlocks:
         qk_norm, post_norms, gelu = self.form
         return self._kernel(x, attn_norm, ffn_norm, eps, *args, n_head, n_head_kv, hd, g.hp.n_ff[il], cos, sin, neox,
                             pos, rows, col, typed_task or task, vector, scale, threads, *stored, qk_norm, qn, kn,
-                            post_norms, pa, pf, gelu, lo)
+                            post_norms, pa, pf, gelu, lo, *self._biases[il])
 
     def _no_skip(self, n: int) -> np.ndarray:
         """int64 zeros [n]: no key skipped (remembered per size)."""

@@ -48,7 +48,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
                 positions: np.ndarray, table: np.ndarray, bias_col: np.ndarray, task: int, vector: bool,
                 scale: float, n_threads: int, kcode: int, vcode: int, krot: int, vrot: int, krot_scale: float,
                 vrot_scale: float, kbytes: int, vbytes: int, qk_norm: bool, q_norm: np.ndarray, k_norm: np.ndarray,
-                post_norms: bool, post_attn: np.ndarray, post_ffn: np.ndarray, gelu: bool, lo: np.ndarray) -> np.ndarray:
+                post_norms: bool, post_attn: np.ndarray, post_ffn: np.ndarray, gelu: bool, lo: np.ndarray,
+                biases: int, qkv_b: np.ndarray, ao_b: np.ndarray, gu_b: np.ndarray, dn_b: np.ndarray) -> np.ndarray:
     """A dense block for the rows x float32 ``[m, n_embd]`` (C order): returns its output ``[m, n_embd]``.
 
     The four products' arguments are :func:`plinth.quant.kernels_i8.linear`'s (Q | K | V stacked, the
@@ -67,13 +68,17 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     ``qk_norm``: Q and K heads RMS-normed without weight, then times ``q_norm`` / ``k_norm`` [hd] (Qwen3's
     ``qk_norm``); ``post_norms``: the attention output and the FFN output RMS-normed by ``post_attn`` /
     ``post_ffn`` before their residual adds (Gemma-3); ``gelu``: GELU for SiLU; ``lo`` int64 [n_groups]: keys
-    each group's rows skip (a sliding window's, :func:`plinth.graph._window_columns`; zeros for none)."""
+    each group's rows skip (a sliding window's, :func:`plinth.graph._window_columns`; zeros for none).
+    ``biases``: bit p set where product p (Q|K|V, output, gate|up, down) has a bias (``qkv_b`` ... ``dn_b``),
+    added to its product as ``y += bias`` adds it (Qwen2's Q / K / V biases)."""
     m = x.shape[0]
     h = np.empty_like(x)
     rms_norm_rows(x, attn_norm, True, False, eps, h)
     n_qk = n_head + n_head_kv
     qkv = np.empty((m, n_qk + n_head_kv, hd), np.float32)
     linear(qkv_fns, qkv_grps, qkv_gstarts, qkv_starts, h, qkv.reshape(m, (n_qk + n_head_kv) * hd))
+    if biases & 1:
+        _add_bias(qkv.reshape(m, (n_qk + n_head_kv) * hd), qkv_b)
     qk = np.empty((m, n_qk, hd), np.float32)
     if qk_norm:  # (ops.head_rms_norm without weight, then the weights: Qwen3Graph.qk_norm's steps)
         normed = np.empty((m * n_qk, hd), np.float32)
@@ -109,6 +114,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
             att = _turned(att.reshape(m * n_head, hd), vrot, vrot_scale).reshape(m, n_head, hd)
     x1 = np.empty_like(x)
     linear(ao_fns, ao_grps, ao_gstarts, ao_starts, att.reshape(m, n_head * hd), x1)
+    if biases & 2:
+        _add_bias(x1, ao_b)
     if post_norms:
         rms_norm_rows(x1.copy(), post_attn, True, False, eps, x1)
     for r in range(m):
@@ -117,6 +124,8 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     rms_norm_rows(x1, ffn_norm, True, False, eps, h)
     gu = np.empty((m, 2 * n_ff), np.float32)
     linear(gu_fns, gu_grps, gu_gstarts, gu_starts, h, gu)
+    if biases & 4:
+        _add_bias(gu, gu_b)
     act = np.empty((m, n_ff), np.float32)
     if gelu:
         gelu_mul_rows(gu, n_ff, act)
@@ -124,12 +133,22 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
         silu_mul_rows(gu, n_ff, act)
     out = np.empty_like(x)
     linear(dn_fns, dn_grps, dn_gstarts, dn_starts, act, out)
+    if biases & 8:
+        _add_bias(out, dn_b)
     if post_norms:
         rms_norm_rows(out.copy(), post_ffn, True, False, eps, out)
     for r in range(m):
         for j in range(x.shape[1]):
             out[r, j] += x1[r, j]
     return out
+
+
+@njit(cache=True, nogil=True)
+def _add_bias(y: np.ndarray, b: np.ndarray) -> None:
+    """y[r] += b for the rows of y [m, n] (C order): ``y += bias``'s float32 adds."""
+    for r in range(y.shape[0]):
+        for j in range(y.shape[1]):
+            y[r, j] += b[j]
 
 
 @njit(cache=True, nogil=True)
@@ -201,4 +220,4 @@ def warm_up() -> None:
                 *args([weight(ff, e)] * 2), *args([weight(e, ff)]), 1, 1, hd, ff, cos, cos, False,
                 np.zeros(1, np.int64), table, np.zeros(1, np.int64), compiled.task_address(vector), vector,
                 1.0 / hd ** 0.5, _threads(), 0, 0, 0, 0, 1.0, 1.0, hd * 4, hd * 4, False, norm, norm, False, norm, norm,
-                False, np.zeros(1, np.int64))
+                False, np.zeros(1, np.int64), 0, norm, norm, norm, norm)
