@@ -205,7 +205,7 @@ def test_other_layer_forms_give_the_general_paths_bits(tmp_path, calls, arch, fo
     """Qwen3's layer (Q / K norms), Gemma-3's (Q / K norms, post-norms, GELU, sliding-window layers), Qwen2's (Q / K
     / V biases) and a llama with biases on its other three products in the fused call: the general path's bits over the run
     of the llama test and, for Gemma-3, over steps past a sliding window of 16 keys (two of four layers slide),
-    where whole runs of keys are skipped."""
+    where whole runs of keys are skipped, with a float32 cache and a q8_0 / f16 one."""
     import plinth.graph as graph
 
     extra = {"attention__sliding_window": 16, "attention__sliding_window_pattern": 2} if arch == "gemma3" else {}
@@ -226,19 +226,25 @@ def test_other_layer_forms_give_the_general_paths_bits(tmp_path, calls, arch, fo
         skips.append(int(got[0].max()))
         return got
 
-    g, fast = model.graph, model.graph.fused
-    n_calls = len(calls)
-    try:
-        graph._window_columns = watch
-        on = _window_script(model, SHAPE["n_vocab"])
-        g.fused = None
-        off = _window_script(model, SHAPE["n_vocab"])
-    finally:
-        g.fused = fast
-        graph._window_columns = real
-    assert len(calls) - n_calls >= 45 * SHAPE["n_layer"]
-    assert max(skips) >= graph.WINDOW_SKIP, "no keys were skipped: the window test did not reach its case"
-    _same(on, off)
+    from plinth.kvtypes import CacheTypes
+
+    g, fast, types = model.graph, model.graph.fused, model.cache_types
+    for ctk, ctv in (("f32", "f32"), ("q8_0", "f16")):  # (a typed cache skips the keys by its stored rows' bytes)
+        n_calls = len(calls)
+        skips.clear()
+        try:
+            model.cache_types = CacheTypes(k=ctk, v=ctv)
+            graph._window_columns = watch
+            on = _window_script(model, SHAPE["n_vocab"])
+            g.fused = None
+            off = _window_script(model, SHAPE["n_vocab"])
+        finally:
+            g.fused = fast
+            graph._window_columns = real
+            model.cache_types = types
+        assert len(calls) - n_calls >= 45 * SHAPE["n_layer"]
+        assert max(skips) >= graph.WINDOW_SKIP, "no keys were skipped: the window test did not reach its case"
+        _same(on, off)
 
 
 def test_gelu_rows_is_the_tanh_gelu_and_ops_gelu_takes_it():
