@@ -498,13 +498,13 @@ def _bias_address(step: Step, bias: Any, key: tuple, n_rows: int, n_kv: int) -> 
     return int(b.ctypes.data)
 
 
-#: the call's stand-in for a norm weight a layer's form does not have (read-only, as a mapped file's weights)
-_NO_NORM = np.ones(1, dtype=np.float32)
-_NO_NORM.flags.writeable = False
+#: the call's stand-in for a norm weight or bias a layer does not have (read-only, as a mapped file's weights)
+_ABSENT = np.ones(1, dtype=np.float32)
+_ABSENT.flags.writeable = False
 
 
 def _frozen_f32(w: Any) -> np.ndarray:
-    """``w`` as a read-only C-order float32 host array (the argument types of the call's other norm weights:
+    """``w`` as a read-only C-order float32 host array (the argument type of the call's other norm weights:
     one compiled form for every model)."""
     a = np.ascontiguousarray(w, dtype=np.float32)
     if a.flags.writeable:
@@ -547,9 +547,8 @@ class DenseBlocks:
 
     def _layer_args(self, il: int) -> Any:
         """Layer ``il``'s four products' kernel arguments (remembered), or False where a product is not a
-        plain int8-kernel one (a scale, a transposed float matrix, a part of another type; a bias is added in the
-        call). Asked
-        with the int8 kernels on (:meth:`block` checks first), so False is for good."""
+        plain int8-kernel one (a scale, a transposed float matrix, a part of another type; a bias is added in
+        the call). Asked with the int8 kernels on (:meth:`block` checks first), so False is for good."""
         g = self.graph
         lins = (g.qkv[il], g.attn_out[il], g.gate_up[il], g.down[il])
         got = [(lin.bias is None or (type(lin.bias) is np.ndarray and lin.bias.shape == (lin.w.shape[0],)))
@@ -559,9 +558,9 @@ class DenseBlocks:
         if args:
             qk_norm, post_norms, _ = self.form
             weights = self.graph.fused_norms(il) if qk_norm or post_norms else (None,) * 4
-            self._norms[il] = tuple(_NO_NORM if w is None else _frozen_f32(w) for w in weights)
+            self._norms[il] = tuple(_ABSENT if w is None else _frozen_f32(w) for w in weights)
             mask = sum(1 << p for p, lin in enumerate(lins) if lin.bias is not None)
-            self._biases[il] = (mask, *(_NO_NORM if lin.bias is None else _frozen_f32(lin.bias) for lin in lins))
+            self._biases[il] = (mask, *(_ABSENT if lin.bias is None else _frozen_f32(lin.bias) for lin in lins))
         return args
 
     def block(self, il: int, x: Any, step: Step) -> Any:
