@@ -9,12 +9,10 @@ import json
 import numpy as np
 import pytest
 
-import plinth
 from plinth.errors import UserError
 from plinth.generate import Generator
 from plinth.speculative import ngram_cache as nc
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
-from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
 
 
 def reference(seqs, n, min_count, min_share):
@@ -102,27 +100,16 @@ def test_the_shipped_smollm2_cache_is_found_by_the_targets_name():
         nc.resolve(None, other)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from plinth.testing import make_registry
-    from plinth_llama.plugin import plugin
-
-    registry = make_registry(plugin)
-    path = tmp_path_factory.mktemp("ngc") / "tiny-llama.gguf"
-    md = tiny_metadata("llama", n_vocab=257) | byte_vocab()
-    return plinth.load_model(write_synthetic_gguf(path, "llama", md, registry, seed=4), registry=registry)
-
-
 @pytest.mark.parametrize("policy", ["auto", "always"])
-def test_output_equals_plain_decoding(tiny, tmp_path, policy):
+def test_output_equals_plain_decoding(byte_llama, tmp_path, policy):
     """A cache made from the target's own answers (to two of the prompts: long drafts kept; to others: drafts
     rejected): greedy output equals plain decoding under either policy."""
-    g = Generator(tiny)
+    g = Generator(byte_llama)
     corpus = [list(b"once upon a time"), list(b"the cat sat"), list(b"abcabc"), list(b"hello world")]
     seqs = [(np.array(p + g.generate(p, 60), np.int32), len(p)) for p in corpus]
-    nc.save(tmp_path / "t.npz", nc.build(seqs, min_count=1, min_share=0.5), tiny_meta(n_vocab=tiny.n_vocab))
-    drafter = nc.make_ngram_cache(tiny, {"draft": str(tmp_path / "t.npz"), "n_max": 8})
-    gen = SpeculativeGenerator(tiny, [drafter], config=SpecConfig(n_max=8, policy=policy))
+    nc.save(tmp_path / "t.npz", nc.build(seqs, min_count=1, min_share=0.5), tiny_meta(n_vocab=byte_llama.n_vocab))
+    drafter = nc.make_ngram_cache(byte_llama, {"draft": str(tmp_path / "t.npz"), "n_max": 8})
+    gen = SpeculativeGenerator(byte_llama, [drafter], config=SpecConfig(n_max=8, policy=policy))
     drafts = accepted = 0
     for p in corpus[:2] + [list(b"the cat"), list(b"xyz abc"), list(b"hello")]:  # (answers in the cache, and not)
         assert gen.generate(p, 50) == g.generate(p, 50)
@@ -130,7 +117,7 @@ def test_output_equals_plain_decoding(tiny, tmp_path, policy):
     assert drafts >= 4 and accepted >= 10
 
 
-def test_the_command_makes_a_file_from_shards(tiny, tmp_path, capsys):
+def test_the_command_makes_a_file_from_shards(byte_llama, tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     seqs = [[1, 2, 3, 10, 11, 12, 10, 11, 12], [4, 10, 11, 12, 10, 11, 12, 10]]
@@ -138,9 +125,9 @@ def test_the_command_makes_a_file_from_shards(tiny, tmp_path, capsys):
     np.savez(data / "shard-00000.npz", tokens=toks, offsets=np.array([0, 9, 17], np.int64),
              n_prompt=np.array([3, 1], np.int32), prompt_index=np.array([0, 1], np.int64))
     out = tmp_path / "c.npz"
-    assert nc.main([str(tiny.path), str(data), "-o", str(out), "--min-count", "2", "--min-share", "0.9"]) == 0
-    table, info = nc.load(out, tiny.n_vocab)
+    assert nc.main([str(byte_llama.path), str(data), "-o", str(out), "--min-count", "2", "--min-share", "0.9"]) == 0
+    table, info = nc.load(out, byte_llama.n_vocab)
     assert table[2][(10, 11)] == 12 and table[2][(11, 12)] == 10 and info["answer_tokens"] == 13
-    assert info["target"] == tiny.metadata.get("general.name") and info["n_vocab"] == tiny.n_vocab
-    assert nc.main([str(tiny.path), str(tmp_path / "none"), "-o", str(out)]) == 1
+    assert info["target"] == byte_llama.metadata.get("general.name") and info["n_vocab"] == byte_llama.n_vocab
+    assert nc.main([str(byte_llama.path), str(tmp_path / "none"), "-o", str(out)]) == 1
     assert "no shards" in capsys.readouterr().err

@@ -8,26 +8,13 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 
-import plinth
 from plinth.generate import Generator
 from plinth.speculative.base import BaseDrafter, Draft, DrafterRequirements
 from plinth.speculative.engine import SpecConfig, SpeculativeGenerator
 from plinth.speculative.policy import Acceptance, LengthPolicy, RowTimes
-from plinth.testing import byte_vocab, tiny_metadata, write_synthetic_gguf
 from plinth.testing.drafters import OracleDrafter, RandomDrafter
 
 PROMPTS = [list(b"abcabcabc hello hello"), list(b"the cat sat on the mat; the cat"), list(b"0123 0123 01")]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from plinth.testing import make_registry
-    from plinth_llama.plugin import plugin
-
-    registry = make_registry(plugin)
-    path = tmp_path_factory.mktemp("policy") / "tiny-llama.gguf"
-    md = tiny_metadata("llama", n_vocab=257) | byte_vocab()
-    return plinth.load_model(write_synthetic_gguf(path, "llama", md, registry, seed=4), registry=registry)
 
 
 def fixed_costs(policy: LengthPolicy, per_row: float = 0.2, call: float = 0.0, show: float = 0.0,
@@ -204,11 +191,11 @@ class EveryThird(OracleDrafter):
 
 
 @pytest.mark.parametrize("good", [True, False])
-def test_auto_keeps_the_output_and_drafts_where_it_pays(tiny, good):
-    plain = [Generator(tiny).generate(p, 40) for p in PROMPTS]
-    inner = OracleDrafter(tiny, horizon=64, n_draft=8) if good else RandomDrafter(tiny.n_vocab, length=8, seed=3)
+def test_auto_keeps_the_output_and_drafts_where_it_pays(byte_llama, good):
+    plain = [Generator(byte_llama).generate(p, 40) for p in PROMPTS]
+    inner = OracleDrafter(byte_llama, horizon=64, n_draft=8) if good else RandomDrafter(byte_llama.n_vocab, length=8, seed=3)
     drafter = RowsSeen(inner)
-    gen = SpeculativeGenerator(tiny, [drafter], config=SpecConfig(n_max=8, policy="auto"))
+    gen = SpeculativeGenerator(byte_llama, [drafter], config=SpecConfig(n_max=8, policy="auto"))
     fixed_costs(gen.policy, per_row=0.15, call=0.2)
     outs = [gen.generate(p, 40) for p in PROMPTS]
     assert outs == plain
@@ -224,23 +211,23 @@ def test_auto_keeps_the_output_and_drafts_where_it_pays(tiny, good):
         assert gen.stats.policy["skipped"] >= 30  # this generation's decisions, in its stats
 
 
-def test_always_drafts_every_step(tiny):
-    drafter = RowsSeen(RandomDrafter(tiny.n_vocab, length=4, seed=1))
-    gen = SpeculativeGenerator(tiny, [drafter], config=SpecConfig(n_max=4))
+def test_always_drafts_every_step(byte_llama):
+    drafter = RowsSeen(RandomDrafter(byte_llama.n_vocab, length=4, seed=1))
+    gen = SpeculativeGenerator(byte_llama, [drafter], config=SpecConfig(n_max=4))
     out = gen.generate(PROMPTS[0], 20)
-    assert out == Generator(tiny).generate(PROMPTS[0], 20)
+    assert out == Generator(byte_llama).generate(PROMPTS[0], 20)
     assert drafter.drafts == gen.stats.n_steps - 1 and gen.stats.policy == {}  # (the last step has no budget left)
 
 
-def test_a_drafted_steps_rows_go_to_its_drafter_now_and_to_the_others_before_they_draft(tiny):
+def test_a_drafted_steps_rows_go_to_its_drafter_now_and_to_the_others_before_they_draft(byte_llama):
     """``auto`` with two drafters: a step's verify rows are shown at once only to the drafter that drafted it (its
     work on them is that draft's cost); the other sees the kept rows, with every earlier row, just before it next
     drafts (with ``ngram,dspark``, an n-gram draft used to pay for DSpark's layers over its rows). Output equals
     plain decoding."""
-    plain = [Generator(tiny).generate(p, 40) for p in PROMPTS]
-    first = RowsSeen(EveryThird(tiny, horizon=64, n_draft=4), own_rows=True)
-    second = RowsSeen(OracleDrafter(tiny, horizon=64, n_draft=4), own_rows=True)
-    gen = SpeculativeGenerator(tiny, [first, second], config=SpecConfig(n_max=4, policy="auto"))
+    plain = [Generator(byte_llama).generate(p, 40) for p in PROMPTS]
+    first = RowsSeen(EveryThird(byte_llama, horizon=64, n_draft=4), own_rows=True)
+    second = RowsSeen(OracleDrafter(byte_llama, horizon=64, n_draft=4), own_rows=True)
+    gen = SpeculativeGenerator(byte_llama, [first, second], config=SpecConfig(n_max=4, policy="auto"))
     fixed_costs(gen.policy, per_row=0.15, call=0.2)
     gen.policy.call_s[0] = 0.0  # (the first is cheap: asked every step, as ngram is)
     outs = [gen.generate(p, 40) for p in PROMPTS]
