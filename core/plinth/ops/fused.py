@@ -113,11 +113,12 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
         if vrot:
             att = _turned(att.reshape(m * n_head, hd), vrot, vrot_scale).reshape(m, n_head, hd)
     x1 = np.empty_like(x)
-    linear(ao_fns, ao_grps, ao_gstarts, ao_starts, att.reshape(m, n_head * hd), x1)
+    a = np.empty_like(x) if post_norms else x1  # (the output product, normed into x1 where the layer has post-norms)
+    linear(ao_fns, ao_grps, ao_gstarts, ao_starts, att.reshape(m, n_head * hd), a)
     if biases & 2:
-        _add_bias(x1, ao_b)
+        _add_bias(a, ao_b)
     if post_norms:
-        rms_norm_rows(x1.copy(), post_attn, True, False, eps, x1)
+        rms_norm_rows(a, post_attn, True, False, eps, x1)
     for r in range(m):
         for j in range(x.shape[1]):
             x1[r, j] += x[r, j]
@@ -132,11 +133,12 @@ def dense_block(x: np.ndarray, attn_norm: np.ndarray, ffn_norm: np.ndarray, eps:
     else:
         silu_mul_rows(gu, n_ff, act)
     out = np.empty_like(x)
-    linear(dn_fns, dn_grps, dn_gstarts, dn_starts, act, out)
+    d = np.empty_like(x) if post_norms else out
+    linear(dn_fns, dn_grps, dn_gstarts, dn_starts, act, d)
     if biases & 8:
-        _add_bias(out, dn_b)
+        _add_bias(d, dn_b)
     if post_norms:
-        rms_norm_rows(out.copy(), post_ffn, True, False, eps, out)
+        rms_norm_rows(d, post_ffn, True, False, eps, out)
     for r in range(m):
         for j in range(x.shape[1]):
             out[r, j] += x1[r, j]

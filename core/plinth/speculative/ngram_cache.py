@@ -175,7 +175,7 @@ def resolve(draft: str | None, target: Any) -> Path:
         raise NgramCacheError(f"ngram-cache: {draft!r} is neither a file nor a shipped cache "
                               f"(shipped: {', '.join(names) or 'none'})")
     name = getattr(target, "metadata", {}).get("general.name")
-    for p in shipped():
+    for p in names.values():
         z, info = _open(p)
         z.close()
         if info.get("target") == name and int(info.get("n_vocab", -1)) == int(target.n_vocab):
