@@ -16,8 +16,8 @@ drops a row's trailing masked keys first.
 
 A value block whose keys have weight 0 for every query head of the call is not unpacked (its sums
 would add nothing: the float32 kernel skips such keys one by one). For the float row types the rows
-of the key (and value) block two blocks ahead are prefetched (:data:`PREFETCH_BLOCKS`): a hint, no
-arithmetic changes.
+of the key (and value) block two blocks ahead are prefetched into the L2 cache
+(:data:`plinth.ops.attend_simd.PREFETCH_BLOCKS`): a hint, no arithmetic changes.
 
 Conditions (the caller keeps the plain kernel of :mod:`plinth.ops.attend_q` otherwise): head sizes
 multiples of W (keys) and 4W (values), no soft-cap.
@@ -32,12 +32,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..quant.jitcache import emit_prefetch
-from .attend_simd import (_F32P, _bcast, _bcast_i64, _c64, _f32, _fma, _i32, _i64, _softmax_rows, _splat,
+from .attend_simd import PREFETCH_BLOCKS, PREFETCH_LOCALITY
+from .attend_simd import (_F32P, _U8P, _bcast, _bcast_i64, _c64, _f32, _fma, _i32, _i64, _softmax_rows, _splat,
                           _transpose_sum, _vec, _vload, _vstore, lanes)
+from .attend_simd import prefetch_ahead as _prefetch_ahead
+from .attend_simd import prefetch_first as _prefetch_first
 
 _i8, _i16 = ir.IntType(8), ir.IntType(16)
-_U8P = _i8.as_pointer()
 _half = ir.HalfType()
 
 #: the type codes the kernel unpacks (plinth.kvtypes.CACHE_TYPES: f32 0, f16 1, bf16 2, q8_0 3, q4_0 4,
@@ -125,23 +126,6 @@ def _block_chunk(b, code, base, d, r, W):
         q = b.or_(_nibbles(b, b.gep(base, [_c64(8)]), r, W), _fifth_bits(b, b.gep(base, [_c64(4)]), r, W))
         return b.fadd(b.fmul(d, b.sitofp(q, vt)), m)
     raise ValueError(f"attend_qsimd: no cache type code {code}")
-
-
-#: blocks of W keys (and values) ahead whose rows a task prefetches, for the float row types (f32, f16, bf16),
-#: whose unpacking is cheap enough to leave a decode row's attention waiting on memory (SmolLM2, f16, 4096
-#: keys, 2 threads, a head-major cache: 30 layers 5.3-5.6 ms with it, 5.7-7.7 without); the block types are
-#: compute-bound and the prefetches only cost them (q8_0 6.0 ms with, 5.6 without)
-PREFETCH_BLOCKS = 2
-
-
-def _prefetch_rows(b, src, stride, n_rows, rb):
-    """Prefetch (read, keep, data) the cache lines from row 0 (at byte address ``src``) to the end of row n_rows - 1
-    (at src + (n_rows - 1) * stride, ``rb`` bytes long): the rows themselves where they are contiguous (a
-    head-major cache). A hint: no arithmetic changes."""
-    span = b.add(b.mul(b.sub(n_rows, _c64(1)), stride), rb)
-    with cgutils.for_range(b, b.udiv(b.add(span, _c64(63)), _c64(64))) as ln:
-        emit_prefetch(b, b.gep(src, [b.mul(ln.index, _c64(64))]))
-    emit_prefetch(b, b.gep(src, [b.sub(span, _c64(1))]))  # (a span that starts mid-line)
 
 
 def _unpack_fn(module, W):
@@ -240,20 +224,15 @@ def _rows_fn(module, W):
                 b.store(b.fadd(b.load(sv), _vload(b, bias_at, W)), sv)
             _vstore(b, b.select(valid, b.load(sv), ninf), b.gep(sp, [b.add(b.mul(qi.index, srow), j0)]))
 
-    ahead = _c64(PREFETCH_BLOCKS * W)
-
     def prefetch_first(base, stride, rb, code):
         """The rows of the first PREFETCH_BLOCKS blocks (float row types only: ``code`` < 3)."""
         with b.if_then(b.icmp_unsigned("<", code, _c64(3))):
-            _prefetch_rows(b, base, stride, b.select(b.icmp_unsigned("<", n_kv, ahead), n_kv, ahead), rb)
+            _prefetch_first(b, W, n_kv, base, stride, rb, PREFETCH_BLOCKS, PREFETCH_LOCALITY)
 
     def prefetch_ahead(base, stride, rb, code, j0):
-        """The rows of the block PREFETCH_BLOCKS ahead of the one at key j0 (those of them below n_kv)."""
-        ja = b.add(j0, ahead)
-        with b.if_then(b.and_(b.icmp_unsigned("<", ja, n_kv), b.icmp_unsigned("<", code, _c64(3)))):
-            nr = b.sub(n_kv, ja)
-            nr = b.select(b.icmp_unsigned("<", nr, Wc), nr, Wc)
-            _prefetch_rows(b, b.gep(base, [b.mul(ja, stride)]), stride, nr, rb)
+        """The rows of the block PREFETCH_BLOCKS ahead of the one at key j0 (float row types only)."""
+        with b.if_then(b.icmp_unsigned("<", code, _c64(3))):
+            _prefetch_ahead(b, W, n_kv, base, stride, rb, j0, PREFETCH_BLOCKS, PREFETCH_LOCALITY)
 
     prefetch_first(kp, ks, krb, kcode)
     with cgutils.for_range(b, n_full) as blk:

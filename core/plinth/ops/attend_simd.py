@@ -9,6 +9,9 @@ W vectors into one vector of W scores (log2 W levels of two shuffles and an add;
 for every key). Softmax takes a vector exp (below), the value sum four W-wide chunks of the
 output at a time, each a chain over the keys, for two query heads at once (one read of each value
 row). The query heads of the call read each block of keys and values in turn, from the L1 cache.
+The rows of the key (and value) block :data:`F32_PREFETCH_BLOCKS` ahead are prefetched, a hint
+that changes no arithmetic: a server step's 16 sequences' rows come from memory, and without it the
+loop waited on each line in turn.
 
 Every key's score goes through the same operations wherever it falls (the last, partial block of
 keys is copied into a zero-padded scratch block first, so it takes the same path), the denominator
@@ -37,11 +40,60 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..quant.jitcache import emit_prefetch
 from ..quant.simd import host_features
 
 _i32, _i64 = ir.IntType(32), ir.IntType(64)
 _f32 = ir.FloatType()
 _F32P = _f32.as_pointer()
+_U8P = ir.IntType(8).as_pointer()
+
+#: where the attention kernels' prefetches send the rows (:func:`plinth.quant.jitcache.emit_prefetch`'s locality):
+#: the L2 cache. Into the L1 they waited on its few miss buffers: 16 sequences x 110 keys x 30 layers read from
+#: memory (a server step's attention, float32, 2 threads) 5.6-7.5 ms into the L1 against 4.0-4.4 into the L2;
+#: one row at 4000 keys, f16, 10.3-10.8 against 9.9-10.3 ms
+PREFETCH_LOCALITY = 2
+
+#: the typed kernel's (:mod:`plinth.ops.attend_qsimd`) float row types (f16, bf16, f32): blocks of W keys (and
+#: values) ahead whose rows a task prefetches (SmolLM2, f16, 4096 keys, 2 threads, a head-major cache: 30 layers
+#: 5.3-5.6 ms with it, 5.7-7.7 without; one block ahead 10.4-10.8 ms at 4000 keys against two's 9.6-10.4); its
+#: block types are compute-bound and skip it (q8_0 6.0 ms with, 5.6 without)
+PREFETCH_BLOCKS = 2
+
+#: this float32 kernel's: one block ahead. The same 16 sequences x 110 keys x 30 layers: 5.4-6.6 ms without a
+#: prefetch, 4.0-4.4 one block ahead, 4.5-4.6 two; a server-shaped 16-row SmolLM2 step 18.0-18.6 -> 16.9-17.8 ms,
+#: one row at 4000 keys 15.3 -> 14.1-14.7 ms (two blocks: 13.6-14.4)
+F32_PREFETCH_BLOCKS = 1
+
+
+def _prefetch_rows(b, src, stride, n_rows, rb, locality):
+    """Prefetch (read, ``locality`` as :func:`plinth.quant.jitcache.emit_prefetch` takes it) the cache lines from
+    row 0 (at byte address ``src``, an ``i8*``) to the end of row n_rows - 1 (at src + (n_rows - 1) * stride
+    bytes, ``rb`` bytes long): the rows themselves where they are contiguous (a head-major cache). A hint: no
+    arithmetic changes."""
+    span = b.add(b.mul(b.sub(n_rows, _c64(1)), stride), rb)
+    with cgutils.for_range(b, b.udiv(b.add(span, _c64(63)), _c64(64))) as ln:
+        emit_prefetch(b, b.gep(src, [b.mul(ln.index, _c64(64))]), locality=locality)
+    emit_prefetch(b, b.gep(src, [b.sub(span, _c64(1))]), locality=locality)  # (a span that starts mid-line)
+
+
+def prefetch_first(b, W, n_kv, base, stride, rb, blocks, locality):
+    """Prefetch the rows of the first ``blocks`` blocks of W keys (or values) at ``base`` (``i8*``, ``stride``
+    bytes between rows, ``rb`` bytes a row; n_kv rows in all)."""
+    ahead = _c64(blocks * W)
+    with b.if_then(b.icmp_unsigned("!=", n_kv, _c64(0))):
+        _prefetch_rows(b, base, stride, b.select(b.icmp_unsigned("<", n_kv, ahead), n_kv, ahead), rb, locality)
+
+
+def prefetch_ahead(b, W, n_kv, base, stride, rb, j0, blocks, locality):
+    """Prefetch the rows of the block ``blocks`` blocks ahead of the one at row j0 (those of them below n_kv):
+    called once a block after :func:`prefetch_first`, it keeps that many blocks in flight ahead of the
+    arithmetic."""
+    ja = b.add(j0, _c64(blocks * W))
+    with b.if_then(b.icmp_unsigned("<", ja, n_kv)):
+        nr = b.sub(n_kv, ja)
+        nr = b.select(b.icmp_unsigned("<", nr, _c64(W)), nr, _c64(W))
+        _prefetch_rows(b, b.gep(base, [b.mul(ja, stride)]), stride, nr, rb, locality)
 
 
 def lanes() -> int:
@@ -207,6 +259,8 @@ def _rows_fn(module, W):
     btail = cgutils.alloca_once(b, vt)  # the last keys' bias, zero-padded
     has_bias = b.icmp_unsigned("!=", b.ptrtoint(bp, _i64), _c64(0))
     lane_idx = ir.Constant(ir.VectorType(_i64, W), list(range(W)))
+    kbp, vbp = b.bitcast(kp, _U8P), b.bitcast(vp, _U8P)  # (the prefetches' byte addresses and sizes)
+    ksb, vsb, krb, vrb = b.mul(ks, _c64(4)), b.mul(vs, _c64(4)), b.mul(hd, _c64(4)), b.mul(hd_v, _c64(4))
 
     def scores(blk, base, stride, bias_at):
         """Every query's scores of keys blk*W .. blk*W + W - 1 read from ``base`` (key i at base + i *
@@ -228,8 +282,11 @@ def _rows_fn(module, W):
                 b.store(b.fadd(b.load(sv), _vload(b, bias_at, W)), sv)
             _vstore(b, b.select(valid, b.load(sv), ninf), b.gep(sp, [b.add(b.mul(qi.index, srow), j0)]))
 
+    pf = (F32_PREFETCH_BLOCKS, PREFETCH_LOCALITY)
+    prefetch_first(b, W, n_kv, kbp, ksb, krb, *pf)
     with cgutils.for_range(b, n_full) as blk:
         j0 = b.mul(blk.index, Wc)
+        prefetch_ahead(b, W, n_kv, kbp, ksb, krb, j0, *pf)
         scores(blk.index, b.gep(kp, [b.mul(j0, ks)]), ks, b.gep(bp, [j0]))
     with b.if_then(b.icmp_unsigned("!=", rest, _c64(0))):  # the last keys, copied into a zero-padded block
         j0 = b.mul(n_full, Wc)
@@ -250,6 +307,7 @@ def _rows_fn(module, W):
                         _vstore(b, zero, b.gep(dst, [off]))
         scores(n_full, pad, hd, tail)
 
+    prefetch_first(b, W, n_kv, vbp, vsb, vrb, *pf)
     _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v)
     outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
 
@@ -280,6 +338,7 @@ def _rows_fn(module, W):
     with cgutils.for_range(b, nb) as blk:  # value sums, a block of W keys at a time for all the queries
         j0 = b.mul(blk.index, Wc)
         j1 = b.select(b.icmp_unsigned("<", blk.index, n_full), b.add(j0, Wc), n_kv)
+        prefetch_ahead(b, W, n_kv, vbp, vsb, vrb, j0, *pf)
         with cgutils.for_range(b, b.udiv(hd_v, _c64(4 * W))) as c:
             off = b.mul(c.index, _c64(4 * W))
             with cgutils.for_range(b, b.udiv(n_q, _c64(2))) as qp2:
