@@ -154,3 +154,24 @@ def test_vector_kernel_and_plain_loop_agree():
         mod.attention_groups(q, t, 3, 64, 0.125, 0.0, out, 2, plain)
         outs.append(out)
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_prefetch_their_rows_into_the_l2_cache():
+    """The float32 kernel asks for the keys and values a block ahead, the typed one (float row types) two
+    blocks ahead, both into the L2 cache (``llvm.prefetch`` read, locality 2, data): a server step's rows come
+    from memory, and into the L1 the prefetches waited on its miss buffers (benchmarks/README.md, "Attention's
+    rows from memory"). A hint only: the bits are the tests above."""
+    from llvmlite import ir
+
+    simd = importlib.import_module("plinth.ops.attend_simd")
+    qsimd = importlib.import_module("plinth.ops.attend_qsimd")
+    assert simd.PREFETCH_LOCALITY == 2 and simd.F32_PREFETCH_BLOCKS == 1 and simd.PREFETCH_BLOCKS == 2
+    for make in (simd._rows_fn, qsimd._rows_fn):
+        module = ir.Module()
+        make(module, 16)
+        text = str(module)
+        calls = [line for line in text.splitlines() if "call void @\"llvm.prefetch" in line
+                 or "call void @llvm.prefetch" in line]
+        # the keys' first blocks and block ahead, the values' the same: four sites at least
+        assert len(calls) >= 4, text[:2000]
+        assert all(line.rstrip().endswith("i32 0, i32 2, i32 1)") for line in calls), calls
