@@ -32,9 +32,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .attend_simd import PREFETCH_BLOCKS, PREFETCH_LOCALITY
-from .attend_simd import (_F32P, _U8P, _bcast, _bcast_i64, _c64, _f32, _fma, _i32, _i64, _softmax_rows, _splat,
-                          _transpose_sum, _vec, _vload, _vstore, lanes)
+from .attend_simd import (PREFETCH_BLOCKS, PREFETCH_LOCALITY, _F32P, _U8P, _bcast, _bcast_i64, _c64, _f32, _fma,
+                          _i32, _i64, _softmax_rows, _splat, _transpose_sum, _vec, _vload, _vstore, lanes)
 from .attend_simd import prefetch_ahead as _prefetch_ahead
 from .attend_simd import prefetch_first as _prefetch_first
 
