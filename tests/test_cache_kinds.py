@@ -273,3 +273,58 @@ def test_reserve_and_compiled_scatter_equal_append():
         for a, b in zip(plain.kv(0).contents(s), fast.kv(0).contents(s)):
             assert np.array_equal(a, b), s
         assert fast.kv(0).n_rows(s) == plain.kv(0).n_rows(s) > 16
+
+
+def test_reserve_rows_reuses_the_step_before_only_where_it_holds():
+    """A server step asks every layer for the groups of the step before; ``reserve_rows`` then reuses that
+    call's table. Against tables made one sequence at a time (``reserve``, ``addresses``, ``strides``) on a
+    second cache, over steps of the same groups: buffers that grow (new addresses), a forward rolled back, a
+    verify cut back by ``seq_rm``, a sequence cleared and started again, a sequence copied over another, the
+    caller writing into a returned table. Every table equal, every row written where the plain cache has it."""
+    from plinth.ops._xp import compiled_ops
+
+    c = compiled_ops()
+    if c is None:
+        pytest.skip("numba kernels off here")
+    plain, fast = Cache(1, layout=[(KV(),)]), Cache(1, layout=[(KV(),)])
+    seqs, sizes = [0, 1, 2], [1, 3, 1]
+    starts = np.cumsum([0] + sizes)
+    groups = [(s, slice(int(starts[i]), int(starts[i + 1]))) for i, s in enumerate(seqs)]
+    shapes = ((2, 4), (2, 4))
+    reused = 0
+    for step in range(40):
+        pos = np.concatenate([np.arange(plain.kv(0).n_rows(s), plain.kv(0).n_rows(s) + n) for s, n in zip(seqs, sizes)])
+        k, v = rows(len(pos), 2, 4), rows(len(pos), 2, 4)
+        for cache in (plain, fast):
+            cache.begin(pos, np.repeat(np.array(seqs), sizes))
+        before = fast.kv(0)._step_rows
+        table = fast.kv(0).reserve_rows(list(groups), shapes)
+        reused += before is not None and fast.kv(0)._step_rows is before
+        want = np.array([(sel.start, sel.stop, plain.kv(0).reserve(s, sel.stop - sel.start, shapes),
+                          *plain.kv(0).addresses(s), *plain.kv(0).strides(s)) for s, sel in groups], dtype=np.int64)
+        assert np.array_equal(table[:, :3], want[:, :3]), step
+        assert [tuple(r[3:]) for r in table] == [(*fast.kv(0).addresses(s), *fast.kv(0).strides(s)) for s in seqs]
+        c.scatter_rows(k, v, pos, want)
+        c.scatter_rows(k, v, pos, table)
+        table[:, 2:] = -1  # (the caller's to write: the next call's table is not this one)
+        if step == 7:  # a failed forward
+            for cache in (plain, fast):
+                cache.rollback_pending()
+            continue
+        for cache in (plain, fast):
+            cache.commit()
+        if step == 12:  # a verify's rejected rows cut
+            cut = plain.kv(0).n_rows(1) - 2
+            for cache in (plain, fast):
+                cache.seq_rm(1, cut, None)
+        if step == 20:  # a sequence ended and its slot taken by a new one
+            for cache in (plain, fast):
+                cache.seq_rm(2, 0, None)
+        if step == 27:  # a shorter sequence copied over a longer one (a forked prompt)
+            for cache in (plain, fast):
+                cache.seq_cp(2, 0)
+    assert reused >= 30  # (the steps in between took the table of the one before)
+    for s in seqs:
+        for a, b in zip(plain.kv(0).contents(s), fast.kv(0).contents(s)):
+            assert np.array_equal(a, b), s
+        assert fast.kv(0).n_rows(s) == plain.kv(0).n_rows(s) > 16

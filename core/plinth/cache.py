@@ -37,6 +37,7 @@ rows ``start..end-1`` are added; when it does not, the engine takes a
 
 from __future__ import annotations
 
+import operator
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Sequence
 
@@ -129,6 +130,37 @@ class CacheKind:
 # ============================================================================ rows
 
 
+class _StepRows:
+    """What :meth:`Rows.reserve_rows` made for ``groups`` (a list of (seq, slice)): the sequences, their
+    buffers (by identity), capacities and row counts a call adds, and the table (column 2 aside, valid while
+    the buffers are these)."""
+
+    __slots__ = ("groups", "seqs", "bufs", "counts", "caps", "table", "_get")
+
+    def __init__(self, groups: list[tuple[int, slice]], bufs: list[list[Any]], table: np.ndarray) -> None:
+        self.groups = groups
+        self.seqs = [seq for seq, _ in groups]
+        self.bufs = bufs
+        self.counts = [sel.stop - sel.start for _, sel in groups]
+        self.caps = [int(b[0].shape[0]) for b in bufs]
+        self.table = table
+        self._get = operator.itemgetter(*self.seqs) if len(self.seqs) > 1 else (lambda d, s=self.seqs[0]: (d[s],))
+
+    def again(self, lens: dict[int, int], buffers: dict[int, list[Any]]) -> tuple[list[int], list[int]] | None:
+        """(each sequence's committed rows, the same plus its new ones) where the same call can reuse the table:
+        every sequence still holds the buffers it had and has room for its rows; else None."""
+        try:
+            n_old, bufs = self._get(lens), self._get(buffers)
+        except KeyError:  # (a sequence cleared since)
+            return None
+        if not all(map(operator.is_, bufs, self.bufs)):
+            return None
+        n_new = list(map(operator.add, n_old, self.counts))
+        if not all(map(operator.le, n_new, self.caps)):
+            return None
+        return list(n_old), n_new
+
+
 class Rows(CacheKind):
     """Per-position rows: one or more named arrays ``[n_cached, *shape]`` plus their positions.
 
@@ -160,6 +192,7 @@ class Rows(CacheKind):
         self._len: dict[int, int] = {}
         self._pending: dict[int, int] = {}
         self._addr: dict[int, tuple[Any, ...]] = {}  # seq -> (its buffers, their addresses, K / V strides)
+        self._step_rows: _StepRows | None = None  # what reserve_rows made last (a server step's next call reuses it)
         self.codecs: tuple[Any, ...] | None = None  # per field its kvtypes.Codec (None: float32); set on first rows
         self.widths: list[int] = []  # per field the values of a row's last axis
 
@@ -312,9 +345,25 @@ class Rows(CacheKind):
         (seq, its rows' slice of the batch); two fields (K and V). Returns int64 ``[len(groups), 10]``:
         per group its slice's start and stop, where its new rows start in its buffers, the
         :meth:`addresses` of its K, V and positions buffers and its buffers' :meth:`strides` (what
-        :func:`plinth.ops.compiled.scatter_rows` takes)."""
+        :func:`plinth.ops.compiled.scatter_rows` takes).
+
+        A server step asks each layer for the groups of the step before (the same sequences, the same
+        rows each) while their buffers stay where they were: then the table of that call is reused, its
+        column 2 set to the sequences' row counts, instead of a :meth:`reserve` and an address lookup per
+        sequence (a 16-sequence step: 30 calls of ~18 us each)."""
+        memo = self._step_rows
+        if memo is not None and not self._pending and groups == memo.groups:
+            again = memo.again(self._len, self._buf)
+            if again is not None:
+                n_old, n_new = again
+                self._pending.update(zip(memo.seqs, n_new))
+                table = memo.table.copy()
+                table[:, 2] = n_old
+                return table
         rows = [(sel.start, sel.stop, self.reserve(seq, sel.stop - sel.start, shapes)) for seq, sel in groups]
-        return np.array([r + self._columns(seq) for r, (seq, _) in zip(rows, groups)], dtype=np.int64)
+        table = np.array([r + self._columns(seq) for r, (seq, _) in zip(rows, groups)], dtype=np.int64)
+        self._step_rows = _StepRows(list(groups), [self._buf[seq] for seq, _ in groups], table.copy())  # (callers write theirs)
+        return table
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its
