@@ -6,6 +6,8 @@ and was cut (or restored) must equal, array for array, a cache that never wrote 
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -280,7 +282,8 @@ def test_reserve_rows_reuses_the_step_before_only_where_it_holds():
     call's table. Against tables made one sequence at a time (``reserve``, ``addresses``, ``strides``) on a
     second cache, over steps of the same groups: buffers that grow (new addresses), a forward rolled back, a
     verify cut back by ``seq_rm``, a sequence cleared and started again, a sequence copied over another, the
-    caller writing into a returned table. Every table equal, every row written where the plain cache has it."""
+    caller writing into a returned table. Every table equal, every row written where the plain cache has it, and
+    a cleared sequence's buffers freed (the kept table does not hold them)."""
     from plinth.ops._xp import compiled_ops
 
     c = compiled_ops()
@@ -300,6 +303,7 @@ def test_reserve_rows_reuses_the_step_before_only_where_it_holds():
         before = fast.kv(0)._step_rows
         table = fast.kv(0).reserve_rows(list(groups), shapes)
         reused += before is not None and fast.kv(0)._step_rows is before
+        before = None  # (not kept past the check)
         want = np.array([(sel.start, sel.stop, plain.kv(0).reserve(s, sel.stop - sel.start, shapes),
                           *plain.kv(0).addresses(s), *plain.kv(0).strides(s)) for s, sel in groups], dtype=np.int64)
         assert np.array_equal(table[:, :3], want[:, :3]), step
@@ -317,9 +321,12 @@ def test_reserve_rows_reuses_the_step_before_only_where_it_holds():
             cut = plain.kv(0).n_rows(1) - 2
             for cache in (plain, fast):
                 cache.seq_rm(1, cut, None)
-        if step == 20:  # a sequence ended and its slot taken by a new one
+        if step == 20:  # a sequence ended and its slot taken by a new one: its buffers freed, not kept by the table
+            gone = weakref.ref(fast.kv(0).buffers(2)[0])
             for cache in (plain, fast):
                 cache.seq_rm(2, 0, None)
+            gc.collect()
+            assert gone() is None
         if step == 27:  # a shorter sequence copied over a longer one (a forked prompt)
             for cache in (plain, fast):
                 cache.seq_cp(2, 0)

@@ -330,6 +330,7 @@ class Rows(CacheKind):
                 pos[:n_old] = self._pos[seq][:n_old]
             else:
                 self._len[seq] = 0
+            self._forget(seq)
             self._buf[seq] = grown
             self._pos[seq] = pos
         self._pending[seq] = n_new
@@ -364,6 +365,13 @@ class Rows(CacheKind):
         table = np.array([r + self._columns(seq) for r, (seq, _) in zip(rows, groups)], dtype=np.int64)
         self._step_rows = _StepRows(list(groups), [self._buf[seq] for seq, _ in groups], table.copy())  # (callers write theirs)
         return table
+
+    def _forget(self, seq: int | None) -> None:
+        """Drop :meth:`reserve_rows`' table where it holds ``seq``'s buffers (None: any), which are being
+        replaced or freed: the table would keep them alive."""
+        memo = self._step_rows
+        if memo is not None and (seq is None or seq in memo.seqs):
+            self._step_rows = None
 
     def rows_table(self, groups: Sequence[tuple[int, slice]]) -> np.ndarray:
         """Like :meth:`reserve_rows` without reserving: per group its slice's start and stop, its
@@ -426,6 +434,7 @@ class Rows(CacheKind):
             self._len[seq] = snap
 
     def clear(self, seq: int | None = None) -> None:
+        self._forget(seq)
         for table in (self._buf, self._pos, self._len, self._pending, self._addr):
             if seq is None:
                 table.clear()
