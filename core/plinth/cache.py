@@ -146,7 +146,7 @@ class _StepRows:
         self.table = table
         self._get = operator.itemgetter(*self.seqs) if len(self.seqs) > 1 else (lambda d, s=self.seqs[0]: (d[s],))
 
-    def again(self, lens: dict[int, int], buffers: dict[int, list[Any]]) -> tuple[list[int], list[int]] | None:
+    def again(self, lens: dict[int, int], buffers: dict[int, list[Any]]) -> tuple[Sequence[int], list[int]] | None:
         """(each sequence's committed rows, the same plus its new ones) where the same call can reuse the table:
         every sequence still holds the buffers it had and has room for its rows; else None."""
         try:
@@ -158,7 +158,7 @@ class _StepRows:
         n_new = list(map(operator.add, n_old, self.counts))
         if not all(map(operator.le, n_new, self.caps)):
             return None
-        return list(n_old), n_new
+        return n_old, n_new
 
 
 class Rows(CacheKind):
