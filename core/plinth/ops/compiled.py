@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 from numba import carray, njit, prange, types
 
-from ..quant.jitcache import (address_call, cfunc_address, drop_stale, f32_at, f32_from_bits, i64_at, prefetch_write,
-                              u8_at)
+from ..quant.jitcache import (address_call, cfunc_address, drop_stale, f32_at, f32_pow2_hi, f32_pow2_lo, i64_at,
+                              prefetch_write, u8_at)
 from .attend_simd import attend_rows, lanes, scratch_floats
 
 # no 'nnan'/'ninf': the bias and the row maxima hold -inf
@@ -345,21 +345,31 @@ def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, offset: int, neox
     call instead of a dozen array operations and temporaries."""
     n, n_head, hd = x.shape
     half = cos.shape[1]
+    sign = np.float32(-1.0) if inverse else np.float32(1.0)  # (times -1: the bits of a negation)
     for t in range(n):
+        c = cos[t]
+        sn = sin[t]
         for h in range(n_head):
+            src = x[t, h]
+            dst = out[t, h]
             for d in range(offset):  # the dims that do not turn
-                out[t, h, d] = x[t, h, d]
+                dst[d] = src[d]
             for d in range(offset + 2 * half, hd):
-                out[t, h, d] = x[t, h, d]
-            for i in range(half):
-                ia = offset + i if neox else offset + 2 * i
-                ib = ia + half if neox else ia + 1
-                a = x[t, h, ia]
-                b = x[t, h, ib]
-                c = cos[t, i]
-                sn = -sin[t, i] if inverse else sin[t, i]
-                out[t, h, ia] = a * c - b * sn
-                out[t, h, ib] = a * sn + b * c
+                dst[d] = src[d]
+            if neox:  # (one loop per form, the pair's places fixed in it: a loop LLVM vectorises)
+                for i in range(half):
+                    a = src[offset + i]
+                    b = src[offset + half + i]
+                    si = sign * sn[i]
+                    dst[offset + i] = a * c[i] - b * si
+                    dst[offset + half + i] = a * si + b * c[i]
+            else:
+                for i in range(half):
+                    a = src[offset + 2 * i]
+                    b = src[offset + 2 * i + 1]
+                    si = sign * sn[i]
+                    dst[offset + 2 * i] = a * c[i] - b * si
+                    dst[offset + 2 * i + 1] = a * si + b * c[i]
 
 
 # exp in float32 for silu_rows: x = n ln2 + r (Cody-Waite: ln2 in a high part of few bits, so n * _LN2_HI is
@@ -382,14 +392,10 @@ def exp_f32(v: float) -> float:
     result is the same wherever it is compiled (no fused multiply-add, no reassociation)."""
     c = v if v > _EXP_MIN else _EXP_MIN
     c = c if c < _EXP_MAX else _EXP_MAX
-    t = c * _LOG2E + _HALF
-    k = np.int32(t)  # (toward zero, then down where that rounded up: the floor)
-    k = k - np.int32(1) if t < np.float32(k) else k
-    n = np.float32(k)
+    n = np.floor(c * _LOG2E + _HALF)  # (float32, an integer in [-126, 128])
     r = (c - n * _LN2_HI) - n * _LN2_LO
     p = _ONE + r * (_ONE + r * (_T2 + r * (_T3 + r * (_T4 + r * (_T5 + r * (_T6 + r * _T7))))))
-    a = k >> np.int32(1)
-    s = p * f32_from_bits((a + np.int32(127)) << np.int32(23)) * f32_from_bits((k - a + np.int32(127)) << np.int32(23))
+    s = p * f32_pow2_lo(n) * f32_pow2_hi(n)
     s = _INF if v > _EXP_MAX else s
     s = _ZERO if v < _EXP_MIN else s
     return v if v != v else s

@@ -131,13 +131,28 @@ def prefetch_write(typingctx, addr):
     return types.void(types.int64), codegen
 
 
-@intrinsic
-def f32_from_bits(typingctx, bits):
-    """``f32_from_bits(i)``: the float32 whose IEEE bits are the int32 ``i`` (a bit cast; vectorises)."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
+def _pow2_half(upper: bool) -> Any:
+    def pow2(typingctx, n):
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            k = builder.fptosi(args[0], i32)
+            e = builder.ashr(k, ir.Constant(i32, 1))
+            if upper:
+                e = builder.sub(k, e)
+            return builder.bitcast(builder.shl(builder.add(e, ir.Constant(i32, 127)), ir.Constant(i32, 23)), ir.FloatType())
 
-    return types.float32(types.int32), codegen
+        return types.float32(types.float32), codegen
+
+    pow2.__name__ = "f32_pow2_hi" if upper else "f32_pow2_lo"
+    return intrinsic(pow2)
+
+
+#: ``f32_pow2_lo(n)`` / ``f32_pow2_hi(n)`` for a float32 ``n`` holding an integer k in [-252, 254]: 2 ** (k >> 1) and
+#: 2 ** (k - (k >> 1)) as float32 (their exponent bits built in int32; their product is 2 ** k without overflowing
+#: one exponent field). In IR because numba widens int32 arithmetic to int64, which made a vector loop over
+#: :func:`plinth.ops.compiled.exp_f32` widen every lane to 64 bits and back
+f32_pow2_lo = _pow2_half(False)
+f32_pow2_hi = _pow2_half(True)
 
 
 def _llvm_type(t: Any) -> ir.Type:
