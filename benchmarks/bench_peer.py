@@ -25,7 +25,9 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   against the file size (the baseline taken with the compiled kernels already loaded), and the cost of a
   k-token verify forward (k = 4, 8; the mean of 4 in a row) after a 128-token context and one decoded token
   (the steady state of speculative decoding) relative to k = 1,
-  for both engines.
+  for both engines; ``--verify-pairs N`` adds N back-to-back (k = 1, k = 8) pairs per engine and the
+  spread of their ratios (a shared machine's state moves a compute-bound k = 8 forward far more than
+  a one-token one, so one best-of pair can land on either side of a goal).
 * ``--synthetic-1b``: the speed part only, on a random ~1.1B-parameter llama in llama.cpp's Q4_K_M
   mix written by the test kit (:func:`plinth.testing.synthetic.write_quantized_llama`: TinyLlama-1.1B's
   shape, hidden 2048, 22 layers, FFN 5632, 32 / 4 heads; ~640 MiB, kept at ``--synthetic-path`` and
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -239,10 +242,32 @@ def speed(name, path, args, llama_cpp):
         for k in VERIFY_KS:
             ours_verify[k] = min(ours_verify[k], _plinth_verify(model, k))
             peer_verify[k] = min(peer_verify[k], _peer_verify(llm, n_vocab, k))
+    pairs = _verify_pairs(model, llm, n_vocab, args.verify_pairs) if args.verify_pairs else None
     del model, llm
     for label, v in (("plinth", ours_verify), ("llama.cpp", peer_verify)):
         print(f"  verify forward after 128 tokens, cost / k=1 ({label}): "
               + ", ".join(f"k={k} {v[k] * 1e3:.1f} ms ({v[k] / v[1]:.2f}x)" for k in VERIFY_KS))
+    for label, got in (pairs or {}).items():
+        ratios = sorted(k8 / k1 for k1, k8 in got)
+        mid = statistics.median(ratios)
+        print(f"  verify k=8 / k=1 in {len(ratios)} back-to-back pairs ({label}): min {ratios[0]:.2f}x, "
+              f"median {mid:.2f}x, max {ratios[-1]:.2f}x; pairs at or under 2.0x: "
+              f"{sum(r <= 2.0 for r in ratios)} of {len(ratios)}; k=8 forward {min(k8 for _, k8 in got) * 1e3:.1f}-"
+              f"{max(k8 for _, k8 in got) * 1e3:.1f} ms, k=1 {min(k1 for k1, _ in got) * 1e3:.1f}-"
+              f"{max(k1 for k1, _ in got) * 1e3:.1f} ms")
+
+
+def _verify_pairs(model, llm, n_vocab, n):
+    """``n`` pairs per engine of a k=1 then a k=8 verify measurement (each as :func:`_plinth_verify` /
+    :func:`_peer_verify` take it), one engine's pair after the other's: {engine: [(k1 s, k8 s), ...]}. A
+    pair's two forwards run within ~50 ms of each other, so its ratio is the cost of the k=8 forward at one
+    moment of the machine; the spread of the ratios over the pairs shows how far the machine's state moves it
+    (the best-of figures above take each k's best at different moments)."""
+    out = {"plinth": [], "llama.cpp": []}
+    for _ in range(n):
+        out["plinth"].append((_plinth_verify(model, 1), _plinth_verify(model, 8)))
+        out["llama.cpp"].append((_peer_verify(llm, n_vocab, 1), _peer_verify(llm, n_vocab, 8)))
+    return out
 
 
 VERIFY_KS = (1, 4, 8)
@@ -260,6 +285,9 @@ def main() -> None:
     parser.add_argument("--no-agreement", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--no-verify", action="store_true", help="speed without the verify forwards")
+    parser.add_argument("--verify-pairs", type=int, default=0, metavar="N",
+                        help="also N back-to-back (k=1, k=8) verify pairs per engine: the spread of the k=8 / k=1 "
+                             "ratio over the machine's moments (min, median, max, pairs at or under 2.0x)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="prompt and decode speed on this process's CPU time (with --threads 1 only: a "
                              "loaded machine's figure that does not count the time other processes held the core)")
