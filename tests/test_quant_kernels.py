@@ -431,6 +431,69 @@ def test_near_max_rows_is_the_numpy_rule() -> None:
 
 
 @needs_int8
+def test_near_max_row_one_pass_is_the_numpy_rule() -> None:
+    """The one-pass selection the refinement runs (``near_max_row``: the maximum and a list of candidates
+    within twice the margin of the running maximum, the rule's whole passes where the list overflows): the
+    numpy rule's columns on random rows of every scale and length, ramps up and down (the list overflows on
+    a rising one), all-equal rows, rounded values (ties), rows holding +inf, a row of -inf, and a NaN (which,
+    as numpy's maximum, selects nothing)."""
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(12)
+    cand = np.empty(k8.CANDIDATES, np.int64)
+    for trial in range(400):
+        n = int(rng.integers(1, 3000))
+        y = (rng.standard_normal(n + int(rng.integers(0, 20))) * rng.choice([0.1, 1.0, 3.0, 30.0])).astype(np.float32)
+        kind = trial % 8
+        if kind == 1:
+            y[:n] = np.linspace(0, rng.uniform(0.1, 5), n, dtype=np.float32)
+        elif kind == 2:
+            y[:] = 1.0
+        elif kind == 3:
+            y[rng.integers(0, n)] = np.nan
+        elif kind == 4:
+            y[rng.integers(0, n, 3)] = np.inf
+        elif kind == 5:
+            y[:] = -np.inf
+        elif kind == 6:
+            y[:n] = np.round(y[:n])
+        elif kind == 7:
+            y[:n] = np.linspace(5, 0, n, dtype=np.float32)
+        y[n:] = 99.0  # (past n: never looked at)
+        cap = int(rng.choice([256, 16, 3, 1]))
+        cols = np.zeros(cap, np.int64)
+        with np.errstate(invalid="ignore"):
+            want = _near_max_numpy(y[:n], 1.5, cap)
+        got = k8.near_max_row(y[None], 0, n, 1.5, cap, cols, cand)
+        assert np.array_equal(cols[:got], want), (trial, kind, n, cap)
+
+
+@needs_int8
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "Q4_K", "MXFP4", "F16"])
+def test_refine_head_is_take_then_fixed_order_dots(type_name: str) -> None:
+    """The precise head's compiled refinement (``refine_head``, rows over the kernel threads) against its steps
+    one by one: the numpy rule's columns, those weight rows through ``QuantWeight.take`` (unscaled), their
+    fixed-order dots with the f32 activations (``refine_rows``): the same bits, every other value untouched."""
+    k8 = quant.compiled_i8()
+    n_out, n_in = 1024, 256
+    w = QuantWeight(quantized_rows(type_name, n_out, n_in, 4), int(GGMLType[type_name]), (n_out, n_in))
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((9, n_in)).astype(np.float32)
+    y = (rng.standard_normal((9, n_out + 64)) * 2).astype(np.float32)  # (rows longer than n_out: the padded output)
+    y[3, :n_out] = np.linspace(0, 1, n_out, dtype=np.float32)  # more than the cap that close: the margin halves
+    want = y.copy()
+    for r in range(9):
+        cols = _near_max_numpy(y[r, :n_out], quant.PRECISE_MARGIN, quant.PRECISE_MAX)
+        k8.refine_rows(w.take(cols, unscaled=True), np.arange(len(cols))[None], cols[None], np.array([len(cols)]),
+                       x[r:r + 1], want[r:r + 1])
+    k = quant.compiled()
+    got = y.copy()
+    k8.refine_head(got, n_out, quant.PRECISE_MARGIN, quant.PRECISE_MAX, w.ggml_type in k.FAST_TYPES, w.ggml_type, w.qk,
+                   w.raw, w.raw16, k.F16_TABLE, k.FP4_VALUES, x)
+    assert (got != y).any()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@needs_int8
 def test_refine_rows_fixed_order() -> None:
     """The refinement's f32 dot (``refine_rows``): float32 accuracy against float64, and the same bits
     for a row alone, in a batch, or at any length modulo 16."""

@@ -238,10 +238,15 @@ class QuantWeight:
         maximum as f32 dot products of the dequantized weight rows with the f32 activations (at most
         PRECISE_MAX of them: where more are that close, the margin shrinks until they fit): the
         argmax of an LM head is then the one f32 activations give unless the int8 error passes half
-        the margin. A row's result depends on that row only. Compiled: the selection
-        (:func:`plinth.quant.kernels_i8.near_max_rows`) and the dot products (``refine_rows``)."""
-        k8 = compiled_i8()
+        the margin. A row's result depends on that row only. One compiled call over the kernel threads
+        (:func:`plinth.quant.kernels_i8.refine_head`: a pass for the maximum and the near ones, the
+        weight rows dequantized as :meth:`take` does, the fixed-order dots)."""
+        k8, k = compiled_i8(), compiled()
         m, n = y.shape[0], self.shape[0]  # (y's rows may be longer: :func:`_out_rows`)
+        if k is not None and self.raw16 is not None:
+            k8.refine_head(y, n, PRECISE_MARGIN, PRECISE_MAX, self.ggml_type in k.FAST_TYPES, self.ggml_type, self.qk,
+                           self.raw, self.raw16, k.F16_TABLE, k.FP4_VALUES, x)
+            return
         cols = np.zeros((m, PRECISE_MAX), dtype=np.int64)
         counts = np.empty(m, dtype=np.int64)
         k8.near_max_rows(y, y[:, :n].max(axis=1), n, PRECISE_MARGIN, PRECISE_MAX, cols, counts)

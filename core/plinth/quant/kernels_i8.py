@@ -28,6 +28,7 @@ import numpy as np
 from numba import njit, prange
 
 from .jitcache import drop_stale
+from .kernels import dequantize_fast_serial, dequantize_rows_serial
 from .simd import TYPE_CODES, call_group, quantize_row
 
 #: the GGML type codes :func:`linear` computes
@@ -54,37 +55,130 @@ def _count_at_least(y: np.ndarray, r: int, n: int, lo: np.float32) -> int:
 
 
 @njit(cache=True, fastmath=False)
+def _thresholds(mx: np.float32, margin: float, los: np.ndarray) -> None:
+    """The selection's margins, in float32 as the rule halves them: ``los[i] = mx - margin / 2^i`` as the
+    running ``lo = mx - (mx - lo) * 0.5``, i = 0..24."""
+    lo = mx - np.float32(margin)
+    for i in range(24):
+        los[i] = lo
+        lo = mx - (mx - lo) * np.float32(0.5)
+    los[24] = lo
+
+
+@njit(cache=True, fastmath=False)
+def _near_max_passes(y: np.ndarray, r: int, n: int, mx: np.float32, margin: float, cap: int, cols: np.ndarray) -> int:
+    """The selection rule of :func:`near_max_row` by whole passes over row r (``mx`` its maximum): a pass that
+    counts per margin until one fits, then one that collects, 64 values at a time (a chunk without a close
+    value is only compared). Returns how many columns went into ``cols``."""
+    lo = mx - np.float32(margin)
+    for _ in range(24):
+        if _count_at_least(y, r, n, lo) <= cap:
+            break
+        lo = mx - (mx - lo) * np.float32(0.5)
+    k = 0
+    row = y[r]
+    n64 = n - n % 64
+    for c0 in range(0, n64, 64):
+        hit = np.int32(0)
+        for j in range(64):  # (a constant trip count: LLVM vectorises it)
+            hit |= np.int32(row[c0 + j] >= lo)
+        if hit:
+            for j in range(c0, c0 + 64):
+                if row[j] >= lo and k < cap:
+                    cols[k] = j
+                    k += 1
+    for j in range(n64, n):
+        if row[j] >= lo and k < cap:
+            cols[k] = j
+            k += 1
+    return k
+
+
+#: columns :func:`near_max_row`'s one pass keeps as candidates (those within twice the margin of the running
+#: maximum); a row with more (a ramp, a flat row) takes the rule's whole passes instead
+CANDIDATES = 4096
+
+
+@njit(cache=True, fastmath=False)
+def near_max_row(y: np.ndarray, r: int, n: int, margin: float, cap: int, cols: np.ndarray, cand: np.ndarray) -> int:
+    """Row r of y's first n columns (float32): the columns within ``margin`` of the row's maximum, in order, into
+    ``cols`` (int64 [cap]); where more than ``cap`` are that close the margin is halved (in float32, at most 24
+    times) until they fit, and the first ``cap`` of those left are kept (ties at the maximum beyond ``cap``).
+    A row holding a NaN selects nothing (its maximum is NaN, as numpy's). Returns the count.
+
+    One pass over the row finds the maximum and keeps, in order, the columns within twice the margin of the
+    maximum so far (``cand``, int64 [CANDIDATES]): every column within the final margins is among them, so
+    the counts per margin and the collection come from that short list. 64 values at a time: a chunk
+    without a value that close is only compared (a loop LLVM vectorises). Where the list overflows, or a
+    rounded margin falls below the list's reach, the rule's whole passes (:func:`_near_max_passes`)."""
+    row = y[r]
+    two = np.float32(2.0 * margin)
+    mr = np.float32(-np.inf)
+    nc = 0
+    over = False
+    nan = False
+    n64 = n - n % 64
+    for c0 in range(0, n64 + 64, 64):
+        c1 = min(c0 + 64, n)
+        if c0 >= c1:
+            break
+        if c1 - c0 == 64:
+            thr = mr - two
+            hit = np.int32(0)
+            for j in range(64):  # (a constant trip count: LLVM vectorises it)
+                v = row[c0 + j]
+                hit |= np.int32(v >= thr) | np.int32(v != v)
+            if not hit:
+                continue
+        for j in range(c0, c1):
+            v = row[j]
+            if v != v:
+                nan = True
+            elif v >= mr - two:
+                if v > mr:
+                    mr = v
+                if nc < cand.shape[0]:
+                    cand[nc] = j
+                    nc += 1
+                else:
+                    over = True
+    if nan or n == 0:
+        return 0
+    los = np.empty(25, np.float32)
+    _thresholds(mr, margin, los)
+    reach = mr - two
+    for i in range(25):
+        if los[i] < reach:  # (NaN margins compare false: they count nothing either way)
+            over = True
+    if over:
+        return _near_max_passes(y, r, n, mr, margin, cap, cols)
+    lo = los[24]
+    for i in range(24):
+        c = 0
+        for t in range(nc):
+            c += np.int64(row[cand[t]] >= los[i])
+        if c <= cap:
+            lo = los[i]
+            break
+    k = 0
+    for t in range(nc):
+        j = cand[t]
+        if row[j] >= lo and k < cap:
+            cols[k] = j
+            k += 1
+    return k
+
+
+@njit(cache=True, fastmath=False)
 def near_max_rows(y: np.ndarray, mx: np.ndarray, n: int, margin: float, cap: int, cols: np.ndarray,
                   counts: np.ndarray) -> None:
     """Per row r of y's first n columns (finite float32; ``mx[r]`` their maximum): the columns within ``margin`` of
-    the maximum, in order, into ``cols[r, :counts[r]]`` (int64 [m, cap]); where more than ``cap`` are
-    that close the margin is halved (in float32, at most 24 times) until they fit, and the first
-    ``cap`` of those left are kept (ties at the maximum beyond ``cap``). One pass that counts, and one
-    that collects, 64 values at a time (a chunk without a close value is only compared)."""
-    m = y.shape[0]
-    for r in range(m):
-        lo = mx[r] - np.float32(margin)
-        for _ in range(24):
-            if _count_at_least(y, r, n, lo) <= cap:
-                break
-            lo = mx[r] - (mx[r] - lo) * np.float32(0.5)
-        k = 0
-        row = y[r]
-        n64 = n - n % 64
-        for c0 in range(0, n64, 64):
-            hit = np.int32(0)
-            for j in range(64):  # (a constant trip count: LLVM vectorises it)
-                hit |= np.int32(row[c0 + j] >= lo)
-            if hit:
-                for j in range(c0, c0 + 64):
-                    if row[j] >= lo and k < cap:
-                        cols[r, k] = j
-                        k += 1
-        for j in range(n64, n):
-            if row[j] >= lo and k < cap:
-                cols[r, k] = j
-                k += 1
-        counts[r] = k
+    the maximum, in order, into ``cols[r, :counts[r]]`` (int64 [m, cap]); where more than ``cap`` are that close the
+    margin is halved (in float32, at most 24 times) until they fit, and the first ``cap`` of those left are kept
+    (ties at the maximum beyond ``cap``). The rule by whole passes; :func:`near_max_row` is the one-pass form
+    :func:`refine_head` runs."""
+    for r in range(y.shape[0]):
+        counts[r] = _near_max_passes(y, r, n, mx[r], margin, cap, cols[r])
 
 
 @njit(cache=True, fastmath=False)
@@ -114,6 +208,42 @@ def refine_rows(w: np.ndarray, at: np.ndarray, cols: np.ndarray, counts: np.ndar
     for r in range(y.shape[0]):
         for i in range(counts[r]):
             y[r, cols[r, i]] = _dot16(w[at[r, i]], x[r])
+
+
+@njit(cache=True, nogil=True)
+def _refine_row(y: np.ndarray, r: int, n: int, margin: float, cap: int, fast: bool, t: int, qk: int, raw: np.ndarray,
+                raw16: np.ndarray, f16: np.ndarray, fp4: np.ndarray, x: np.ndarray) -> None:
+    """:func:`refine_head` for row r."""
+    cols = np.empty(cap, np.int64)
+    k = near_max_row(y, r, n, margin, cap, cols, np.empty(CANDIDATES, np.int64))
+    if k == 0:
+        return
+    w = np.empty((1, x.shape[1]), np.float32)
+    at = np.empty(1, np.intp)
+    for i in range(k):
+        at[0] = cols[i]
+        if fast:
+            dequantize_fast_serial(t, raw, raw16, at, f16, w)
+        else:
+            dequantize_rows_serial(t, qk, raw, raw16, at, f16, fp4, w)
+        y[r, cols[i]] = _dot16(w[0], x[r])
+
+
+@njit(cache=True, parallel=True, nogil=True)
+def refine_head(y: np.ndarray, n: int, margin: float, cap: int, fast: bool, t: int, qk: int, raw: np.ndarray,
+                raw16: np.ndarray, f16: np.ndarray, fp4: np.ndarray, x: np.ndarray) -> None:
+    """A precise LM head's refinement (:meth:`plinth.quant.QuantWeight._refine`) in one call: per row r of the int8
+    products y (float32 [m, >= n]), the columns :func:`near_max_row` selects are recomputed as ``_dot16`` of the
+    weight row dequantized (type t, block size qk, the raw bytes and their uint16 view; ``fast``: the
+    :data:`plinth.quant.kernels.FAST_TYPES` loop, else the generic one; ``f16`` / ``fp4`` their tables, as
+    :meth:`QuantWeight.take` dequantizes) with the f32 activations x[r]. The rows over the kernel threads: each
+    row's result depends on that row only."""
+    m = y.shape[0]
+    if m == 1:
+        _refine_row(y, 0, n, margin, cap, fast, t, qk, raw, raw16, f16, fp4, x)
+        return
+    for r in prange(m):
+        _refine_row(y, r, n, margin, cap, fast, t, qk, raw, raw16, f16, fp4, x)
 
 
 #: parts of one product: a weight, or the parts of a stacked weight (fused QKV, gate/up)
@@ -160,4 +290,4 @@ def linear(fns: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray
                     out[r, starts[p] + j] = buf[r, 8 * gstarts[p] + j]
 
 
-drop_stale(linear, [Path(__file__).with_name("simd.py")])
+drop_stale(linear, [Path(__file__).with_name(n) for n in ("simd.py", "kernels.py")])
