@@ -121,7 +121,7 @@ def test_eight_lane_form_matches_reference():
                 attend8(q.ctypes.data + (i * n_head + hk * g) * hd * 4, g, hd, k.ctypes.data + hk * hd * 4,
                         v.ctypes.data + hk * hd_v * 4, n_kv, n_head_kv * hd, n_head_kv * hd_v, hd, hd_v,
                         np.float32(1 / np.sqrt(hd)), bias.ctypes.data + i * n_kv * 4, scratch.ctypes.data,
-                        out.ctypes.data + (i * n_head + hk * g) * hd_v * 4, hd_v)
+                        out.ctypes.data + (i * n_head + hk * g) * hd_v * 4, hd_v, g, 0, 0, 0, 0)
 
     for shape in ((3, 6, 2, 32, 32, 21), (2, 4, 1, 64, 96, 40)):
         q, k, v, vis = _case(*shape)

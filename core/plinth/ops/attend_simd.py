@@ -185,19 +185,24 @@ def _exp(b, x, W):
     return b.select(small, _splat(W, 0.0), y)
 
 
-_ARGS = [_F32P, _i64, _i64, _F32P, _F32P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64]
+_ARGS = [_F32P, _i64, _i64, _F32P, _F32P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64, _i64, _i64, _i64,
+         _i64, _i64.as_pointer()]
 
 
 @njit(cache=True)
 def scratch_floats(n_kv: int, n_q: int, hd: int, hd_v: int, W: int) -> int:
     """Floats of scratch :func:`attend_rows` needs (a numba function: the kernels' callers size it)."""
-    return n_q * (-(-n_kv // W) * W + hd_v + W) + W * hd
+    return n_q * (-(-n_kv // W) * W + hd_v + W) + W * hd + 8 * n_q
 
 
-def _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v):
+def _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v, blocks_of=None):
     """Each query row's softmax weights in place of its scores (``nb`` vectors of ``W`` at ``sp + q * srow``):
     the row's maximum, exp(score - max) and their sum; 1 / sum (0 for a row that sees no key) at
-    ``inv_at + q * W``; the row's ``hd_v`` output sums zeroed. Shared by the float32 and typed-cache kernels."""
+    ``inv_at + q * W``; the row's ``hd_v`` output sums zeroed. ``blocks_of(qi)``: where a query sees fewer
+    blocks than ``nb`` (a row of a chunk whose later rows see more keys), its maximum and sum go over its own
+    blocks only, as when it runs alone (the sum's loop may be reassociated by the fast-math flags the kernel is
+    compiled under, so its trip count decides its bits), and the weights of the blocks past them are zeros.
+    Shared by the float32 and typed-cache kernels."""
     zero = _splat(W, 0.0)
     ninf = _splat(W, -math.inf)
 
@@ -208,18 +213,22 @@ def _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v):
     den = cgutils.alloca_once(b, vt)
     with cgutils.for_range(b, n_q) as qi:
         srow_at = b.gep(sp, [b.mul(qi.index, srow)])
+        nbq = nb if blocks_of is None else blocks_of(qi.index)
         b.store(ninf, mxv)
-        with cgutils.for_range(b, nb) as blk:
+        with cgutils.for_range(b, nbq) as blk:
             b.store(vmax(_vload(b, b.gep(srow_at, [b.mul(blk.index, Wc)]), W), b.load(mxv)), mxv)
         mx = _hreduce(b, b.load(mxv), W, vmax)
         seen = b.fcmp_ordered("!=", mx, ir.Constant(_f32, -math.inf))  # else: sees no key, output 0
         mxb = _bcast(b, b.select(seen, mx, ir.Constant(_f32, 0.0)), W)
         b.store(zero, den)
-        with cgutils.for_range(b, nb) as blk:
+        with cgutils.for_range(b, nbq) as blk:
             p_at = b.gep(srow_at, [b.mul(blk.index, Wc)])
             p = _exp(b, b.fsub(_vload(b, p_at, W), mxb), W)
             _vstore(b, p, p_at)
             b.store(b.fadd(b.load(den), p), den)
+        if blocks_of is not None:
+            with cgutils.for_range(b, b.sub(nb, nbq)) as blk:
+                _vstore(b, zero, b.gep(srow_at, [b.mul(b.add(nbq, blk.index), Wc)]))
         total = _hreduce(b, b.load(den), W, b.fadd)
         inv = b.select(seen, b.fdiv(ir.Constant(_f32, 1.0), total), ir.Constant(_f32, 0.0))
         b.store(inv, b.gep(inv_at, [b.mul(qi.index, Wc)]))
@@ -229,11 +238,15 @@ def _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v):
 
 def _rows_fn(module, W):
     """``plinth_attend_W(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch,
-    out, out_stride)``: n_q query vectors (query i at q + i * q_stride, its output at out + i *
-    out_stride) against the same keys and values (strides in floats between consecutive keys /
-    values), with the same bias (n_kv floats, or null); ``scratch`` :func:`scratch_floats` floats.
-    Each key block is read once for all the queries (they take it from the L1 cache in turn), and
-    each query's arithmetic is the same whatever n_q is."""
+    out, out_stride, per_row, q_row_stride, out_row_stride, bias_stride, row_keys)``: n_q query vectors against
+    the same keys and values (strides in floats between consecutive keys / values), in rows of ``per_row``
+    queries: query i = per_row * a + c at q + a * q_row_stride + c * q_stride, its output at out + a *
+    out_row_stride + c * out_stride, its bias (n_kv floats; null: none) at bias + a * bias_stride, the keys it
+    sees ``row_keys[a]`` (int64; null: all n_kv) -- the query heads of one token that share a kv head, over
+    several tokens of a sequence, each with its own mask; ``scratch`` :func:`scratch_floats` floats. Each
+    key block is read once for all the queries (they take it from the L1 cache in turn), and a query's
+    arithmetic is the one it gets alone with its own key count, whatever the other queries are: the keys
+    past its own are masked for it (their weights exactly 0) and its softmax runs over its own blocks."""
     name = f"plinth_attend_{W}"
     fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), _ARGS), name)
     if not fn.is_declaration:
@@ -242,7 +255,7 @@ def _rows_fn(module, W):
     fn.attributes.add("noinline")
     fn.attributes.add("nounwind")
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    qp, n_q, qs, kp, vp, n_kv, ks, vs, hd, hd_v, scale, bp, sp, op, os_ = fn.args
+    qp, n_q, qs, kp, vp, n_kv, ks, vs, hd, hd_v, scale, bp, sp, op, os_, per_row, qrs, ors, bs, nrp = fn.args
     Wc = _c64(W)
     vt = _vec(W)
     ninf = _splat(W, -math.inf)
@@ -254,6 +267,25 @@ def _rows_fn(module, W):
     o_at = b.gep(sp, [b.mul(n_q, srow)])  # its 1 / denominator (W floats, lane 0); then the padded key block
     inv_at = b.gep(o_at, [b.mul(n_q, hd_v)])
     pad = b.gep(inv_at, [b.mul(n_q, Wc)])
+    # then per query the float offsets of its vector, its output and its bias row, and its key count (four i64)
+    offs = b.bitcast(b.gep(pad, [b.mul(Wc, hd)]), _i64.as_pointer())
+    has_rows = b.icmp_unsigned("!=", b.ptrtoint(nrp, _i64), _c64(0))
+    with cgutils.for_range(b, n_q) as qi:
+        a_, c_ = b.udiv(qi.index, per_row), b.urem(qi.index, per_row)
+        nk = cgutils.alloca_once_value(b, n_kv)
+        with b.if_then(has_rows):
+            b.store(b.load(b.gep(nrp, [a_])), nk)
+        vals = [b.add(b.mul(a_, row_stride), b.mul(c_, stride)) for row_stride, stride in ((qrs, qs), (ors, os_),
+                                                                                            (bs, _c64(0)))]
+        for f, val in enumerate(vals + [b.load(nk)]):
+            st = b.store(val, b.gep(offs, [b.add(b.mul(qi.index, _c64(4)), _c64(f))]))
+            st.align = 4
+
+    def qoff(qi, f):  # query qi's offset f (0: its vector, 1: its output, 2: its bias row, in floats; 3: its keys)
+        v = b.load(b.gep(offs, [b.add(b.mul(qi, _c64(4)), _c64(f))]))
+        v.align = 4
+        return v
+
     accs = [cgutils.alloca_once_value(b, zero) for _ in range(W)]
     sv = cgutils.alloca_once(b, vt)
     btail = cgutils.alloca_once(b, vt)  # the last keys' bias, zero-padded
@@ -262,13 +294,15 @@ def _rows_fn(module, W):
     kbp, vbp = b.bitcast(kp, _U8P), b.bitcast(vp, _U8P)  # (the prefetches' byte addresses and sizes)
     ksb, vsb, krb, vrb = b.mul(ks, _c64(4)), b.mul(vs, _c64(4)), b.mul(hd, _c64(4)), b.mul(hd_v, _c64(4))
 
-    def scores(blk, base, stride, bias_at):
+    def scores(blk, base, stride, tail):
         """Every query's scores of keys blk*W .. blk*W + W - 1 read from ``base`` (key i at base + i *
-        stride), their bias (where there is one) at ``bias_at``."""
+        stride), their bias (where there is one) from the query's bias row (``tail``: the last ``rest``
+        keys, the bias copied into a zero-padded block first)."""
         j0 = b.mul(blk, Wc)
-        valid = b.icmp_signed("<", b.add(_bcast_i64(b, j0, W), lane_idx), _bcast_i64(b, n_kv, W))
+        lanes_at = b.add(_bcast_i64(b, j0, W), lane_idx)
         with cgutils.for_range(b, n_q) as qi:
-            qrow = b.gep(qp, [b.mul(qi.index, qs)])
+            valid = b.icmp_signed("<", lanes_at, _bcast_i64(b, qoff(qi.index, 3), W))
+            qrow = b.gep(qp, [qoff(qi.index, 0)])
             for a in accs:
                 b.store(zero, a)
             with cgutils.for_range(b, b.udiv(hd, Wc)) as c:
@@ -279,6 +313,12 @@ def _rows_fn(module, W):
                     b.store(_fma(b, qc, kc, b.load(a)), a)
             b.store(b.fmul(_transpose_sum(b, [b.load(a) for a in accs], W), _bcast(b, scale, W)), sv)
             with b.if_then(has_bias):
+                bias_at = b.gep(bp, [b.add(qoff(qi.index, 2), j0)])
+                if tail:
+                    b.store(zero, btail)
+                    with cgutils.for_range(b, rest) as i:
+                        b.store(b.load(b.gep(bias_at, [i.index])), b.gep(b.bitcast(btail, _F32P), [i.index]))
+                    bias_at = b.bitcast(btail, _F32P)
                 b.store(b.fadd(b.load(sv), _vload(b, bias_at, W)), sv)
             _vstore(b, b.select(valid, b.load(sv), ninf), b.gep(sp, [b.add(b.mul(qi.index, srow), j0)]))
 
@@ -287,16 +327,12 @@ def _rows_fn(module, W):
     with cgutils.for_range(b, n_full) as blk:
         j0 = b.mul(blk.index, Wc)
         prefetch_ahead(b, W, n_kv, kbp, ksb, krb, j0, *pf)
-        scores(blk.index, b.gep(kp, [b.mul(j0, ks)]), ks, b.gep(bp, [j0]))
+        scores(blk.index, b.gep(kp, [b.mul(j0, ks)]), ks, False)
     with b.if_then(b.icmp_unsigned("!=", rest, _c64(0))):  # the last keys, copied into a zero-padded block
         j0 = b.mul(n_full, Wc)
-        b.store(zero, btail)
-        tail = b.bitcast(btail, _F32P)
         with cgutils.for_range(b, Wc) as i:
             dst = b.gep(pad, [b.mul(i.index, hd)])
             live = b.icmp_unsigned("<", i.index, rest)
-            with b.if_then(b.and_(live, has_bias)):
-                b.store(b.load(b.gep(bp, [b.add(j0, i.index)])), b.gep(tail, [i.index]))
             with cgutils.for_range(b, b.udiv(hd, Wc)) as c:
                 off = b.mul(c.index, Wc)
                 with b.if_else(live) as (then, otherwise):
@@ -305,10 +341,11 @@ def _rows_fn(module, W):
                                 b.gep(dst, [off]))
                     with otherwise:
                         _vstore(b, zero, b.gep(dst, [off]))
-        scores(n_full, pad, hd, tail)
+        scores(n_full, pad, hd, True)
 
     prefetch_first(b, W, n_kv, vbp, vsb, vrb, *pf)
-    _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v)
+    _softmax_rows(b, W, Wc, vt, n_q, nb, sp, srow, inv_at, o_at, hd_v,
+                  lambda qi: b.udiv(b.add(qoff(qi, 3), _c64(W - 1)), Wc))
     outs = [[cgutils.alloca_once(b, vt) for _ in range(4)] for _ in range(2)]
 
     def value_sums(j0, j1, qis, off):
@@ -349,7 +386,7 @@ def _rows_fn(module, W):
     with cgutils.for_range(b, n_q) as qi:
         invb = _bcast(b, b.load(b.gep(inv_at, [b.mul(qi.index, Wc)])), W)
         orow = b.gep(o_at, [b.mul(qi.index, hd_v)])
-        out_row = b.gep(op, [b.mul(qi.index, os_)])
+        out_row = b.gep(op, [qoff(qi.index, 1)])
         with cgutils.for_range(b, b.udiv(hd_v, Wc)) as c:
             off = b.mul(c.index, Wc)
             _vstore(b, b.fmul(_vload(b, b.gep(orow, [off]), W), invb), b.gep(out_row, [off]))
@@ -366,14 +403,16 @@ def make_attend(W: int):
     """The intrinsic for W float lanes (``attend_rows`` is the host's; tests build the other)."""
 
     def attend(typingctx, q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-               out_stride):
+               out_stride, per_row, q_row_stride, out_row_stride, bias_stride, row_keys):
         i64 = types.int64
-        sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, types.float32, i64, i64, i64, i64)
+        sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, types.float32, i64, i64, i64, i64, i64, i64,
+                         i64, i64, i64)
 
         def codegen(context, builder, signature, args):
             vals = [context.cast(builder, a, t, st) for a, t, st in zip(args, signature.args, sig.args)]
             for i in (0, 3, 4, 11, 12, 13):
                 vals[i] = builder.inttoptr(vals[i], _F32P)
+            vals[19] = builder.inttoptr(vals[19], _i64.as_pointer())
             builder.call(_rows_fn(builder.module, W), vals)
             return context.get_dummy_value()
 
@@ -384,6 +423,6 @@ def make_attend(W: int):
 
 
 #: ``attend_rows(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-#: out_stride)`` from numba (:func:`_rows_fn` with the host's lanes): every pointer an int64 data
+#: out_stride, per_row, q_row_stride, out_row_stride, bias_stride, row_keys)`` from numba (:func:`_rows_fn` with the host's lanes): every pointer an int64 data
 #: address of float32 memory (``bias`` 0 for none), scale a float32, the rest int64
 attend_rows = make_attend(lanes())

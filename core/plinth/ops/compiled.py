@@ -105,7 +105,7 @@ def _attend_one(t: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, n_kv: int, 
 
 
 #: an attention task's arguments as a C function's: :func:`_vector_task`, :func:`_plain_task`
-TASK_SIG = types.void(*[types.int64] * 11, types.float32, types.float32)
+TASK_SIG = types.void(*[types.int64] * 12, types.float32, types.float32)
 _call_task = address_call(TASK_SIG, "call_task")
 
 
@@ -119,33 +119,69 @@ def _selected(table: np.ndarray, j: int) -> tuple[int, int]:
     return g, table[g, 0] + j
 
 
-def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
-    """Task t of :func:`attention_table`'s vector path: one selected row and a run of ``run`` query heads
-    that share a kv head (:mod:`plinth.ops.attend_simd`)."""
+@njit(cache=True)
+def _chunk(table: np.ndarray, c: int, rows: int) -> tuple[int, int, int]:
+    """The group g and the rows r0 .. r1 - 1 of q of the c-th chunk of ``rows`` consecutive rows of a group (each
+    group's rows cut into chunks, the last one shorter; the groups in table order)."""
+    g = 0
+    while True:
+        n = table[g, 1] - table[g, 0]
+        k = (n + rows - 1) // rows
+        if c < k:
+            r0 = table[g, 0] + c * rows
+            return g, r0, min(r0 + rows, table[g, 1])
+        c -= k
+        g += 1
+
+
+@njit(cache=True)
+def _chunks(table: np.ndarray, rows: int) -> int:
+    """How many chunks of ``rows`` rows the groups of ``table`` make (:func:`_chunk`)."""
+    k = 0
+    for g in range(table.shape[0]):
+        k += (table[g, 1] - table[g, 0] + rows - 1) // rows
+    return k
+
+
+def _vector_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, rows: int, n_scratch: int, sc: float, cap: float) -> None:
+    """Task t of :func:`attention_table`'s vector path: a chunk of up to ``rows`` consecutive rows of one group and
+    a run of ``run`` query heads that share a kv head, in one call of the kernel (:mod:`plinth.ops.attend_simd`),
+    which reads each block of keys and values once for all of them. Each row keeps its own bias row (its mask)
+    and its own key count: its trailing masked keys (a verify batch's later rows) left out, as it sees them
+    alone (the kernel's sums depend on where a row's key blocks end); the call runs to the last key any row of
+    the chunk sees, and gives each row the bits it gives it alone."""
     table = carray(i64_at(table_at), (n_groups, TABLE_COLUMNS))
     per_kv = n_head // n_head_kv
     runs = (per_kv + run - 1) // run
-    j = t // (n_head_kv * runs)
-    rest = t - j * n_head_kv * runs
+    c = t // (n_head_kv * runs)
+    rest = t - c * n_head_kv * runs
     hk = rest // runs
     h0 = hk * per_kv + (rest - hk * runs) * run
     n_q = min(run, (hk + 1) * per_kv - h0)
-    g, r = _selected(table, j)
-    n = table[g, 2]
-    b_at = table[g, 5] + (r - table[g, 0]) * n * 4 if table[g, 5] != 0 else 0
-    if b_at != 0:  # the row's trailing masked keys (a verify batch's later rows) are left out: the vector
-        bias = carray(f32_at(b_at), (n,))  # kernel's sums depend on where its key blocks end, so a row
-        while n > 1 and bias[n - 1] == -np.inf:  # must see the key count it sees alone
-            n -= 1
+    g, r0, r1 = _chunk(table, c, rows)
+    n_all = table[g, 2]
+    n = n_all
+    b_at = table[g, 5] + (r0 - table[g, 0]) * n_all * 4 if table[g, 5] != 0 else 0
+    keys = np.empty(r1 - r0, np.int64)  # the keys each row sees: its trailing masked ones left out
+    keys[:] = n_all
+    if b_at != 0:
+        for r in range(r1 - r0):
+            bias = carray(f32_at(b_at + r * n_all * 4), (n_all,))
+            nr = n_all
+            while nr > 1 and bias[nr - 1] == -np.inf:
+                nr -= 1
+            keys[r] = nr
+        n = keys.max()
     scratch = np.empty(n_scratch, np.float32)
-    attend_rows(q_at + (r * n_head + h0) * hd * 4, n_q, hd, table[g, 3] + hk * table[g, 6], table[g, 4] + hk * table[g, 7],
-                n, table[g, 8] // 4, table[g, 9] // 4, hd, hd_v, sc, b_at, scratch.ctypes.data,
-                out_at + (r * n_head + h0) * hd_v * 4, hd_v)
+    attend_rows(q_at + (r0 * n_head + h0) * hd * 4, n_q * (r1 - r0), hd, table[g, 3] + hk * table[g, 6],
+                table[g, 4] + hk * table[g, 7], n, table[g, 8] // 4, table[g, 9] // 4, hd, hd_v, sc, b_at,
+                scratch.ctypes.data, out_at + (r0 * n_head + h0) * hd_v * 4, hd_v, n_q, n_head * hd, n_head * hd_v,
+                n_all, keys.ctypes.data if r1 - r0 > 1 else 0)
 
 
-def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, n_scratch: int, sc: float, cap: float) -> None:
+def _plain_task(t: int, q_at: int, out_at: int, table_at: int, n_groups: int, n_head: int, n_head_kv: int, hd: int, hd_v: int, run: int, rows: int, n_scratch: int, sc: float, cap: float) -> None:
     """Task t of :func:`attention_table`'s plain path: one selected row and one query head
-    (:func:`_attend_one` on its group's arrays; ``run`` and ``n_scratch`` unused)."""
+    (:func:`_attend_one` on its group's arrays; ``run``, ``rows`` and ``n_scratch`` unused)."""
     table = carray(i64_at(table_at), (n_groups, TABLE_COLUMNS))
     j = t // n_head
     g, r = _selected(table, j)
@@ -276,21 +312,29 @@ def attention_table(fn: int, vector: bool, q: np.ndarray, table: np.ndarray, n_h
     for g in range(n_groups):
         n_sel += table[g, 1] - table[g, 0]
     run = n_scratch = 0
+    rows = 1
     n_tasks = n_sel * n_head
     if vector:
         per_kv = n_head // n_head_kv
         run = per_kv  # query heads a task, split only until every thread has a task (each task reads its kv
         while run > 1 and n_sel * n_head_kv * ((per_kv + run - 1) // run) < n_threads:  # head's keys and values:
             run = (run + 1) // 2  # SmolLM2's decode step at 4096 keys, 2 threads, 16.3-17.5 ms, 21-23 split further)
-        n_tasks = n_sel * n_head_kv * ((per_kv + run - 1) // run)
+        runs = n_head_kv * ((per_kv + run - 1) // run)
+        n_top = 0  # a group's rows a task: as many as leave two tasks a thread (SmolLM2's k = 8 verify, 2 threads:
+        for g in range(n_groups):  # 24 one-row tasks 30.5 us a layer, 6 of four rows ~19; one row each: a server
+            n_top = max(n_top, table[g, 1] - table[g, 0])  # step's groups, a decode step)
+        rows = max(1, n_top)
+        while rows > 1 and _chunks(table, rows) * runs < 2 * n_threads:
+            rows = (rows + 1) // 2
+        n_tasks = _chunks(table, rows) * runs
         n_max = 0
         for g in range(n_groups):
             n_max = max(n_max, table[g, 2])
-        n_scratch = scratch_floats(n_max, run, hd, hd_v, _W)
+        n_scratch = scratch_floats(n_max, run * rows, hd, hd_v, _W)
     sc, cap = np.float32(scale), np.float32(soft_cap)
     for t in prange(n_tasks):  # (the tasks read only the caller's arrays: the addresses stay valid)
         _call_task(fn, t, q.ctypes.data, out.ctypes.data, table.ctypes.data, n_groups, n_head, n_head_kv, hd, hd_v,
-                   run, n_scratch, sc, cap)
+                   run, rows, n_scratch, sc, cap)
 
 
 @njit(cache=True, nogil=True)
