@@ -16,11 +16,14 @@ loop waited on each line in turn.
 Every key's score goes through the same operations wherever it falls (the last, partial block of
 keys is copied into a zero-padded scratch block first, so it takes the same path), the denominator
 is a lane-wise sum plus a fixed tree, and keys whose weight is exactly 0 (masked, -inf) are skipped
-in the value sum. Measured, though: a row's result can change in the last bit with the number of
-masked keys after its own (where its key blocks end), so the caller
-(:func:`plinth.ops.compiled._vector_task`) drops a row's trailing masked keys before the call; with
-that, a row's result does not depend on the other rows, and a verify row gives the bits its decode
-step would (``tests/test_lossless_kernels.py``).
+in the value sum. One thing does depend on where a row's key blocks end: the kernel is compiled under
+its caller's fast-math flags, which let LLVM reassociate the denominator's loop over the blocks, so
+its bits follow the loop's trip count. Each query therefore runs its maximum and its sum over its own
+blocks only (``row_keys``: several rows of a sequence share a call, each with its key count), and the
+caller (:func:`plinth.ops.compiled._vector_task`) gives each row the count it has alone (its trailing
+masked keys, a verify batch's later rows, left out); the keys past a row's own that another row of the
+call sees weigh exactly 0 for it. With that a row's result does not depend on the other rows, and a
+verify row gives the bits its decode step would (``tests/test_lossless_kernels.py``).
 
 ``exp`` (arguments <= 0 here: scores minus their maximum): ``x = n ln2 + r`` with n rounded to
 nearest, |r| <= ln2 / 2, ``2^n`` built in the exponent bits and ``e^r`` a degree-7 Taylor

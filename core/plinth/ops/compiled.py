@@ -283,10 +283,11 @@ def attention_groups(q: np.ndarray, table: np.ndarray, n_head_kv: int, hd_v: int
     are left alone; q and out C-order. The caller keeps the arrays alive.
 
     Where the head sizes suit the vector kernel (:mod:`plinth.ops.attend_simd`: no soft-cap, hd a
-    multiple of W, hd_v of 4W) a task is one row and a run of the query heads that share a kv
-    head, which read each block of keys and values once between them; the runs are split until
-    there is a task for each of ``n_threads`` threads (so a lone decode row of a model with one kv
-    head still uses every thread). Otherwise, or with ``plain`` (benchmarks and tests compare
+    multiple of W, hd_v of 4W) a task is a run of the query heads that share a kv head, for a chunk of
+    consecutive rows of one group (a verify batch's), which read each block of keys and values once between
+    them; the runs are split until there is a task for each of ``n_threads`` threads (so a lone decode row
+    of a model with one kv head still uses every thread), and a group's rows are cut into chunks small
+    enough to leave two tasks a thread. Otherwise, or with ``plain`` (benchmarks and tests compare
     the two), each (row, head) runs :func:`_attend_one`. Either way a row's output does not depend on
     the other rows of the call, nor on how the heads were split."""
     vector = not plain and vector_suits(q.shape[2], hd_v, soft_cap)
