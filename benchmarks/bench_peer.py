@@ -27,7 +27,11 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   (the steady state of speculative decoding) relative to k = 1,
   for both engines; ``--verify-pairs N`` adds N back-to-back (k = 1, k = 8) pairs per engine and the
   spread of their ratios (a shared machine's state moves a compute-bound k = 8 forward far more than
-  a one-token one, so one best-of pair can land on either side of a goal).
+  a one-token one, so one best-of pair can land on either side of a goal); each pair runs between two
+  probes of the cores (``bench_cores.py``'s 8-row product on each core alone, one unrecorded forward
+  after), and a second line gives the ratios over the pairs whose probes found both cores within 15%
+  of the run's fastest (a quiet machine as far as the cores go: the memory's state is not probed);
+  ``--no-probe`` leaves the probes out.
 * ``--synthetic-1b``: the speed part only, on a random ~1.1B-parameter llama in llama.cpp's Q4_K_M
   mix written by the test kit (:func:`plinth.testing.synthetic.write_quantized_llama`: TinyLlama-1.1B's
   shape, hidden 2048, 22 layers, FFN 5632, 32 / 4 heads; ~640 MiB, kept at ``--synthetic-path`` and
