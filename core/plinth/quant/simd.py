@@ -252,6 +252,16 @@ def _fifth_bits(builder, qh, j):
                           _splat(_i8, 32, 0))
 
 
+def _fifth_bits_bitalg(builder, qh, j):
+    """:func:`_fifth_bits` in one ``vpshufbitqmb`` (AVX512-BITALG): byte t of lane i takes bit 4j + t of row
+    i's qh from the qword holding rows i and i ^ 1 as a mask bit, then 16 where it is set."""
+    idx = ir.Constant(_v32i8, [32 * ((k // 4) % 2) + 4 * j + k % 4 for k in range(32)])
+    mask_ty = ir.VectorType(ir.IntType(1), 32)
+    f = _fn(builder, "llvm.x86.avx512.vpshufbitqmb.256", mask_ty, [_v32i8, _v32i8])
+    bits = builder.call(f, [builder.bitcast(qh, _v32i8), idx])
+    return builder.select(bits, _splat(_i8, 32, 16), _splat(_i8, 32, 0))
+
+
 def _decode(builder, kind, gb, vnni):
     """The one unit of the 32-value group-block at ``gb`` (an i8*; the K-quants: :func:`_decode_k`)."""
     if kind in ("q4_0", "q4_1", "q5_0", "q5_1"):
@@ -267,7 +277,8 @@ def _decode(builder, kind, gb, vnni):
             c = _chunk(builder, gb, off + 32 * k)
             w[k], w[k + 4] = _bits(builder, c, 0, 15), _bits(builder, c, 4, 15)
         if qh is not None:
-            w = [builder.or_(w[j], _fifth_bits(builder, qh, j)) for j in range(8)]
+            fifth = _fifth_bits_bitalg if vnni and host_features().get("avx512bitalg") else _fifth_bits
+            w = [builder.or_(w[j], fifth(builder, qh, j)) for j in range(8)]
         c = {"q4_0": 8, "q5_0": 16}.get(kind, 0)
         return _Unit(w, d, _halves8(builder, gb, 16) if has_m else None, parts=((0, 8, None, c),))
     if kind == "q8_0":
