@@ -26,66 +26,6 @@ import time
 import numpy as np
 
 
-class CoreProbe:
-    """A batch product (``rows`` activation rows, a random weight of block type ``type_name`` and shape
-    "n_out,n_in") timed on each of the first two CPUs alone: :meth:`alone` -> (CPU a us, CPU b us), each the
-    best of three runs of ``n`` products with the calling thread pinned to that CPU and one kernel thread. Other
-    benchmarks (``bench_peer.py --verify-pairs``) call it around their own measurements to tell which state the
-    machine was in; the first product (which repacks the weight) runs here."""
-
-    def __init__(self, type_name: str = "Q4_1", shape: str = "3072,576", rows: int = 8) -> None:
-        import plinth.quant as quant
-        from plinth.gguf.constants import GGMLType
-        from plinth.testing import quantized_rows
-
-        if not hasattr(os, "sched_setaffinity"):
-            raise SystemExit("the core probe pins threads with os.sched_setaffinity (Linux only)")
-        self.cpus = sorted(os.sched_getaffinity(0))
-        if len(self.cpus) < 2:
-            raise SystemExit(f"the core probe compares two cores; this process may run on {len(self.cpus)}")
-        if quant.compiled_i8() is None:
-            raise SystemExit("the core probe times the int8 kernels, which are off here (PLINTH_INT8=0, no AVX2, "
-                             "or no numba)")
-        n_out, n_in = (int(v) for v in shape.split(","))
-        self.shape = (n_out, n_in)
-        self.w = quant.QuantWeight(quantized_rows(type_name, n_out, n_in), int(GGMLType[type_name]), (n_out, n_in))
-        self.x = np.random.default_rng(1).standard_normal((rows, n_in)).astype(np.float32)
-        self.threads = quant.threads()
-        self.me = threading.get_native_id()
-        self.w.matmul(self.x)
-
-    def best(self, n: int = 60) -> float:
-        """Microseconds a product, the best of three runs of ``n`` (on whatever CPUs the thread may use now)."""
-        got = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(n):
-                self.w.matmul(self.x)
-            got = min(got, (time.perf_counter() - t) / n)
-        return got * 1e6
-
-    def alone(self, n: int = 60) -> tuple[float, float]:
-        """(first CPU alone, second CPU alone), microseconds a product; the affinity and the kernel threads
-        restored after."""
-        import numba
-
-        numba.set_num_threads(1)
-        try:
-            got = []
-            for cpu in self.cpus[:2]:
-                os.sched_setaffinity(self.me, {cpu})
-                got.append(self.best(n))
-        finally:
-            self.restore()
-        return got[0], got[1]
-
-    def restore(self) -> None:
-        import numba
-
-        os.sched_setaffinity(self.me, set(self.cpus))
-        numba.set_num_threads(self.threads)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--type", default="Q4_1", help="weight block type (default Q4_1, SmolLM2's)")
@@ -96,9 +36,34 @@ def main() -> None:
     args = ap.parse_args()
     if not hasattr(os, "sched_setaffinity"):
         sys.exit("bench_cores.py pins threads with os.sched_setaffinity (Linux only)")
-    probe = CoreProbe(args.type, args.shape, args.rows)
-    n_out, n_in = probe.shape
-    best, threads, cpus = probe.best, probe.threads, probe.cpus
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        sys.exit(f"bench_cores.py compares two cores; this process may run on {len(cpus)}")
+
+    import numba
+
+    import plinth.quant as quant
+    from plinth.gguf.constants import GGMLType
+    from plinth.testing import quantized_rows
+
+    if quant.compiled_i8() is None:
+        sys.exit("bench_cores.py times the int8 kernels, which are off here (PLINTH_INT8=0, no AVX2, or no numba)")
+    n_out, n_in = (int(v) for v in args.shape.split(","))
+    w = quant.QuantWeight(quantized_rows(args.type, n_out, n_in), int(GGMLType[args.type]), (n_out, n_in))
+    x = np.random.default_rng(1).standard_normal((args.rows, n_in)).astype(np.float32)
+    threads = quant.threads()
+    me = threading.get_native_id()
+
+    def best(n: int = 60) -> float:
+        got = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(n):
+                w.matmul(x)
+            got = min(got, (time.perf_counter() - t) / n)
+        return got * 1e6
+
+    w.matmul(x)  # (the first product repacks the weight)
     print(f"{args.type} {n_out} x {n_in}, {args.rows} rows; CPUs {cpus[0]} and {cpus[1]}; kernel threads {threads}; "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"   t (s) {f'CPU {cpus[0]} alone (us)':>18} {f'CPU {cpus[1]} alone (us)':>18} {'both (us)':>10} "
@@ -107,7 +72,13 @@ def main() -> None:
     t0 = time.time()
     try:
         while time.time() - t0 < args.duration:
-            alone = probe.alone()
+            numba.set_num_threads(1)
+            alone = []
+            for cpu in cpus[:2]:
+                os.sched_setaffinity(me, {cpu})
+                alone.append(best())
+            os.sched_setaffinity(me, set(cpus))
+            numba.set_num_threads(threads)
             best(10)
             both = best()
             rows.append((*alone, both))
@@ -115,7 +86,8 @@ def main() -> None:
                   flush=True)
             time.sleep(args.every)
     finally:
-        probe.restore()
+        os.sched_setaffinity(me, set(cpus))
+        numba.set_num_threads(threads)
     if rows:
         fast = min(min(a, b) for a, b, _ in rows)
         slow_one = sum(max(a, b) > 1.15 * fast for a, b, _ in rows)

@@ -27,11 +27,7 @@ default to both real models (``smollm2-135m-instruct``, ``gemma3-270m``).
   (the steady state of speculative decoding) relative to k = 1,
   for both engines; ``--verify-pairs N`` adds N back-to-back (k = 1, k = 8) pairs per engine and the
   spread of their ratios (a shared machine's state moves a compute-bound k = 8 forward far more than
-  a one-token one, so one best-of pair can land on either side of a goal); each pair runs between two
-  probes of the cores (``bench_cores.py``'s 8-row product on each core alone, one unrecorded forward
-  after), and a second line gives the ratios over the pairs whose probes found both cores within 15%
-  of the run's fastest (a quiet machine as far as the cores go: the memory's state is not probed);
-  ``--no-probe`` leaves the probes out.
+  a one-token one, so one best-of pair can land on either side of a goal).
 * ``--synthetic-1b``: the speed part only, on a random ~1.1B-parameter llama in llama.cpp's Q4_K_M
   mix written by the test kit (:func:`plinth.testing.synthetic.write_quantized_llama`: TinyLlama-1.1B's
   shape, hidden 2048, 22 layers, FFN 5632, 32 / 4 heads; ~640 MiB, kept at ``--synthetic-path`` and
@@ -246,65 +242,32 @@ def speed(name, path, args, llama_cpp):
         for k in VERIFY_KS:
             ours_verify[k] = min(ours_verify[k], _plinth_verify(model, k))
             peer_verify[k] = min(peer_verify[k], _peer_verify(llm, n_vocab, k))
-    probe = None
-    if args.verify_pairs and not args.no_probe:
-        from bench_cores import CoreProbe
-
-        probe = CoreProbe()
-    pairs = _verify_pairs(model, llm, n_vocab, args.verify_pairs, probe) if args.verify_pairs else None
+    pairs = _verify_pairs(model, llm, n_vocab, args.verify_pairs) if args.verify_pairs else None
     del model, llm
     for label, v in (("plinth", ours_verify), ("llama.cpp", peer_verify)):
         print(f"  verify forward after 128 tokens, cost / k=1 ({label}): "
               + ", ".join(f"k={k} {v[k] * 1e3:.1f} ms ({v[k] / v[1]:.2f}x)" for k in VERIFY_KS))
-    probed = [p[3] for got in (pairs or {}).values() for p in got if p[3] == p[3]]
-    fastest = min(probed) if probed else None
     for label, got in (pairs or {}).items():
-        print(_pairs_line(label, got))
-        if fastest is not None:
-            quiet = [p for p in got if p[2] <= QUIET_WITHIN * fastest]
-            head = (f"  ... of them on a quiet machine (each core alone within {QUIET_WITHIN:.2f}x of the run's fastest "
-                    f"{fastest:.1f} us before and after the pair)")
-            print(f"{head}: {len(quiet)} pairs" + (":" + _pairs_line(label, quiet).split(":", 1)[1] if quiet else ""))
+        ratios = sorted(k8 / k1 for k1, k8 in got)
+        mid = statistics.median(ratios)
+        print(f"  verify k=8 / k=1 in {len(ratios)} back-to-back pairs ({label}): min {ratios[0]:.2f}x, "
+              f"median {mid:.2f}x, max {ratios[-1]:.2f}x; pairs at or under 2.0x: "
+              f"{sum(r <= 2.0 for r in ratios)} of {len(ratios)}; k=8 forward {min(k8 for _, k8 in got) * 1e3:.1f}-"
+              f"{max(k8 for _, k8 in got) * 1e3:.1f} ms, k=1 {min(k1 for k1, _ in got) * 1e3:.1f}-"
+              f"{max(k1 for k1, _ in got) * 1e3:.1f} ms")
 
 
-#: a pair counts as run on a quiet machine when every core-alone product time of the probes around it is within
-#: this factor of the fastest the run saw (bench_cores.py: a slow stretch is 20-40% slower)
-QUIET_WITHIN = 1.15
-
-
-def _verify_pairs(model, llm, n_vocab, n, probe=None):
+def _verify_pairs(model, llm, n_vocab, n):
     """``n`` pairs per engine of a k=1 then a k=8 verify measurement (each as :func:`_plinth_verify` /
-    :func:`_peer_verify` take it), one engine's pair after the other's: {engine: [(k1 s, k8 s, slowest
-    core-alone probe us, fastest), ...]}. A pair's two forwards run within ~50 ms of each other, so its ratio is the cost
-    of the k=8 forward at one moment of the machine; the spread of the ratios over the pairs shows how far the
-    machine's state moves it (the best-of figures above take each k's best at different moments). ``probe``
-    (a bench_cores.CoreProbe): each core's speed alone, before and after every pair (the slower of the four
-    figures and the fastest kept; nan without a probe)."""
+    :func:`_peer_verify` take it), one engine's pair after the other's: {engine: [(k1 s, k8 s), ...]}. A
+    pair's two forwards run within ~50 ms of each other, so its ratio is the cost of the k=8 forward at one
+    moment of the machine; the spread of the ratios over the pairs shows how far the machine's state moves it
+    (the best-of figures above take each k's best at different moments)."""
     out = {"plinth": [], "llama.cpp": []}
-
-    def probed(measure):
-        before = (float("nan"),)
-        if probe is not None:
-            before = probe.alone(20)
-            measure(1)  # (unrecorded: right after the probe's pinned thread a forward runs ~8% slower)
-        k1, k8 = measure(1), measure(8)
-        after = probe.alone(20) if probe is not None else (float("nan"),)
-        return k1, k8, max(*before, *after), min(*before, *after)
-
     for _ in range(n):
-        out["plinth"].append(probed(lambda k: _plinth_verify(model, k)))
-        out["llama.cpp"].append(probed(lambda k: _peer_verify(llm, n_vocab, k)))
+        out["plinth"].append((_plinth_verify(model, 1), _plinth_verify(model, 8)))
+        out["llama.cpp"].append((_peer_verify(llm, n_vocab, 1), _peer_verify(llm, n_vocab, 8)))
     return out
-
-
-def _pairs_line(label, got):
-    """One line on (k1 s, k8 s, ...) pairs: the k=8 / k=1 ratios' spread and how many are at or under 2.0x."""
-    ratios = sorted(p[1] / p[0] for p in got)
-    return (f"  verify k=8 / k=1 in {len(ratios)} back-to-back pairs ({label}): min {ratios[0]:.2f}x, "
-            f"median {statistics.median(ratios):.2f}x, max {ratios[-1]:.2f}x; pairs at or under 2.0x: "
-            f"{sum(r <= 2.0 for r in ratios)} of {len(ratios)}; k=8 forward {min(p[1] for p in got) * 1e3:.1f}-"
-            f"{max(p[1] for p in got) * 1e3:.1f} ms, k=1 {min(p[0] for p in got) * 1e3:.1f}-"
-            f"{max(p[0] for p in got) * 1e3:.1f} ms")
 
 
 VERIFY_KS = (1, 4, 8)
@@ -324,11 +287,7 @@ def main() -> None:
     parser.add_argument("--no-verify", action="store_true", help="speed without the verify forwards")
     parser.add_argument("--verify-pairs", type=int, default=0, metavar="N",
                         help="also N back-to-back (k=1, k=8) verify pairs per engine: the spread of the k=8 / k=1 "
-                             "ratio over the machine's moments (min, median, max, pairs at or under 2.0x), and the "
-                             "same over the pairs run while both cores ran at full speed (a probe before and after "
-                             "each pair: bench_cores.py's 8-row product on each core alone)")
-    parser.add_argument("--no-probe", action="store_true",
-                        help="--verify-pairs without the core probes (and without the quiet-machine line)")
+                             "ratio over the machine's moments (min, median, max, pairs at or under 2.0x)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="prompt and decode speed on this process's CPU time (with --threads 1 only: a "
                              "loaded machine's figure that does not count the time other processes held the core)")
