@@ -66,15 +66,15 @@ def _thresholds(mx: np.float32, margin: float, los: np.ndarray) -> None:
 
 
 @njit(cache=True, fastmath=False)
-def _near_max_passes(y: np.ndarray, r: int, n: int, mx: np.float32, margin: float, cap: int, cols: np.ndarray) -> int:
-    """The selection rule of :func:`near_max_row` by whole passes over row r (``mx`` its maximum): a pass that
-    counts per margin until one fits, then one that collects, 64 values at a time (a chunk without a close
-    value is only compared). Returns how many columns went into ``cols``."""
-    lo = mx - np.float32(margin)
-    for _ in range(24):
-        if _count_at_least(y, r, n, lo) <= cap:
+def _near_max_passes(y: np.ndarray, r: int, n: int, los: np.ndarray, cap: int, cols: np.ndarray) -> int:
+    """The selection rule of :func:`near_max_row` by whole passes over row r (``los`` its margins,
+    :func:`_thresholds`): a pass that counts per margin until one fits, then one that collects, 64 values at a
+    time (a chunk without a close value is only compared). Returns how many columns went into ``cols``."""
+    lo = los[24]
+    for i in range(24):
+        if _count_at_least(y, r, n, los[i]) <= cap:
+            lo = los[i]
             break
-        lo = mx - (mx - lo) * np.float32(0.5)
     k = 0
     row = y[r]
     n64 = n - n % 64
@@ -151,7 +151,7 @@ def near_max_row(y: np.ndarray, r: int, n: int, margin: float, cap: int, cols: n
         if los[i] < reach:  # (NaN margins compare false: they count nothing either way)
             over = True
     if over:
-        return _near_max_passes(y, r, n, mr, margin, cap, cols)
+        return _near_max_passes(y, r, n, los, cap, cols)
     lo = los[24]
     for i in range(24):
         c = 0
@@ -177,8 +177,10 @@ def near_max_rows(y: np.ndarray, mx: np.ndarray, n: int, margin: float, cap: int
     margin is halved (in float32, at most 24 times) until they fit, and the first ``cap`` of those left are kept
     (ties at the maximum beyond ``cap``). The rule by whole passes; :func:`near_max_row` is the one-pass form
     :func:`refine_head` runs."""
+    los = np.empty(25, np.float32)
     for r in range(y.shape[0]):
-        counts[r] = _near_max_passes(y, r, n, mx[r], margin, cap, cols[r])
+        _thresholds(mx[r], margin, los)
+        counts[r] = _near_max_passes(y, r, n, los, cap, cols[r])
 
 
 @njit(cache=True, fastmath=False)
