@@ -10,6 +10,8 @@ within 1e-5 with the dequantized weight times the dequantized activations.
 
 from __future__ import annotations
 
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -369,6 +371,54 @@ def test_default_threads_count_physical_cores(tmp_path) -> None:
     assert quant.physical_cores([0, 2], str(tmp_path)) == 1
     assert quant.physical_cores([0, 7], str(tmp_path)) == 2  # cpu7 unknown: count the CPUs
     assert quant.default_threads() >= 1
+
+
+def test_omp_wait_defaults_keep_a_users_setting() -> None:
+    from plinth import runtime
+
+    env: dict[str, str] = {}
+    runtime.omp_wait_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
+    for mine in ({"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+        env = dict(mine)
+        runtime.omp_wait_defaults(env)
+        assert env == mine  # neither overridden nor completed
+
+
+_OMP_ENV = """
+import ctypes
+import numba
+import plinth.runtime as runtime
+if runtime.compiled() is None or numba.threading_layer() != "omp":
+    print("no OpenMP layer")
+else:
+    ctypes.CDLL("libgomp.so.1").omp_display_env(1)  # (verbose: the GOMP_ settings too)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp: Linux")
+def test_libgomp_reads_the_wait_settings_plinth_sets(tmp_path) -> None:
+    """The kernels' OpenMP pool starts with :data:`plinth.runtime.OMP_WAIT` where the environment names no
+    wait setting (libgomp reads it once, when it loads: the settings must be in place before numba loads its
+    OpenMP layer), and with the user's where it does. ``omp_display_env`` prints what libgomp took."""
+    import os
+    import subprocess
+
+    pytest.importorskip("numba")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV")}
+
+    def shown(**extra: str) -> str:
+        got = subprocess.run([sys.executable, "-c", _OMP_ENV], env={**base, **extra}, capture_output=True,
+                             text=True, timeout=300)
+        assert got.returncode == 0, got.stderr[-2000:]
+        if "no OpenMP layer" in got.stdout:
+            pytest.skip("the kernels do not run on numba's OpenMP layer here")
+        return got.stderr
+
+    out = shown()
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in out and "GOMP_SPINCOUNT = '300000'" in out, out
+    out = shown(OMP_WAIT_POLICY="passive")
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out and "GOMP_SPINCOUNT = '300000'" not in out, out
 
 
 def test_thread_count_is_validated() -> None:
