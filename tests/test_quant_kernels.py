@@ -377,12 +377,17 @@ def test_omp_wait_defaults_keep_a_users_setting() -> None:
     from plinth import runtime
 
     env: dict[str, str] = {}
-    runtime.omp_wait_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
-    for mine in ({"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"}):
+    runtime.omp_wait_defaults(env, "linux")
+    assert env == {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
+    for mine in ({"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "ACTIVE"},
+                 {"KMP_BLOCKTIME": "0"}):
         env = dict(mine)
-        runtime.omp_wait_defaults(env)
+        runtime.omp_wait_defaults(env, "linux")
         assert env == mine  # neither overridden nor completed
+    for other in ("darwin", "win32"):  # (other OpenMP runtimes: not measured, left alone)
+        env = {}
+        runtime.omp_wait_defaults(env, other)
+        assert env == {}
 
 
 _OMP_ENV = """
@@ -405,7 +410,8 @@ def test_libgomp_reads_the_wait_settings_plinth_sets(tmp_path) -> None:
     import subprocess
 
     pytest.importorskip("numba")
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_DISPLAY_ENV")}
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_DISPLAY_ENV")}
 
     def shown(**extra: str) -> str:
         got = subprocess.run([sys.executable, "-c", _OMP_ENV], env={**base, **extra}, capture_output=True,

@@ -75,19 +75,22 @@ def _load_kernels() -> Any:
     return k
 
 
-#: libgomp's wait settings plinth asks for where the environment names none (read once, when libgomp loads):
-#: idle pool threads spin this many rounds after a parallel region, then sleep (libgomp's own count), and keep
-#: spinning where several threads have started pools. Without them libgomp cuts the spin to 100 rounds as soon
-#: as its pools hold more threads than there are cores (a forward from a second thread: every product of a step
-#: then waits for a sleeping thread; SmolLM2 decode steps 10.9-11.3 ms against 5.2-6.4 ms with them, 4.4 ms from
-#: a lone thread either way). OMP_WAIT_POLICY=active alone spins 30 billion rounds: idle pools never sleep.
-OMP_WAIT = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000"}
+#: the OpenMP wait settings plinth asks for on Linux where the environment names none (read once, when the OpenMP
+#: runtime loads). GNU libgomp (numba's OpenMP layer on Linux): idle pool threads spin 300000 rounds after a
+#: parallel region, then sleep (libgomp's own count), and keep spinning that long where several threads have
+#: started pools; by default libgomp cuts the spin to 100 rounds as soon as its pools hold more threads than
+#: there are cores (a forward from a second thread: every product of a step then waits for a sleeping thread;
+#: SmolLM2 decode steps 10.1-11.3 ms against 5.1-5.3 ms with these, 4.5-4.8 ms from a lone thread either way).
+#: OMP_WAIT_POLICY=active alone spins 30 billion rounds: idle pools never sleep. LLVM's / Intel's runtime (where
+#: libgomp.so is theirs) reads active as spin forever unless KMP_BLOCKTIME is set: 200 ms is its default.
+OMP_WAIT = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "300000", "KMP_BLOCKTIME": "200"}
 
 
-def omp_wait_defaults(env: Any) -> None:
-    """Set :data:`OMP_WAIT` in ``env`` (a mapping: ``os.environ``) where it holds neither setting: a user's
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is kept, and the other not added beside it."""
-    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+def omp_wait_defaults(env: Any, platform: str = sys.platform) -> None:
+    """Set :data:`OMP_WAIT` in ``env`` (a mapping: ``os.environ``) on Linux where it holds none of those settings:
+    a user's ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or ``KMP_BLOCKTIME`` is kept, and the others not added
+    beside it. Elsewhere (another OpenMP runtime, not measured) nothing is set."""
+    if platform.startswith("linux") and not any(k in env for k in OMP_WAIT):
         env.update(OMP_WAIT)
 
 
