@@ -6,7 +6,8 @@ modules are imported on first use).
 
 Threads: ``PLINTH_THREADS`` (or :func:`set_threads`, the ``--threads`` option) sets the kernel
 threads; default the physical cores this process may run on. ``PLINTH_KERNELS=0`` turns the compiled
-kernels off (numpy fallbacks), ``PLINTH_INT8=0`` the int8-activation kernels.
+kernels off (numpy fallbacks), ``PLINTH_INT8=0`` the int8-activation kernels. On Linux the OpenMP wait
+settings of :data:`OMP_WAIT` are set where the environment names none of them (docs/performance.md, "Threads").
 """
 
 from __future__ import annotations
