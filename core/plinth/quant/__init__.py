@@ -241,18 +241,12 @@ class QuantWeight:
         the margin. A row's result depends on that row only. One compiled call over the kernel threads
         (:func:`plinth.quant.kernels_i8.refine_head`: a pass for the maximum and the near ones, the
         weight rows dequantized as :meth:`take` does, the fixed-order dots)."""
+        # (called on the int8 path, so both kernel modules are there, and raw16 too: every int8 type's rows
+        # have an even byte count)
         k8, k = compiled_i8(), compiled()
-        m, n = y.shape[0], self.shape[0]  # (y's rows may be longer: :func:`_out_rows`)
-        if k is not None and self.raw16 is not None:
-            k8.refine_head(y, n, PRECISE_MARGIN, PRECISE_MAX, self.ggml_type in k.FAST_TYPES, self.ggml_type, self.qk,
-                           self.raw, self.raw16, k.F16_TABLE, k.FP4_VALUES, x)
-            return
-        cols = np.zeros((m, PRECISE_MAX), dtype=np.int64)
-        counts = np.empty(m, dtype=np.int64)
-        k8.near_max_rows(y, y[:, :n].max(axis=1), n, PRECISE_MARGIN, PRECISE_MAX, cols, counts)
-        # the rows' columns dequantized once for the whole batch (verify rows share most of theirs)
-        union = np.unique(np.concatenate([cols[r, :counts[r]] for r in range(m)]))
-        k8.refine_rows(self.take(union, unscaled=True), np.searchsorted(union, cols), cols, counts, x, y)
+        n = self.shape[0]  # (y's rows may be longer: :func:`_out_rows`)
+        k8.refine_head(y, n, PRECISE_MARGIN, PRECISE_MAX, self.ggml_type in k.FAST_TYPES, self.ggml_type, self.qk,
+                       self.raw, self.raw16, k.F16_TABLE, k.FP4_VALUES, x)
 
 
 #: a precise weight's values within this much of their row's maximum are recomputed from f32 activations
