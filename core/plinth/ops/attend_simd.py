@@ -188,8 +188,8 @@ def _exp(b, x, W):
     return b.select(small, _splat(W, 0.0), y)
 
 
-_ARGS = [_F32P, _i64, _i64, _F32P, _F32P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64, _i64, _i64, _i64,
-         _i64, _i64.as_pointer()]
+_ARGS = [_F32P, _i64, _i64, _F32P, _F32P, _i64, _i64, _i64, _i64, _i64, _f32, _F32P, _F32P, _F32P, _i64, _i64, _i64,
+         _i64, _i64, _i64.as_pointer()]
 
 
 @njit(cache=True)
@@ -426,6 +426,7 @@ def make_attend(W: int):
 
 
 #: ``attend_rows(q, n_q, q_stride, k, v, n_kv, k_stride, v_stride, hd, hd_v, scale, bias, scratch, out,
-#: out_stride, per_row, q_row_stride, out_row_stride, bias_stride, row_keys)`` from numba (:func:`_rows_fn` with the host's lanes): every pointer an int64 data
-#: address of float32 memory (``bias`` 0 for none), scale a float32, the rest int64
+#: out_stride, per_row, q_row_stride, out_row_stride, bias_stride, row_keys)`` from numba (:func:`_rows_fn`
+#: with the host's lanes): every pointer an int64 data address, of float32 memory but ``row_keys``' (int64;
+#: ``bias`` and ``row_keys`` 0 for none), scale a float32, the rest int64
 attend_rows = make_attend(lanes())
