@@ -125,8 +125,9 @@ class Scheduler:
         self.prompt_cache = PromptCache(self.ctx.cache, self.max_batch, prompt_cache, prompt_cache_tokens)
         self.emitter = Emitter(self.tokenizer, model.n_ctx, self.metrics, self._finish)
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
-        #: called on the scheduler thread after each step (the HTTP app lets its event loop send the
-        #: step's events there: :class:`plinth.serve.app.Mailbox`)
+        #: called on the scheduler thread after each step, and once more after the requests still running at
+        #: shutdown are ended (the HTTP app lets its event loop send the step's events there:
+        #: :class:`plinth.serve.app.Mailbox`)
         self.after_step: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ public
@@ -313,6 +314,8 @@ class Scheduler:
                 self.after_step()
         for req in list(self._active) + list(self._waiting):
             self._finish(req, "cancelled", error="the server is shutting down")
+        if self.after_step is not None:  # (their last events sent)
+            self.after_step()
         with self._cond:
             calls, self._calls = list(self._calls), collections.deque()
         for _, fut in calls:
