@@ -261,8 +261,9 @@ class Mailbox:
     an event; from the thread that settles it waits for that thread's next ``settle``, from any other
     thread it wakes the loop unless a wake-up is already pending. So the loop's work for a step runs
     after the step's last event, while the scheduler thread waits: not beside the step's sampling
-    and emission, both threads taking turns at the GIL (a 16-stream step's work after its forward
-    took 1.1 ms that way against 0.5 held), nor during the next forward. On a machine whose cores
+    and emission, the two threads trading the GIL (that way a 16-stream step's sampling and emission
+    took 1.0-1.4 ms, held 0.4-0.5 ms, and its time outside the forward 2.2 ms against 1.8), nor during
+    the next forward. On a machine whose cores
     the kernel threads fill, a thread running during a forward preempts one of theirs, which stalls
     every parallel region of the forward (each waits for its slowest thread); see docs/serving.md."""
 
