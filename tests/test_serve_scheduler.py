@@ -274,6 +274,34 @@ def test_prompt_cache_token_bound_and_speculative_bypass(tiny, started):
     assert off.prompt_cache_usage() == (0, 0) and off.metrics.prompt_cache_misses == 0
 
 
+def test_a_first_token_decided_before_the_forward_is_sent_before_it(tiny):
+    """A request whose prompt is cached takes its first token from the kept logits while its step is
+    planned; the events emitted so far are sent (``send_events``: the HTTP app's event loop writes them)
+    before that step's forward, not held until after it: one forward less of time to first token."""
+    sched = Scheduler(tiny, max_batch=2, prompt_cache=2)
+    log: list = []
+    real = sched.ctx.forward
+
+    def forward(batch, *a, **kw):
+        log.append("forward")
+        return real(batch, *a, **kw)
+
+    sched.ctx.forward = forward
+    sched.send_events = lambda: log.append("send")
+    prompt = ids(b"Hello there")
+
+    def request():
+        return Request(prompt_ids=prompt, max_tokens=3, sampling=GREEDY,
+                       emit=lambda ev: log.append(("event", len(ev.tokens), ev.finish)))
+
+    drive(sched, request())
+    assert log[:3] == ["send", "forward", ("event", 1, None)]  # (a prefill: its token comes from the forward)
+    log.clear()
+    drive(sched, request())
+    assert sched.metrics.prompt_cache_hits == 1
+    assert log[:3] == [("event", 1, None), "send", "forward"]
+
+
 def test_prepare_runs_on_the_scheduler_thread(tiny, started, monkeypatch):
     """The warm-up forward runs on the thread that runs every later forward (the compiled kernels'
     OpenMP team belongs to the launching thread: a team the main thread started first makes the

@@ -255,15 +255,15 @@ class Mailbox:
     """Events from the scheduler thread to the event loop's request queues, one wake-up of the loop for
     a burst (a step's events for every stream) instead of one per event.
 
-    ``settle`` (the scheduler thread, after each step) wakes the loop for the events the step posted
-    and waits, at most ``timeout`` seconds, until the loop has handed them to their requests' queues
-    and run the streams they woke (their chunks formatted and written to the sockets). ``post`` queues
-    an event; from the thread that settles it waits for that thread's next ``settle``, from any other
-    thread it wakes the loop unless a wake-up is already pending. So the loop's work for a step runs
-    after the step's last event, while the scheduler thread waits: not beside the step's sampling
-    and emission, the two threads trading the GIL (that way a 16-stream step's sampling and emission
-    took 1.0-1.4 ms, held 0.4-0.5 ms, and its time outside the forward 2.2 ms against 1.8), nor during
-    the next forward. On a machine whose cores
+    ``settle`` (the scheduler thread: after each step, and before a forward where the step's planning
+    posted a first token) wakes the loop for the events posted since the last one and waits, at most
+    ``timeout`` seconds, until the loop has handed them to their requests' queues and run the streams
+    they woke (their chunks formatted and written to the sockets). ``post`` queues an event; from the
+    thread that settles it waits for that thread's next ``settle``, from any other thread it wakes the
+    loop unless a wake-up is already pending. So the loop's work for a step runs after the step's last
+    event, while the scheduler thread waits: not beside the step's sampling and emission, the two
+    threads trading the GIL (that way a 16-stream step's sampling and emission took 1.0-1.3 ms, held
+    0.4-0.5 ms; its time outside the forward 2.1-2.3 ms against 1.4-1.8), nor during the next forward. On a machine whose cores
     the kernel threads fill, a thread running during a forward preempts one of theirs, which stalls
     every parallel region of the forward (each waits for its slowest thread); see docs/serving.md."""
 
@@ -340,13 +340,13 @@ class Handlers:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         sched = self.sched
-        sched.after_step = self.settle
+        sched.send_events = self.settle
         sched.start()
         try:
             yield
         finally:
             sched.stop()
-            sched.after_step = None
+            sched.send_events = None
 
     def routes(self) -> list[Any]:
         return [

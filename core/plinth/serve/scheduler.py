@@ -125,10 +125,12 @@ class Scheduler:
         self.prompt_cache = PromptCache(self.ctx.cache, self.max_batch, prompt_cache, prompt_cache_tokens)
         self.emitter = Emitter(self.tokenizer, model.n_ctx, self.metrics, self._finish)
         self._calls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
-        #: called on the scheduler thread after each step, and once more after the requests still running at
-        #: shutdown are ended (the HTTP app lets its event loop send the step's events there:
-        #: :class:`plinth.serve.app.Mailbox`)
-        self.after_step: Callable[[], None] | None = None
+        #: called on the scheduler thread to have the events emitted so far sent (the HTTP app lets its event
+        #: loop write them there and waits for it: :class:`plinth.serve.app.Mailbox`): after each step; before a
+        #: step's forward, so that a first token its planning decided (a cached prompt's, a shared prompt's
+        #: follower's) is not held behind the forward; and once more after the requests still running at
+        #: shutdown are ended
+        self.send_events: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -310,12 +312,12 @@ class Scheduler:
                     self.ctx.cache.rollback_pending()
                     for req in list(self._active):
                         self._finish(req, "error", error=f"{type(exc).__name__}: {exc}")
-            if self.after_step is not None:
-                self.after_step()
+            if self.send_events is not None:
+                self.send_events()
         for req in list(self._active) + list(self._waiting):
             self._finish(req, "cancelled", error="the server is shutting down")
-        if self.after_step is not None:  # (their last events sent)
-            self.after_step()
+        if self.send_events is not None:
+            self.send_events()
         with self._cond:
             calls, self._calls = list(self._calls), collections.deque()
         for _, fut in calls:
@@ -413,6 +415,8 @@ class Scheduler:
         if not parts:
             return
         batch = parts[0] if len(parts) == 1 else Batch.concat(parts)
+        if self.send_events is not None:  # (a first token decided above is sent before the forward, not after it)
+            self.send_events()
         t0 = time.perf_counter()
         out = self.ctx.forward(batch)
         logits = np.asarray(model.backend.to_numpy(out.logits)) if out.logits is not None else None
