@@ -263,9 +263,10 @@ class Mailbox:
     loop unless a wake-up is already pending. So the loop's work for a step runs after the step's last
     event, while the scheduler thread waits: not beside the step's sampling and emission, the two
     threads trading the GIL (that way a 16-stream step's sampling and emission took 1.0-1.3 ms, held
-    0.4-0.5 ms; its time outside the forward 2.1-2.3 ms against 1.4-1.8), nor during the next forward. On a machine whose cores
-    the kernel threads fill, a thread running during a forward preempts one of theirs, which stalls
-    every parallel region of the forward (each waits for its slowest thread); see docs/serving.md."""
+    0.4-0.5 ms; its time outside the forward 2.1-2.3 ms against 1.4-1.8), nor during the next forward.
+    On a machine whose cores the kernel threads fill, a thread running during a forward preempts one of
+    theirs, which stalls every parallel region of the forward (each waits for its slowest thread); see
+    docs/serving.md."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
