@@ -465,10 +465,10 @@ def _near_max_numpy(y: np.ndarray, margin: float, cap: int) -> np.ndarray:
 
 
 @needs_int8
-def test_near_max_rows_is_the_numpy_rule() -> None:
-    """The compiled selection of the precise head: the numpy rule's columns, with the margin halved,
-    ties beyond the cap, a row of equal values (halving cannot separate them), and columns past a
-    multiple of 64; the columns past ``n`` of longer rows (the padded output of an LM head) are not
+def test_near_max_row_is_the_numpy_rule_on_made_rows() -> None:
+    """The compiled selection of the precise head (``near_max_row``): the numpy rule's columns, with the
+    margin halved, ties beyond the cap, a row of equal values (halving cannot separate them), and columns
+    past a multiple of 64; the columns past ``n`` of longer rows (the padded output of an LM head) are not
     looked at."""
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(5)
@@ -478,12 +478,12 @@ def test_near_max_rows_is_the_numpy_rule() -> None:
     y[3, 999] = 50.0  # the maximum in the last, partial chunk
     y[4] = np.linspace(0, 1, 1000, dtype=np.float32)  # a dense ramp: the margin halves several times
     longer = np.concatenate([y, np.full((6, 16), 99.0, np.float32)], axis=1)
+    cand = np.empty(k8.CANDIDATES, np.int64)
     for cap in (256, 16, 3):
-        cols = np.zeros((6, cap), np.int64)
-        counts = np.empty(6, np.int64)
-        k8.near_max_rows(longer, y.max(axis=1), 1000, 1.5, cap, cols, counts)
         for r in range(6):
-            assert np.array_equal(cols[r, :counts[r]], _near_max_numpy(y[r], 1.5, cap)), (cap, r)
+            cols = np.zeros(cap, np.int64)
+            count = k8.near_max_row(longer, r, 1000, 1.5, cap, cols, cand)
+            assert np.array_equal(cols[:count], _near_max_numpy(y[r], 1.5, cap)), (cap, r)
 
 
 @needs_int8
@@ -528,7 +528,7 @@ def test_near_max_row_one_pass_is_the_numpy_rule() -> None:
 def test_refine_head_is_take_then_fixed_order_dots(type_name: str) -> None:
     """The precise head's compiled refinement (``refine_head``, rows over the kernel threads) against its steps
     one by one: the numpy rule's columns, those weight rows through ``QuantWeight.take`` (unscaled), their
-    fixed-order dots with the f32 activations (``refine_rows``): the same bits, every other value untouched."""
+    fixed-order dots with the f32 activations (``_dot16``): the same bits, every other value untouched."""
     k8 = quant.compiled_i8()
     n_out, n_in = 1024, 256
     w = QuantWeight(quantized_rows(type_name, n_out, n_in, 4), int(GGMLType[type_name]), (n_out, n_in))
@@ -539,8 +539,8 @@ def test_refine_head_is_take_then_fixed_order_dots(type_name: str) -> None:
     want = y.copy()
     for r in range(9):
         cols = _near_max_numpy(y[r, :n_out], quant.PRECISE_MARGIN, quant.PRECISE_MAX)
-        k8.refine_rows(w.take(cols, unscaled=True), np.arange(len(cols))[None], cols[None], np.array([len(cols)]),
-                       x[r:r + 1], want[r:r + 1])
+        for c, row in zip(cols, w.take(cols, unscaled=True)):
+            want[r, c] = k8._dot16(row, x[r])
     k = quant.compiled()
     got = y.copy()
     k8.refine_head(got, n_out, quant.PRECISE_MARGIN, quant.PRECISE_MAX, w.ggml_type in k.FAST_TYPES, w.ggml_type, w.qk,
@@ -550,17 +550,14 @@ def test_refine_head_is_take_then_fixed_order_dots(type_name: str) -> None:
 
 
 @needs_int8
-def test_refine_rows_fixed_order() -> None:
-    """The refinement's f32 dot (``refine_rows``): float32 accuracy against float64, and the same bits
-    for a row alone, in a batch, or at any length modulo 16."""
+def test_dot16_fixed_order() -> None:
+    """The refinement's f32 dot (``_dot16``): float32 accuracy against float64, and the same bits
+    for a row alone or among others, at any length modulo 16."""
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(6)
 
-    def dots(w: np.ndarray, x: np.ndarray) -> np.ndarray:  # every row of w with x, through refine_rows
-        idx = np.arange(len(w))[None, :]
-        y = np.zeros((1, len(w)), np.float32)
-        k8.refine_rows(w, idx, idx, np.array([len(w)]), x[None, :], y)
-        return y[0]
+    def dots(w: np.ndarray, x: np.ndarray) -> np.ndarray:  # every row of w with x, through _dot16
+        return np.array([k8._dot16(row, x) for row in w], np.float32)
 
     for n in (576, 640, 37, 16, 5):
         w = rng.standard_normal((9, n)).astype(np.float32)

@@ -170,20 +170,6 @@ def near_max_row(y: np.ndarray, r: int, n: int, margin: float, cap: int, cols: n
 
 
 @njit(cache=True, fastmath=False)
-def near_max_rows(y: np.ndarray, mx: np.ndarray, n: int, margin: float, cap: int, cols: np.ndarray,
-                  counts: np.ndarray) -> None:
-    """Per row r of y's first n columns (finite float32; ``mx[r]`` their maximum): the columns within ``margin`` of
-    the maximum, in order, into ``cols[r, :counts[r]]`` (int64 [m, cap]); where more than ``cap`` are that close the
-    margin is halved (in float32, at most 24 times) until they fit, and the first ``cap`` of those left are kept
-    (ties at the maximum beyond ``cap``). The rule by whole passes; :func:`near_max_row` is the one-pass form
-    :func:`refine_head` runs."""
-    los = np.empty(25, np.float32)
-    for r in range(y.shape[0]):
-        _thresholds(mx[r], margin, los)
-        counts[r] = _near_max_passes(y, r, n, los, cap, cols[r])
-
-
-@njit(cache=True, fastmath=False)
 def _dot16(w: np.ndarray, x: np.ndarray) -> np.float32:
     """w . x in float32 in one fixed order: 16 running sums (value j into sum j % 16), then a fixed tree."""
     acc = np.zeros(16, np.float32)
@@ -200,16 +186,6 @@ def _dot16(w: np.ndarray, x: np.ndarray) -> np.float32:
             acc[lane] += acc[lane + width]
         width //= 2
     return acc[0]
-
-
-@njit(cache=True, fastmath=False)
-def refine_rows(w: np.ndarray, at: np.ndarray, cols: np.ndarray, counts: np.ndarray, x: np.ndarray,
-                y: np.ndarray) -> None:
-    """y[r, cols[r, i]] = w[at[r, i]] . x[r] for i < counts[r] (w float32 dequantized weight rows,
-    x float32 activations; :func:`_dot16`'s fixed order, so the same bits for the same inputs)."""
-    for r in range(y.shape[0]):
-        for i in range(counts[r]):
-            y[r, cols[r, i]] = _dot16(w[at[r, i]], x[r])
 
 
 @njit(cache=True, nogil=True)
