@@ -220,6 +220,69 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
         assert np.array_equal(y, outs[0][:, :N_OUT]), name  # the compiled kernels are the VNNI form
 
 
+def _i8_linear_args(specs: list[tuple[str, int, int]], wide: bool) -> tuple:
+    """``kernels_i8.linear``'s weight arguments for stacked parts (type, rows, seed) of N_IN columns: the
+    eight-lane loops on the plain layout, or (``wide``) the sixteen-lane ones on the paired layout."""
+    k8 = quant.compiled_i8()
+    grps, fns = [], []
+    for name, n_out, seed in specs:
+        code = int(GGMLType[name])
+        g = simd.repack(quantized_rows(name, n_out, N_IN, seed), name.lower(), pairs=wide)
+        g.flags.writeable = False
+        grps.append(g)
+        fns.append([simd.kernel_address(code), simd.kernel_address(code, 16) if wide else 0])
+    gstarts = np.cumsum([0] + [g.shape[0] for g in grps]).astype(np.int64)
+    starts = np.cumsum([0] + [n for _, n, _ in specs]).astype(np.int64)
+    grps += [grps[0]] * (k8.MAX_PARTS - len(specs))
+    return np.array(fns, np.int64), tuple(grps), gstarts, starts
+
+
+@needs_int8
+@pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
+def test_int8_sixteen_lane_form_gives_the_eight_lane_bits() -> None:
+    """The sixteen-lane loops (two groups of eight weight rows a call, in 512-bit vectors, on the paired
+    layout) give every output the bits of the eight-lane loops: stacked parts with an odd last group
+    (which goes alone), every row count of a row group and its tails, a tiled prompt batch."""
+    k8 = quant.compiled_i8()
+    rng = np.random.default_rng(40)
+    for name in I8_TYPES:
+        specs = [(name, 200, 1), (name, 64, 2), (name, 24, 3)]  # 25, 8 and 3 groups
+        narrow, wide = _i8_linear_args(specs, False), _i8_linear_args(specs, True)
+        assert wide[0][:, 1].all() and not narrow[0][:, 1].any()
+        for m in [*range(1, 18), 23, 2 * max(64, k8.TILE_BYTES // N_IN // 8 * 8) + 5]:
+            x = (rng.standard_normal((m, N_IN)) * 3).astype(np.float32)
+            a, b = np.empty((m, 288), np.float32), np.empty((m, 288), np.float32)
+            k8.linear(*narrow, x, a)
+            k8.linear(*wide, x, b)
+            assert np.array_equal(a, b), f"{name}, {m} rows"
+
+
+def test_repack_pairs_interleaves_blocks_of_two_groups() -> None:
+    """``repack(pairs=True)``: groups 2t and 2t + 1 block by block in one stretch (the first group's block,
+    then the second's), an odd last group as the plain layout has it."""
+    for name in I8_TYPES:
+        raw = _packed(name, seed=7)  # 70 rows: 9 groups
+        plain, paired = simd.repack(raw, name.lower()), simd.repack(raw, name.lower(), pairs=True)
+        assert paired.shape == plain.shape == (9, plain.shape[1])
+        gbs = simd.LAYOUTS[name.lower()][2]
+        nb = plain.shape[1] // gbs
+        expect = plain[:8].reshape(4, 2, nb, gbs).swapaxes(1, 2).reshape(8, -1)
+        assert np.array_equal(paired[:8], expect), name
+        assert np.array_equal(paired[8], plain[8]), name
+
+
+def test_sixteen_lanes_off_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PLINTH_KERNEL_LANES=8`` keeps the eight-lane loops (and the plain layout) on a VNNI host; without
+    VNNI there is no sixteen-lane form to ask for."""
+    monkeypatch.setenv("PLINTH_KERNEL_LANES", "8")
+    assert not simd.wide_available()
+    monkeypatch.delenv("PLINTH_KERNEL_LANES")
+    assert simd.wide_available() == simd.has_vnni()
+    if not simd.has_vnni():
+        with pytest.raises(ValueError, match="16 lanes"):
+            simd.kernel_address(int(GGMLType.Q4_0), 16)
+
+
 @needs_int8
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q6_K", "Q4_1"])
 def test_precise_products_redo_the_top_values_in_f32(type_name: str, monkeypatch) -> None:

@@ -236,14 +236,17 @@ TILE_BYTES = 256 * 1024
 def linear(fns: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray, x: np.ndarray,
            out: np.ndarray) -> None:
     """out = x @ W.T for W the parts stacked on the output axis: part p (``starts[p+1] - starts[p]`` rows
-    of a type of I8_TYPES, whose compiled loop is at address ``fns[p]``:
+    of a type of I8_TYPES, whose compiled loops are at addresses ``fns[p, 0]`` (eight lanes) and
+    ``fns[p, 1]`` (sixteen lanes, two groups a call; 0 where that form is not there):
     :func:`plinth.quant.simd.kernel_address`) fills output columns ``starts[p]:starts[p+1]``.
     ``grps[p]``: its rows in groups of eight (uint8 ``[n_groups, bytes]`` as
-    :func:`plinth.quant.simd.repack` writes them, the last group padded with zero rows); ``gstarts``
+    :func:`plinth.quant.simd.repack` writes them, the last group padded with zero rows; in its ``pairs``
+    layout where ``fns[p, 1]`` is set); ``gstarts``
     the cumulative group counts (the tuple holds MAX_PARTS arrays; unused slots repeat a part).
     x float32 [m, n_in] is quantized here, once for all parts; the product is one parallel region
     over all the parts' groups per tile of activation rows (TILE_BYTES), each weight row read once
-    for them.  out: float32 [m, starts[-1]]."""
+    for them: its tasks a pair of groups each where the sixteen-lane form is there (a part's odd last
+    group alone), else one group each.  out: float32 [m, starts[-1]]."""
     m, n = x.shape
     n_parts = len(fns)
     xq = np.empty((m, n), np.int8)
@@ -254,13 +257,25 @@ def linear(fns: np.ndarray, grps: tuple, gstarts: np.ndarray, starts: np.ndarray
     padded = 8 * gstarts[n_parts] != starts[n_parts]
     buf = np.empty((m, 8 * gstarts[n_parts]), np.float32) if padded else out
     tile = max(64, TILE_BYTES // n // 8 * 8)  # (a tile's rows go in the same groups of 8 as without tiles)
+    tstarts = np.zeros(n_parts + 1, np.int64)  # the parts' first tasks
+    for p in range(n_parts):
+        ng = gstarts[p + 1] - gstarts[p]
+        tstarts[p + 1] = tstarts[p] + ((ng + 1) // 2 if fns[p, 1] else ng)
     for r in range(0, m, tile):  # (one parallel region a tile)
         r_hi = min(m, r + tile)
-        for g in prange(gstarts[n_parts]):
+        for t in prange(tstarts[n_parts]):
             p = 0
-            while p + 1 < n_parts and g >= gstarts[p + 1]:
+            while p + 1 < n_parts and t >= tstarts[p + 1]:
                 p += 1
-            call_group(fns[p], grps[p][g - gstarts[p]], xq, xdt, xsdt, xit, buf, 8 * g, r, r_hi)
+            grp = grps[p]
+            if fns[p, 1]:
+                g = 2 * (t - tstarts[p])
+                if gstarts[p] + g + 1 < gstarts[p + 1]:
+                    call_group(fns[p, 1], grp[g], xq, xdt, xsdt, xit, buf, 8 * (gstarts[p] + g), r, r_hi)
+                    continue
+            else:
+                g = t - tstarts[p]
+            call_group(fns[p, 0], grp[g], xq, xdt, xsdt, xit, buf, 8 * (gstarts[p] + g), r, r_hi)
     if padded:  # a part whose rows are not a multiple of 8: its columns without the padding's
         for p in range(n_parts):  # (loops: an array assignment compiles numba's shape-error message, ~2 s)
             for r in range(m):

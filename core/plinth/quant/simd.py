@@ -26,6 +26,14 @@ Per block of eight rows, ``value = scale * (q - c) + offset`` with q the stored 
   nearly all subnormal, 99.8-100% in Gemma-3 270M's, and converting those in the loop made the
   product ~1.5x slower).
 
+**Sixteen lanes.** With AVX512-VNNI the loops also come in a 512-bit form (``kernel_address(code, 16)``)
+that multiplies two groups at once: a weight repacked with ``pairs`` holds groups 2t and 2t + 1 block
+by block (block b of the first, then block b of the second), each field of the two is read and joined
+into one vector (lane i < 8: row i of the first group, lane 8 + i: row i of the second), and every
+step above runs on sixteen lanes. A lane's integer sums and float steps are those of the eight-lane
+form, so the bits are too; the instruction count per weight row is lower (on Zen 4, where the
+multiply pipes run both ``vpdpbusd`` and the float multiplies, a few percent on batches).
+
 Every activation row goes through the same operations whatever the batch (its integer sums are
 exact, its float steps the same ``llvm.fma`` in the same order), so a row's results do not depend
 on the rows beside it; VNNI and AVX2 give the same integers, hence the same bits.
@@ -42,6 +50,8 @@ compiled.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -131,10 +141,11 @@ def _psign(builder, a, b):
 
 
 def _bits(builder, v, shift, mask):
-    """(v >> shift) & mask on 32 bytes (shift, mask: ints)."""
+    """(v >> shift) & mask on a vector of bytes (shift, mask: ints)."""
+    n = v.type.count
     if shift:
-        v = builder.lshr(v, _splat(_i8, 32, shift))
-    return builder.and_(v, _splat(_i8, 32, mask))
+        v = builder.lshr(v, _splat(_i8, n, shift))
+    return builder.and_(v, _splat(_i8, n, mask))
 
 
 _v8h = ir.VectorType(ir.HalfType(), 8)
@@ -165,10 +176,12 @@ LAYOUTS = {"q4_0": (32, 18, 144), "q4_1": (32, 20, 160), "q5_0": (32, 22, 176), 
 TYPE_CODES = {int(GGMLType[kind.upper()]): kind for kind in LAYOUTS}
 
 
-def repack(raw: np.ndarray, kind: str) -> np.ndarray:
+def repack(raw: np.ndarray, kind: str, pairs: bool = False) -> np.ndarray:
     """uint8 ``[n_out, row_bytes]`` of type ``kind`` -> uint8 ``[ceil(n_out / 8), blocks * group_bytes]``:
     each group of eight rows, block after block, in the layout the kernels read (rows past n_out:
-    zero bytes, so zero scales and zero products)."""
+    zero bytes, so zero scales and zero products). ``pairs``: groups 2t and 2t + 1 (rows 2t and 2t + 1 of
+    the result, one stretch of memory) hold block 0 of group 2t, block 0 of group 2t + 1, block 1 of
+    each, ...: what the sixteen-lane loop reads as one stream (an odd last group stays as it is)."""
     qk, bs, gbs = LAYOUTS[kind]
     n_out = raw.shape[0]
     g = -(-n_out // 8)
@@ -207,12 +220,19 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
         raise ValueError(kind)
     # each field copied straight into its place (no whole-weight temporaries: they would stay in the heap)
     out = np.empty((g, nb, gbs), np.uint8)
+    h = g - g % 2 if pairs else 0  # the groups that go in pairs
+    paired = out[:h].reshape(h // 2, nb, 2, gbs)
     at = 0
     for f in fields:
-        width = int(np.prod(f.shape[2:]))
-        dst = out[:, :, at:at + width].reshape(f.shape)
-        assert dst.base is out, "repack: a field's place is not a view"
-        dst[...] = f
+        rest = f.shape[2:]
+        width = int(np.prod(rest))
+        places = [(out[h:, :, at:at + width].reshape((g - h, nb) + rest), f[h:])]
+        if h:  # [pair, block, group of the pair, ...] from [pair, group of the pair, block, ...]
+            places.append((paired[:, :, :, at:at + width].reshape((h // 2, nb, 2) + rest),
+                           f[:h].reshape((h // 2, 2, nb) + rest).swapaxes(1, 2)))
+        for dst, src in places:
+            assert dst.base is out, "repack: a field's place is not a view"
+            dst[...] = src
         at += width
     assert at == gbs, (kind, at)
     return out.reshape(g, nb * gbs)
@@ -223,10 +243,10 @@ def repack(raw: np.ndarray, kind: str) -> np.ndarray:
 
 
 class _Unit:
-    """A 32-value unit of eight rows: ``w`` eight <32 x i8> (lane i: row i's four unsigned quants
-    for activation values 4j .. 4j+3), ``signed`` the signed quants for the sign trick (or None),
-    ``parts`` (first dot, end dot, int lane scale or None, quant offset c) over which the integer
-    sums go, ``scale`` / ``offset`` <8 x float> (offset None when 0)."""
+    """A 32-value unit of eight rows (sixteen in the 512-bit form): ``w`` eight <32 x i8> (<64 x i8>; lane
+    i: row i's four unsigned quants for activation values 4j .. 4j+3), ``signed`` the signed quants for
+    the sign trick (or None), ``parts`` (first dot, end dot, int lane scale or None, quant offset c) over
+    which the integer sums go, ``scale`` / ``offset`` <8 x float> (<16 x float>; offset None when 0)."""
 
     __slots__ = ("w", "signed", "parts", "scale", "offset")
 
@@ -234,66 +254,99 @@ class _Unit:
         self.w, self.scale, self.offset, self.signed, self.parts = w, scale, offset, signed, parts
 
 
-def _halves8(builder, gb, off):
-    return builder.fpext(_load(builder, _at(builder, gb, off), _v8h), _v8f)
+class _Src:
+    """Where a unit's weight bytes are read: one group's block (``lanes`` 8, lane i row i of the group) or
+    the same block of two groups (``lanes`` 16: the second group's rows in lanes 8-15), ``ptrs`` their
+    i8* addresses. :meth:`load` reads an eight-row field at a byte offset from each and joins them."""
+
+    __slots__ = ("builder", "ptrs", "lanes")
+
+    def __init__(self, builder, ptrs):
+        self.builder, self.ptrs, self.lanes = builder, ptrs, 8 * len(ptrs)
+
+    def load(self, off, ty):
+        """The field of type ``ty`` (an eight-row vector) at byte ``off`` (an int or an i64 value), of
+        every group read, joined into one vector of ``lanes / 8`` times its length."""
+        b = self.builder
+        vs = [_load(b, _at(b, p, off), ty) for p in self.ptrs]
+        if len(vs) == 1:
+            return vs[0]
+        return b.shuffle_vector(vs[0], vs[1], _mask(range(2 * ty.count)))
 
 
-def _chunk(builder, gb, off):
-    return _load(builder, _at(builder, gb, off), _v32i8)
+def _vf(n):
+    return ir.VectorType(_f32, n)
+
+
+def _vi32(n):
+    return ir.VectorType(_i32, n)
+
+
+def _halves8(builder, src, off):
+    """The rows' f16 at ``off`` as floats."""
+    return builder.fpext(src.load(off, _v8h), _vf(src.lanes))
+
+
+def _chunk(builder, src, off):
+    """32 bytes of each group at ``off`` (four bytes a row)."""
+    return src.load(off, _v32i8)
 
 
 def _fifth_bits(builder, qh, j):
     """16 in byte t of lane i where bit 4j + t of row i's 32-bit qh is set, else 0 (Q5_0 / Q5_1)."""
-    v = builder.lshr(qh, _splat(_i32, 8, 4 * j)) if j else qh
-    v = builder.bitcast(v, _v32i8)
-    v = builder.shuffle_vector(v, v, _mask([4 * (k // 4) for k in range(32)]))
-    bit = builder.and_(v, ir.Constant(_v32i8, [1 << (k % 4) for k in range(32)]))
-    return builder.select(builder.icmp_unsigned("!=", bit, _splat(_i8, 32, 0)), _splat(_i8, 32, 16),
-                          _splat(_i8, 32, 0))
+    n = 4 * qh.type.count
+    v = builder.lshr(qh, _splat(_i32, qh.type.count, 4 * j)) if j else qh
+    v = builder.bitcast(v, ir.VectorType(_i8, n))
+    v = builder.shuffle_vector(v, v, _mask([4 * (k // 4) for k in range(n)]))
+    bit = builder.and_(v, ir.Constant(ir.VectorType(_i8, n), [1 << (k % 4) for k in range(n)]))
+    return builder.select(builder.icmp_unsigned("!=", bit, _splat(_i8, n, 0)), _splat(_i8, n, 16),
+                          _splat(_i8, n, 0))
 
 
 def _fifth_bits_bitalg(builder, qh, j):
     """:func:`_fifth_bits` in one ``vpshufbitqmb`` (AVX512-BITALG): byte t of lane i takes bit 4j + t of row
     i's qh from the qword holding rows i and i ^ 1 as a mask bit, then 16 where it is set."""
-    idx = ir.Constant(_v32i8, [32 * ((k // 4) % 2) + 4 * j + k % 4 for k in range(32)])
-    mask_ty = ir.VectorType(ir.IntType(1), 32)
-    f = _fn(builder, "llvm.x86.avx512.vpshufbitqmb.256", mask_ty, [_v32i8, _v32i8])
-    bits = builder.call(f, [builder.bitcast(qh, _v32i8), idx])
-    return builder.select(bits, _splat(_i8, 32, 16), _splat(_i8, 32, 0))
+    n = 4 * qh.type.count
+    vb = ir.VectorType(_i8, n)
+    idx = ir.Constant(vb, [32 * ((k // 4) % 2) + 4 * j + k % 4 for k in range(n)])
+    mask_ty = ir.VectorType(ir.IntType(1), n)
+    f = _fn(builder, f"llvm.x86.avx512.vpshufbitqmb.{8 * n}", mask_ty, [vb, vb])
+    bits = builder.call(f, [builder.bitcast(qh, vb), idx])
+    return builder.select(bits, _splat(_i8, n, 16), _splat(_i8, n, 0))
 
 
-def _decode(builder, kind, gb, vnni):
-    """The one unit of the 32-value group-block at ``gb`` (an i8*; the K-quants: :func:`_decode_k`)."""
+def _decode(builder, kind, src, vnni):
+    """The one unit of the 32-value group-block at ``src`` (:class:`_Src`; the K-quants: :func:`_decode_k`)."""
     if kind in ("q4_0", "q4_1", "q5_0", "q5_1"):
-        d = _halves8(builder, gb, 0)
+        d = _halves8(builder, src, 0)
         has_m = kind in ("q4_1", "q5_1")
         off = 32 if has_m else 16
         qh = None
         if kind in ("q5_0", "q5_1"):
-            qh = _load(builder, _at(builder, gb, off), _v8i32)
+            qh = src.load(off, _v8i32)
             off += 32
         w = [None] * 8
         for k in range(4):
-            c = _chunk(builder, gb, off + 32 * k)
+            c = _chunk(builder, src, off + 32 * k)
             w[k], w[k + 4] = _bits(builder, c, 0, 15), _bits(builder, c, 4, 15)
         if qh is not None:
             fifth = _fifth_bits_bitalg if vnni and host_features().get("avx512bitalg") else _fifth_bits
             w = [builder.or_(w[j], fifth(builder, qh, j)) for j in range(8)]
         c = {"q4_0": 8, "q5_0": 16}.get(kind, 0)
-        return _Unit(w, d, _halves8(builder, gb, 16) if has_m else None, parts=((0, 8, None, c),))
+        return _Unit(w, d, _halves8(builder, src, 16) if has_m else None, parts=((0, 8, None, c),))
     if kind == "q8_0":
-        d = _halves8(builder, gb, 0)
-        s = [_chunk(builder, gb, 16 + 32 * k) for k in range(8)]
+        d = _halves8(builder, src, 0)
+        s = [_chunk(builder, src, 16 + 32 * k) for k in range(8)]
         if vnni:  # w + 128 as unsigned bytes, 128 times the activations' sum taken off as an integer
-            return _Unit([builder.xor(v, _splat(_i8, 32, 0x80)) for v in s], d, parts=((0, 8, None, 128),))
+            return _Unit([builder.xor(v, _splat(_i8, v.type.count, 0x80)) for v in s], d, parts=((0, 8, None, 128),))
         return _Unit([_psign(builder, v, v) for v in s], d, signed=s)  # AVX2: pmaddubsw would saturate
     raise ValueError(kind)  # pragma: no cover
 
 
-def _decode_k(builder, kind, gb, t):
+def _decode_k(builder, kind, src, t):
     """Units ``2t`` and ``2t + 1`` of Q4_K / Q5_K (the two nibbles of the same bytes), or units
     ``(h, k1)`` and ``(h, k1 + 2)`` of Q6_K (t = 2h + k1, the same low bytes again) of the K-quant
-    super-block of eight rows at ``gb``, as (unit, unit index) pairs; ``t`` an i64 value (a loop of
+    super-block at ``src`` (:class:`_Src`), as (unit, unit index) pairs; ``t`` an i64 value (a loop of
     four turns, not eight unrolled units: that keeps the first compile short, and a pair shares its
     loads and takes constant shifts)."""
     i64 = lambda v: _const(_i64, v)  # noqa: E731
@@ -305,45 +358,48 @@ def _decode_k(builder, kind, gb, t):
                 total = builder.add(total, builder.mul(x[0], i64(x[1])))
         return total
 
-    def shifted(v, amount, mask):  # (v >> amount) & mask on 32 bytes, amount an i64 value
-        # shifted as 16 words, which x86 does in one instruction (a byte shift by a run-time amount
+    L = src.lanes
+    nb = 4 * L  # bytes a vector
+
+    def shifted(v, amount, mask):  # (v >> amount) & mask on a vector of bytes, amount an i64 value
+        # shifted as words, which x86 does in one instruction (a byte shift by a run-time amount
         # is widened, shifted and narrowed again); the bits a byte takes from its neighbour land
         # above ``mask`` (mask < 2 ** (8 - amount) at every call), so the bytes are the same
-        sh = _broadcast(builder, builder.trunc(amount, _i16), 16)
-        w = builder.lshr(builder.bitcast(v, _v16i16), sh)
-        return builder.and_(builder.bitcast(w, _v32i8), _splat(_i8, 32, mask))
+        sh = _broadcast(builder, builder.trunc(amount, _i16), nb // 2)
+        w = builder.lshr(builder.bitcast(v, ir.VectorType(_i16, nb // 2)), sh)
+        return builder.and_(builder.bitcast(w, ir.VectorType(_i8, nb)), _splat(_i8, nb, mask))
 
     one = i64(1)
     if kind in ("q4_k", "q5_k"):
-        d, dmin = _halves8(builder, gb, 0), _halves8(builder, gb, 16)
+        d, dmin = _halves8(builder, src, 0), _halves8(builder, src, 16)
         qs = 160 if kind == "q4_k" else 416
-        q = [_chunk(builder, gb, off(qs + 32 * k, (t, 256))) for k in range(8)]
-        qh = [_chunk(builder, gb, 160 + 32 * k) for k in range(8)] if kind == "q5_k" else None
+        q = [_chunk(builder, src, off(qs + 32 * k, (t, 256))) for k in range(8)]
+        qh = [_chunk(builder, src, 160 + 32 * k) for k in range(8)] if kind == "q5_k" else None
         out = []
         for half in range(2):
             j = builder.add(builder.mul(t, i64(2)), i64(half))
-            sc = builder.uitofp(_load(builder, _at(builder, gb, off(32 + 8 * half, (t, 16))), _v8i8), _v8f)
-            mn = builder.uitofp(_load(builder, _at(builder, gb, off(96 + 8 * half, (t, 16))), _v8i8), _v8f)
+            sc = builder.uitofp(src.load(off(32 + 8 * half, (t, 16)), _v8i8), _vf(L))
+            mn = builder.uitofp(src.load(off(96 + 8 * half, (t, 16)), _v8i8), _vf(L))
             w = [_bits(builder, q[k], 4 * half, 15) for k in range(8)]
             if qh is not None:  # bit j of the qh byte of each value
-                w = [builder.or_(w[k], builder.shl(shifted(qh[k], j, 1), _splat(_i8, 32, 4))) for k in range(8)]
+                w = [builder.or_(w[k], builder.shl(shifted(qh[k], j, 1), _splat(_i8, nb, 4))) for k in range(8)]
             out.append((_Unit(w, builder.fmul(d, sc), builder.fneg(builder.fmul(dmin, mn))), j))
         return out
     if kind == "q6_k":  # unit 4h + k: values 128h + 32k ..; k = k1 + 2 kk
-        d = _load(builder, gb, _v8f)  # (the eight rows' d as float32: see repack)
+        d = src.load(0, _v8f)  # (the eight rows' d as float32: see repack)
         h, k1 = builder.lshr(t, one), builder.and_(t, one)
         ql0 = off(160, (h, 512), (k1, 256))
         qh0 = off(1184, (h, 256))
-        ql = [_chunk(builder, gb, builder.add(ql0, i64(32 * jj))) for jj in range(8)]
-        qh = [_chunk(builder, gb, builder.add(qh0, i64(32 * jj))) for jj in range(8)]
+        ql = [_chunk(builder, src, builder.add(ql0, i64(32 * jj))) for jj in range(8)]
+        qh = [_chunk(builder, src, builder.add(qh0, i64(32 * jj))) for jj in range(8)]
         out = []
         for kk in range(2):
             k = builder.add(k1, i64(2 * kk))
             hi_shift = builder.mul(k, i64(2))
             w = [builder.or_(_bits(builder, ql[jj], 4 * kk, 15),
-                             builder.shl(shifted(qh[jj], hi_shift, 3), _splat(_i8, 32, 4))) for jj in range(8)]
+                             builder.shl(shifted(qh[jj], hi_shift, 3), _splat(_i8, nb, 4))) for jj in range(8)]
             sub = off(0, (h, 8), (k, 2))  # the first 16-value sub-block's index
-            lane = [builder.sext(_load(builder, _at(builder, gb, off(32 + 8 * p, (sub, 8))), _v8i8), _v8i32)
+            lane = [builder.sext(src.load(off(32 + 8 * p, (sub, 8)), _v8i8), _vi32(L))
                     for p in range(2)]
             out.append((_Unit(w, d, parts=((0, 4, lane[0], 32), (4, 8, lane[1], 32))),
                         builder.add(builder.mul(h, i64(4)), k)))
@@ -352,11 +408,14 @@ def _decode_k(builder, kind, gb, t):
 
 
 def _dot_acc(builder, acc, w, x, vnni):
-    """acc + (lane k: sum_{j < 4} w[4k + j] * x[4k + j]) as <8 x i32>; acc None: from zero."""
+    """acc + (lane k: sum_{j < 4} w[4k + j] * x[4k + j]) as <8 x i32> (<16 x i32> for 64-byte w and x, VNNI
+    only); acc None: from zero."""
     if vnni:
-        f = _fn(builder, "llvm.x86.avx512.vpdpbusd.256", _v8i32, [_v8i32, _v8i32, _v8i32])
-        return builder.call(f, [acc if acc is not None else _splat(_i32, 8, 0), builder.bitcast(w, _v8i32),
-                                builder.bitcast(x, _v8i32)])
+        L = w.type.count // 4
+        v = _vi32(L)
+        f = _fn(builder, f"llvm.x86.avx512.vpdpbusd.{32 * L}", v, [v, v, v])
+        return builder.call(f, [acc if acc is not None else _splat(_i32, L, 0), builder.bitcast(w, v),
+                                builder.bitcast(x, v)])
     p16 = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.ub.sw", _v16i16, [_v32i8, _v32i8]), [w, x])
     p = builder.call(_fn(builder, "llvm.x86.avx2.pmadd.wd", _v8i32, [_v16i16, _v16i16]), [p16, _splat(_i16, 16, 1)])
     return p if acc is None else builder.add(acc, p)
@@ -394,8 +453,10 @@ PREFETCH_LOCALITY = 2
 PREFETCH_ONE_ROW = ("q6_k",)
 
 
-def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
-    """IR for out[r0 + i, o0 : o0 + 8] = x[r0 + i] . W[o0 : o0 + 8], i < R."""
+def _emit_group(builder, kind, R, ptrs, r0, o0, vnni, L=8):
+    """IR for out[r0 + i, o0 : o0 + L] = x[r0 + i] . W[o0 : o0 + L], i < R: L = 8 one group's rows, L = 16
+    those of a pair of groups (:func:`repack`'s ``pairs``: each block of the first then the same of the
+    second), in one vector."""
     qk, _, gbs = LAYOUTS[kind]
     idx = r0.type
     n = ptrs.n
@@ -404,7 +465,7 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
     xd0, xs0, xi0 = (_at(builder, a, r0_bytes) for a in (ptrs.xd, ptrs.xs, ptrs.xi))
     sd, ss, si = ptrs.sd, ptrs.ss, ptrs.si
     gp = ptrs.gp
-    zero8 = ir.Constant(_v8f, [0.0] * 8)
+    zero8 = ir.Constant(_vf(L), [0.0] * L)
     offsets = kind in ("q4_1", "q5_1", "q4_k", "q5_k")
     accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)]
     saccs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)] if offsets else []
@@ -426,8 +487,8 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
                 chains = [None, None]
                 for j in range(lo, hi):
                     xv = _broadcast(builder, _load(builder, _at(builder, xps[i], builder.add(xo, _const(idx, 4 * j))),
-                                                   _i32), 8)
-                    xv = builder.bitcast(xv, _v32i8)
+                                                   _i32), L)
+                    xv = builder.bitcast(xv, ir.VectorType(_i8, 4 * L))
                     if u.signed is not None:
                         xv = _psign(builder, xv, u.signed[j])
                     chains[j & 1] = _dot_acc(builder, chains[j & 1], u.w[j], xv, vnni)
@@ -438,14 +499,14 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
                         xi = builder.add(xi, scalar(_at(builder, xip, si), i, _i32))
                     else:
                         xi = scalar(_at(builder, xip, builder.mul(si, _const(idx, lo // 4))), i, _i32)
-                    isum = builder.sub(isum, _broadcast(builder, builder.mul(xi, _const(_i32, c)), 8))
+                    isum = builder.sub(isum, _broadcast(builder, builder.mul(xi, _const(_i32, c)), L))
                 if lane is not None:
                     isum = builder.mul(isum, lane)
                 total = isum if total is None else builder.add(total, isum)
-            scale = builder.fmul(u.scale, _broadcast(builder, scalar(xdp, i), 8))
-            builder.store(_fma(builder, builder.sitofp(total, _v8f), scale, builder.load(accs[i])), accs[i])
+            scale = builder.fmul(u.scale, _broadcast(builder, scalar(xdp, i), L))
+            builder.store(_fma(builder, builder.sitofp(total, _vf(L)), scale, builder.load(accs[i])), accs[i])
             if u.offset is not None:
-                builder.store(_fma(builder, u.offset, _broadcast(builder, scalar(xsp, i), 8),
+                builder.store(_fma(builder, u.offset, _broadcast(builder, scalar(xsp, i), L),
                                    builder.load(saccs[i])), saccs[i])
 
     per = qk // 32
@@ -453,15 +514,18 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
     ahead = max(PREFETCH_BYTES, (PREFETCH_BLOCKS if one_row else 2) * gbs)  # on each block: near, into the L1)
     locality = PREFETCH_LOCALITY if one_row else 3
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
-        gb = _at(builder, gp, builder.mul(loop.index, _const(idx, gbs)))
+        at = builder.mul(loop.index, _const(idx, gbs * L // 8))  # (a pair's two groups block by block)
+        gbs_ = [_at(builder, gp, at)] + ([_at(builder, gp, builder.add(at, _const(idx, gbs)))] if L == 16 else [])
         # (read, the locality above, data; past the group: the next one's)
-        for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
-            emit_prefetch(builder, _at(builder, gb, ahead + 64 * line), locality=locality)
+        for gb in gbs_:
+            for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
+                emit_prefetch(builder, _at(builder, gb, ahead + 64 * line), locality=locality)
+        src = _Src(builder, gbs_)
         if per == 1:
-            unit(_decode(builder, kind, gb, vnni), loop.index)
+            unit(_decode(builder, kind, src, vnni), loop.index)
         else:
             with cgutils.for_range(builder, _const(idx, per // 2)) as sub:
-                for u, j in _decode_k(builder, kind, gb, sub.index):
+                for u, j in _decode_k(builder, kind, src, sub.index):
                     unit(u, builder.add(builder.mul(loop.index, _const(idx, per)), j))
     for i in range(R):
         v = builder.load(accs[i])
@@ -469,23 +533,24 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni):
             v = builder.fadd(v, builder.load(saccs[i]))
         outp = _at(builder, ptrs.out, builder.add(builder.mul(builder.add(r0, _const(idx, i)), ptrs.so),
                                                   builder.mul(o0, _const(idx, 4))))
-        st = builder.store(v, builder.bitcast(outp, _v8f.as_pointer()))
+        st = builder.store(v, builder.bitcast(outp, _vf(L).as_pointer()))
         st.align = 4
 
 
-def _emit_all(builder, kind, ptrs, o0, lo, hi, vnni, G):
-    """Activation rows lo .. hi - 1: groups of G, then one group of each smaller power of two the rest holds."""
+def _emit_all(builder, kind, ptrs, o0, lo, hi, vnni, G, L=8):
+    """Activation rows lo .. hi - 1: groups of G, then one group of each smaller power of two the rest holds
+    (``L``: :func:`_emit_group`'s)."""
     idx = lo.type
     m = builder.sub(hi, lo)
     big = _const(idx, G)
     with cgutils.for_range(builder, builder.udiv(m, big)) as loop:
-        _emit_group(builder, kind, G, ptrs, builder.add(lo, builder.mul(loop.index, big)), o0, vnni)
+        _emit_group(builder, kind, G, ptrs, builder.add(lo, builder.mul(loop.index, big)), o0, vnni, L)
     r = cgutils.alloca_once_value(builder, builder.add(lo, builder.mul(builder.udiv(m, big), big)))
     g = G // 2
     while g:
         bit = _const(idx, g)
         with builder.if_then(builder.icmp_unsigned("!=", builder.and_(m, bit), _const(idx, 0))):
-            _emit_group(builder, kind, g, ptrs, builder.load(r), o0, vnni)
+            _emit_group(builder, kind, g, ptrs, builder.load(r), o0, vnni, L)
             builder.store(builder.add(builder.load(r), bit), r)
         g //= 2
 
@@ -495,11 +560,11 @@ _I8P = _i8.as_pointer()
 _FN_ARGS = [_I8P, _I8P, _i64, _i64, _I8P, _i64, _I8P, _i64, _I8P, _i64, _I8P, _i64, _i64, _i64, _i64]
 
 
-def _kernel_fn(module, kind, vnni, G):
+def _kernel_fn(module, kind, vnni, G, L=8):
     """One type's loop as a function of its own in ``module`` (defined on first use, never inlined):
     LLVM optimises each type's code apart, which keeps the first compile short (one function holding
-    every type's unrolled loops took twice as long)."""
-    name = f"plinth_x8_{kind}_{'vnni' if vnni else 'avx2'}_{G}"
+    every type's unrolled loops took twice as long). ``L`` 16: two groups a call (:func:`_emit_group`)."""
+    name = f"plinth_x{L}_{kind}_{'vnni' if vnni else 'avx2'}_{G}"
     fn = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), _FN_ARGS), name)
     if fn.is_declaration:
         fn.linkage = "internal"
@@ -507,7 +572,7 @@ def _kernel_fn(module, kind, vnni, G):
         fn.attributes.add("nounwind")
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         *vals, o0, lo, hi = fn.args
-        _emit_all(b, kind, _Ptrs(*vals), o0, lo, hi, vnni, G)
+        _emit_all(b, kind, _Ptrs(*vals), o0, lo, hi, vnni, G, L)
         b.ret_void()
     return fn
 
@@ -568,25 +633,36 @@ _KERNEL_FN_TYPE = ir.FunctionType(ir.VoidType(), [_i64] * len(_FN_ARGS))
 
 
 @intrinsic(prefer_literal=True)
-def _kernel_body(typingctx, code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
-    """The loop of type ``code`` (a literal) on :data:`_FN_ARGS` given as integers."""
-    if not isinstance(code, types.IntegerLiteral):
+def _kernel_body(typingctx, code, lanes, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
+    """The loop of type ``code`` over ``lanes`` weight rows a vector (literals) on :data:`_FN_ARGS` given as
+    integers."""
+    if not (isinstance(code, types.IntegerLiteral) and isinstance(lanes, types.IntegerLiteral)):
         return None
     kind = TYPE_CODES[code.literal_value]
+    L = lanes.literal_value
     vnni = has_vnni()
     G = 8 if vnni else 4
 
     def codegen(context, builder, sig, args):
-        vals = [builder.inttoptr(a, ty) if ty == _I8P else a for a, ty in zip(args[1:], _FN_ARGS)]
-        builder.call(_kernel_fn(builder.module, kind, vnni, G), vals)
+        vals = [builder.inttoptr(a, ty) if ty == _I8P else a for a, ty in zip(args[2:], _FN_ARGS)]
+        builder.call(_kernel_fn(builder.module, kind, vnni, G, L), vals)
         return context.get_dummy_value()
 
-    return types.void(code, *[types.int64] * len(_FN_ARGS)), codegen
+    return types.void(code, lanes, *[types.int64] * len(_FN_ARGS)), codegen
 
 
-def kernel_address(code: int) -> int:
+def wide_available() -> bool:
+    """The sixteen-lane form (:func:`kernel_address` with ``lanes=16``) runs here: AVX512-VNNI, and
+    ``PLINTH_KERNEL_LANES`` not 8."""
+    return has_vnni() and os.environ.get("PLINTH_KERNEL_LANES", "16").strip() != "8"
+
+
+def kernel_address(code: int, lanes: int = 8) -> int:
     """The address of type ``code``'s compiled loop (a C function with :data:`_KERNEL_SIG`), compiled on
-    first use and kept in numba's on-disk cache.
+    first use and kept in numba's on-disk cache. ``lanes`` 8: one group of eight weight rows a call
+    (:func:`call_group`); 16 (AVX512-VNNI only): two groups a call, in 512-bit vectors
+    (:func:`call_group` on a pair of :func:`repack`'s ``pairs`` layout). Both give every output the same bits: a lane's integer sums and float steps are
+    the same at either width.
 
     Each type is a compiled function of its own that :func:`call_group` reaches through its address,
     instead of code inlined into :func:`plinth.quant.kernels_i8.linear`: numba copies a callee's code
@@ -594,14 +670,18 @@ def kernel_address(code: int) -> int:
     region, its wrapper and the function itself: three times). Apart, a type costs one compile of its
     loop, 0.2-0.5 s, and only the types a model holds are compiled (all eight in ``linear``: 7 s)."""
 
+    if lanes not in (8, 16) or (lanes == 16 and not has_vnni()):
+        raise ValueError(f"kernel_address: {lanes} lanes (8, or 16 with AVX512-VNNI)")
+
     def make():
         def kernel(gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
-            _kernel_body(code, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi)
+            _kernel_body(code, lanes, gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi)
 
-        kernel.__name__ = kernel.__qualname__ = f"kernel_{TYPE_CODES[code]}"  # (one cache entry a type)
+        # (one cache entry a type and width)
+        kernel.__name__ = kernel.__qualname__ = f"kernel_{TYPE_CODES[code]}_x{lanes}"
         return kernel
 
-    return cfunc_address(f"simd.kernel_{code}", _KERNEL_SIG, make)
+    return cfunc_address(f"simd.kernel_{code}_{lanes}", _KERNEL_SIG, make)
 
 
 @intrinsic
