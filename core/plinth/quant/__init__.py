@@ -368,24 +368,24 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
     """(the types' compiled loops, groups, group starts, row starts) for :func:`plinth.quant.kernels_i8.linear`, or None
     where the int8 kernels are off or some part is of another type (or too many parts). The parts'
     rows are repacked here into groups of eight (:func:`plinth.quant.simd.repack`; in pairs of groups
-    for the sixteen-lane loops where the host has them), once, and the
+    for the sixteen-lane loops where the host and the type have them), once, and the
     mapped file pages they came from are handed back (:func:`release_pages`)."""
     k8 = compiled_i8()
     if k8 is None or not 0 < len(parts) <= k8.MAX_PARTS:
         return None
     if any(p.ggml_type not in k8.I8_TYPES or p.shape[1] % 32 for p in parts):
         return None
-    from .simd import TYPE_CODES, kernel_address, repack, wide_available
+    from .simd import TYPE_CODES, WIDE_KINDS, WIDE_MAX_BYTES, kernel_address, repack, wide_available
 
-    wide = wide_available()
+    wide = [wide_available() and TYPE_CODES[p.ggml_type] in WIDE_KINDS and p.raw.nbytes <= WIDE_MAX_BYTES for p in parts]
     grps = []
-    for p in parts:
-        grps.append(repack(p.raw, TYPE_CODES[p.ggml_type], pairs=wide))
+    for p, wd in zip(parts, wide):
+        grps.append(repack(p.raw, TYPE_CODES[p.ggml_type], pairs=wd))
         release_pages(p.raw)  # the repacked copy replaces them in memory
     for g in grps:
         g.flags.writeable = False  # (one array type: one compile)
     grps += [grps[0]] * (k8.MAX_PARTS - len(parts))
-    fns = np.array([[kernel_address(p.ggml_type), kernel_address(p.ggml_type, 16) if wide else 0] for p in parts],
+    fns = np.array([[kernel_address(p.ggml_type), kernel_address(p.ggml_type, 16) if wd else 0] for p, wd in zip(parts, wide)],
                    dtype=np.int64)
     starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
     gstarts = np.cumsum([0] + [g.shape[0] for g in grps[:len(parts)]]).astype(np.int64)

@@ -26,7 +26,8 @@ Per block of eight rows, ``value = scale * (q - c) + offset`` with q the stored 
   nearly all subnormal, 99.8-100% in Gemma-3 270M's, and converting those in the loop made the
   product ~1.5x slower).
 
-**Sixteen lanes.** With AVX512-VNNI the loops also come in a 512-bit form (``kernel_address(code, 16)``)
+**Sixteen lanes.** With AVX512-VNNI the loops of :data:`WIDE_KINDS` also come in a 512-bit form
+(``kernel_address(code, 16)``)
 that multiplies two groups at once: a weight repacked with ``pairs`` holds groups 2t and 2t + 1 block
 by block (block b of the first, then block b of the second), each field of the two is read and joined
 into one vector (lane i < 8: row i of the first group, lane 8 + i: row i of the second), and every
@@ -651,6 +652,16 @@ def _kernel_body(typingctx, code, lanes, gp, xq, sxq, n, xd, sd, xs, ss, xi, si,
     return types.void(code, lanes, *[types.int64] * len(_FN_ARGS)), codegen
 
 
+#: the types whose products take the sixteen-lane loops where the host has them: the 32-value block types.
+#: The K-quants' sixteen-lane loops were faster on a weight in the cache but slower in Gemma-3's forwards
+#: (one-token steps +6-15%, weights streamed from memory), so those keep the eight-lane loops
+WIDE_KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+#: a weight of more bytes keeps the eight-lane loops: Gemma-3's 262144-row Q8_0 head (178 MB, streamed from
+#: memory) took 6-12% longer at eight rows in the sixteen-lane form (the same at one row); SmolLM2's 30 MB
+#: head was no slower
+WIDE_MAX_BYTES = 64 << 20
+
+
 def wide_available() -> bool:
     """The sixteen-lane form (:func:`kernel_address` with ``lanes=16``) runs here: AVX512-VNNI, and
     ``PLINTH_KERNEL_LANES`` not 8."""
@@ -670,8 +681,9 @@ def kernel_address(code: int, lanes: int = 8) -> int:
     region, its wrapper and the function itself: three times). Apart, a type costs one compile of its
     loop, 0.2-0.5 s, and only the types a model holds are compiled (all eight in ``linear``: 7 s)."""
 
-    if lanes not in (8, 16) or (lanes == 16 and not has_vnni()):
-        raise ValueError(f"kernel_address: {lanes} lanes (8, or 16 with AVX512-VNNI)")
+    if lanes not in (8, 16) or (lanes == 16 and not (has_vnni() and TYPE_CODES[code] in WIDE_KINDS)):
+        raise ValueError(f"kernel_address: {lanes} lanes for {TYPE_CODES[code]} (8, or 16 with AVX512-VNNI for "
+                         f"{', '.join(WIDE_KINDS)})")
 
     def make():
         def kernel(gp, xq, sxq, n, xd, sd, xs, ss, xi, si, out, so, o0, lo, hi):
