@@ -241,8 +241,9 @@ def _i8_linear_args(specs: list[tuple[str, int, int]], wide: bool) -> tuple:
 @pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
 def test_int8_sixteen_lane_form_gives_the_eight_lane_bits() -> None:
     """The sixteen-lane loops (two groups of eight weight rows a call, in 512-bit vectors, on the paired
-    layout; the types of ``WIDE_KINDS``) give every output the bits of the eight-lane loops: stacked parts with an odd last group
-    (which goes alone), every row count of a row group and its tails, a tiled prompt batch."""
+    layout; the types of ``WIDE_KINDS``) give every output the bits of the eight-lane loops: stacked
+    parts with an odd last group (which goes alone), every row count of a row group and its tails, a
+    tiled prompt batch."""
     k8 = quant.compiled_i8()
     rng = np.random.default_rng(40)
     for name in [t for t in I8_TYPES if t.lower() in simd.WIDE_KINDS]:

@@ -377,7 +377,8 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
         return None
     from .simd import TYPE_CODES, WIDE_KINDS, WIDE_MAX_BYTES, kernel_address, repack, wide_available
 
-    wide = [wide_available() and TYPE_CODES[p.ggml_type] in WIDE_KINDS and p.raw.nbytes <= WIDE_MAX_BYTES for p in parts]
+    wide = [wide_available() and TYPE_CODES[p.ggml_type] in WIDE_KINDS and p.raw.nbytes <= WIDE_MAX_BYTES
+            for p in parts]
     grps = []
     for p, wd in zip(parts, wide):
         grps.append(repack(p.raw, TYPE_CODES[p.ggml_type], pairs=wd))
@@ -385,8 +386,8 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
     for g in grps:
         g.flags.writeable = False  # (one array type: one compile)
     grps += [grps[0]] * (k8.MAX_PARTS - len(parts))
-    fns = np.array([[kernel_address(p.ggml_type), kernel_address(p.ggml_type, 16) if wd else 0] for p, wd in zip(parts, wide)],
-                   dtype=np.int64)
+    fns = np.array([[kernel_address(p.ggml_type), kernel_address(p.ggml_type, 16) if wd else 0]
+                    for p, wd in zip(parts, wide)], dtype=np.int64)
     starts = np.cumsum([0] + [p.shape[0] for p in parts]).astype(np.int64)
     gstarts = np.cumsum([0] + [g.shape[0] for g in grps[:len(parts)]]).astype(np.int64)
     return fns, tuple(grps), gstarts, starts

@@ -672,8 +672,8 @@ def kernel_address(code: int, lanes: int = 8) -> int:
     """The address of type ``code``'s compiled loop (a C function with :data:`_KERNEL_SIG`), compiled on
     first use and kept in numba's on-disk cache. ``lanes`` 8: one group of eight weight rows a call
     (:func:`call_group`); 16 (AVX512-VNNI only): two groups a call, in 512-bit vectors
-    (:func:`call_group` on a pair of :func:`repack`'s ``pairs`` layout). Both give every output the same bits: a lane's integer sums and float steps are
-    the same at either width.
+    (:func:`call_group` on a pair of :func:`repack`'s ``pairs`` layout). Both give every output the same
+    bits: a lane's integer sums and float steps are the same at either width.
 
     Each type is a compiled function of its own that :func:`call_group` reaches through its address,
     instead of code inlined into :func:`plinth.quant.kernels_i8.linear`: numba copies a callee's code
