@@ -654,7 +654,8 @@ def _kernel_body(typingctx, code, lanes, gp, xq, sxq, n, xd, sd, xs, ss, xi, si,
 
 #: the types whose products take the sixteen-lane loops where the host has them: the 32-value block types.
 #: The K-quants' sixteen-lane loops were faster on a weight in the cache but slower in Gemma-3's forwards
-#: (one-token steps +6-15%, weights streamed from memory), so those keep the eight-lane loops
+#: (one-token steps +6-15%) and on the synthetic 1.1B file's weights at one row (1.6-1.95x as long, streamed
+#: from memory; 1.15-1.7x with a one-row prefetch added), so those keep the eight-lane loops
 WIDE_KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 #: a weight of more bytes keeps the eight-lane loops: Gemma-3's 262144-row Q8_0 head (178 MB, streamed from
 #: memory) took 6-12% longer at eight rows in the sixteen-lane form (the same at one row); SmolLM2's 30 MB
