@@ -220,26 +220,18 @@ def test_int8_avx2_and_vnni_forms_agree_exactly() -> None:
         assert np.array_equal(y, outs[0][:, :N_OUT]), name  # the compiled kernels are the VNNI form
 
 
-def _i8_linear_args(specs: list[tuple[str, int, int]], wide: bool) -> tuple:
-    """``kernels_i8.linear``'s weight arguments for stacked parts (type, rows, seed) of N_IN columns: the
-    eight-lane loops on the plain layout, or (``wide``) the sixteen-lane ones on the paired layout."""
-    k8 = quant.compiled_i8()
-    grps, fns = [], []
-    for name, n_out, seed in specs:
-        code = int(GGMLType[name])
-        g = simd.repack(quantized_rows(name, n_out, N_IN, seed), name.lower(), pairs=wide)
-        g.flags.writeable = False
-        grps.append(g)
-        fns.append([simd.kernel_address(code), simd.kernel_address(code, 16) if wide else 0])
-    gstarts = np.cumsum([0] + [g.shape[0] for g in grps]).astype(np.int64)
-    starts = np.cumsum([0] + [n for _, n, _ in specs]).astype(np.int64)
-    grps += [grps[0]] * (k8.MAX_PARTS - len(specs))
-    return np.array(fns, np.int64), tuple(grps), gstarts, starts
+def _i8_linear_args(specs: list[tuple[str, int, int]], lanes: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """``kernels_i8.linear``'s weight arguments for stacked parts (type, rows, seed) of N_IN columns, as the
+    weights' first product settles them (``quant._i8_args``) with ``PLINTH_KERNEL_LANES=lanes``."""
+    monkeypatch.setenv("PLINTH_KERNEL_LANES", lanes)
+    parts = [QuantWeight(quantized_rows(name, n_out, N_IN, seed), int(GGMLType[name]), (n_out, N_IN))
+             for name, n_out, seed in specs]
+    return quant._i8_args(parts)
 
 
 @needs_int8
 @pytest.mark.skipif(not simd.has_vnni(), reason="no AVX512-VNNI here")
-def test_int8_sixteen_lane_form_gives_the_eight_lane_bits() -> None:
+def test_int8_sixteen_lane_form_gives_the_eight_lane_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sixteen-lane loops (two groups of eight weight rows a call, in 512-bit vectors, on the paired
     layout; the types of ``WIDE_KINDS``) give every output the bits of the eight-lane loops: stacked
     parts with an odd last group (which goes alone), every row count of a row group and its tails, a
@@ -248,7 +240,7 @@ def test_int8_sixteen_lane_form_gives_the_eight_lane_bits() -> None:
     rng = np.random.default_rng(40)
     for name in [t for t in I8_TYPES if t.lower() in simd.WIDE_KINDS]:
         specs = [(name, 200, 1), (name, 64, 2), (name, 24, 3)]  # 25, 8 and 3 groups
-        narrow, wide = _i8_linear_args(specs, False), _i8_linear_args(specs, True)
+        narrow, wide = _i8_linear_args(specs, "8", monkeypatch), _i8_linear_args(specs, "16", monkeypatch)
         assert wide[0][:, 1].all() and not narrow[0][:, 1].any()
         for m in [*range(1, 18), 23, 2 * max(64, k8.TILE_BYTES // N_IN // 8 * 8) + 5]:
             x = (rng.standard_normal((m, N_IN)) * 3).astype(np.float32)

@@ -377,8 +377,8 @@ def _i8_args(parts: list[QuantWeight]) -> tuple[Any, ...] | None:
         return None
     from .simd import TYPE_CODES, WIDE_KINDS, WIDE_MAX_BYTES, kernel_address, repack, wide_available
 
-    wide = [wide_available() and TYPE_CODES[p.ggml_type] in WIDE_KINDS and p.raw.nbytes <= WIDE_MAX_BYTES
-            for p in parts]
+    host_wide = wide_available()
+    wide = [host_wide and TYPE_CODES[p.ggml_type] in WIDE_KINDS and p.raw.nbytes <= WIDE_MAX_BYTES for p in parts]
     grps = []
     for p, wd in zip(parts, wide):
         grps.append(repack(p.raw, TYPE_CODES[p.ggml_type], pairs=wd))

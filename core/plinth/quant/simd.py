@@ -52,6 +52,7 @@ compiled.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -72,7 +73,13 @@ _v8f = ir.VectorType(_f32, 8)
 
 
 def host_features() -> dict:
-    """The host CPU's features as LLVM names them (``avx2``, ``avx512vnni``, ...; empty where unknown)."""
+    """The host CPU's features as LLVM names them (``avx2``, ``avx512vnni``, ...; empty where unknown): a copy
+    of the query's answer, asked once a process (it takes ~0.2 ms, and every int8 weight asks at its repack)."""
+    return dict(_host_features())
+
+
+@functools.lru_cache(maxsize=1)
+def _host_features() -> dict:
     try:
         import llvmlite.binding as llvm
 
@@ -466,12 +473,12 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni, L=8):
     xd0, xs0, xi0 = (_at(builder, a, r0_bytes) for a in (ptrs.xd, ptrs.xs, ptrs.xi))
     sd, ss, si = ptrs.sd, ptrs.ss, ptrs.si
     gp = ptrs.gp
-    zero8 = ir.Constant(_vf(L), [0.0] * L)
+    zero = ir.Constant(_vf(L), [0.0] * L)
     offsets = kind in ("q4_1", "q5_1", "q4_k", "q5_k")
-    accs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)]
-    saccs = [cgutils.alloca_once_value(builder, zero8) for _ in range(R)] if offsets else []
+    accs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)]
+    saccs = [cgutils.alloca_once_value(builder, zero) for _ in range(R)] if offsets else []
     for a in accs + saccs:
-        builder.store(zero8, a)
+        builder.store(zero, a)
 
     def scalar(p, i, ty=_f32):
         return _load(builder, _at(builder, p, 4 * i), ty)
@@ -516,12 +523,12 @@ def _emit_group(builder, kind, R, ptrs, r0, o0, vnni, L=8):
     locality = PREFETCH_LOCALITY if one_row else 3
     with cgutils.for_range(builder, builder.udiv(n, _const(idx, qk))) as loop:
         at = builder.mul(loop.index, _const(idx, gbs * L // 8))  # (a pair's two groups block by block)
-        gbs_ = [_at(builder, gp, at)] + ([_at(builder, gp, builder.add(at, _const(idx, gbs)))] if L == 16 else [])
+        blocks = [_at(builder, gp, at)] + ([_at(builder, gp, builder.add(at, _const(idx, gbs)))] if L == 16 else [])
         # (read, the locality above, data; past the group: the next one's)
-        for gb in gbs_:
+        for gb in blocks:
             for line in range(-(-gbs // 64) if R >= 4 or kind in PREFETCH_ONE_ROW else 0):
                 emit_prefetch(builder, _at(builder, gb, ahead + 64 * line), locality=locality)
-        src = _Src(builder, gbs_)
+        src = _Src(builder, blocks)
         if per == 1:
             unit(_decode(builder, kind, src, vnni), loop.index)
         else:
